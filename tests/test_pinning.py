@@ -1,0 +1,430 @@
+"""Device discovery, resolution, context maps, virtual devices and transfers."""
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfshard
+from tfshard import pinning
+from tfshard.errors import (
+    ArgumentError,
+    ContextMapError,
+    DeviceError,
+    DeviceSetupError,
+    TfshardError,
+)
+
+CPUS = [f"/device:CPU:{i}" for i in range(4)]
+
+
+# ------------------------------------------------------------- discovery
+
+
+def test_list_devices_reports_the_four_logical_cpus():
+    assert tfshard.list_devices("CPU") == CPUS
+    assert tfshard.list_devices("cpu") == CPUS
+    assert tfshard.list_devices() == [d.name for d in tf.config.list_logical_devices()]
+
+
+def test_num_gpus_counts_logical_gpus_without_starting_tf():
+    assert tfshard.num_gpus() == len(tf.config.list_logical_devices("GPU"))
+    # The same configuration-only count agrees with the runtime for the CPUs.
+    assert pinning._local_count("CPU") == len(tf.config.list_logical_devices("CPU")) == 4
+
+
+def test_cpu_names_the_first_cpu():
+    assert tfshard.cpu() == "/device:CPU:0"
+
+
+def test_try_gpu_falls_back_to_the_cpu_without_gpus():
+    if tfshard.num_gpus():
+        assert tfshard.try_gpu(0) == "/device:GPU:0"
+    else:
+        assert tfshard.try_gpu() == "/device:CPU:0"
+        assert tfshard.try_gpu(3) == "/device:CPU:0"
+    assert tfshard.try_gpu(tfshard.num_gpus()) == "/device:CPU:0"
+
+
+def test_try_all_gpus_falls_back_to_the_cpu_without_gpus():
+    expected = [f"/device:GPU:{i}" for i in range(tfshard.num_gpus())] or ["/device:CPU:0"]
+    assert tfshard.try_all_gpus() == expected
+
+
+def test_gpu_that_does_not_exist_says_how_to_fall_back():
+    missing = tfshard.num_gpus()
+    with pytest.raises(DeviceError, match=rf"gpu\({missing}\).*try_gpu\({missing}\)"):
+        tfshard.gpu(missing)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "0", True])
+def test_gpu_index_must_be_a_non_negative_int(bad):
+    with pytest.raises(DeviceError, match="index is an int >= 0"):
+        tfshard.gpu(bad)
+
+
+def test_gpu_zero_on_a_gpu_machine(one_gpu):
+    assert tfshard.gpu(0) == "/device:GPU:0"
+    assert tfshard.try_gpu(0) == "/device:GPU:0"
+
+
+# ------------------------------------------------------------ resolution
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("cpu", "/device:CPU:0"),
+        ("CPU", "/device:CPU:0"),
+        ("cpu:0", "/device:CPU:0"),
+        ("cpu:3", "/device:CPU:3"),
+        ("CPU:2", "/device:CPU:2"),
+        ("/cpu:1", "/device:CPU:1"),
+        ("/device:CPU:1", "/device:CPU:1"),
+        ("device:cpu:2", "/device:CPU:2"),
+        ("  cpu:1 ", "/device:CPU:1"),
+        ("/job:localhost/replica:0/task:0/device:CPU:3", "/device:CPU:3"),
+        ("/job:localhost/device:CPU:2", "/device:CPU:2"),
+    ],
+)
+def test_resolve_device_accepts_every_cpu_spelling(spec, expected):
+    assert tfshard.resolve_device(spec) == expected
+
+
+def test_resolve_device_accepts_logical_devices_and_device_specs():
+    logical = tf.config.list_logical_devices("CPU")[2]
+    assert tfshard.resolve_device(logical) == "/device:CPU:2"
+    assert tfshard.resolve_device(tf.DeviceSpec(device_type="CPU", device_index=1)) == CPUS[1]
+
+
+@pytest.mark.parametrize(
+    "spec", [1, "gpu:1", "GPU:1", "/gpu:1", "/device:GPU:1", "cuda1", "device:gpu:1"]
+)
+def test_every_gpu_spelling_names_gpu_one(spec):
+    if isinstance(spec, int):
+        parsed = tf.DeviceSpec(device_type="GPU", device_index=spec)
+    else:
+        parsed = pinning._parse_spec(spec)
+    assert (parsed.device_type, parsed.device_index) == ("GPU", 1)
+    if tfshard.num_gpus() >= 2:
+        assert tfshard.resolve_device(spec) == "/device:GPU:1"
+    else:
+        with pytest.raises(DeviceError, match=r"does not exist; this process has /device:CPU:0"):
+            tfshard.resolve_device(spec)
+
+
+@pytest.mark.parametrize("spec", ["cuda", "gpu", "cuda0", "GPU:0"])
+def test_bare_gpu_spellings_mean_gpu_zero(spec):
+    parsed = pinning._parse_spec(spec)
+    assert (parsed.device_type, parsed.device_index) == ("GPU", 0)
+
+
+def test_gpu_spellings_resolve_on_a_gpu_machine(two_gpus):
+    for spec in [1, "gpu:1", "GPU:1", "/gpu:1", "/device:GPU:1", "cuda1"]:
+        assert tfshard.resolve_device(spec) == "/device:GPU:1"
+
+
+def test_missing_gpu_lists_existing_devices_and_suggests_fallbacks():
+    with pytest.raises(DeviceError) as raised:
+        tfshard.resolve_device("GPU:7")
+    message = str(raised.value)
+    assert "'GPU:7' (/device:GPU:7) does not exist" in message
+    for name in CPUS:
+        assert name in message
+    assert "try_gpu" in message and "virtual_devices" in message
+
+
+def test_missing_cpu_suggests_virtual_devices():
+    with pytest.raises(DeviceError, match=r"cpu:9.*virtual_devices\(n\)"):
+        tfshard.resolve_device("cpu:9")
+
+
+def test_remote_name_without_a_cluster_is_an_error():
+    with pytest.raises(DeviceError, match=r"/job:worker/task:1/device:CPU:0.*does not exist"):
+        tfshard.resolve_device("/job:worker/task:1/device:CPU:0")
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("opencl0:0", "TensorFlow has no OpenCL devices"),
+        ("/physical_device:CPU:0", "is a physical device"),
+        ("banana split", "is not a device name"),
+        ("cpu:-1", "is not a device name"),
+        ("", "is not a device name"),
+        (True, "a bool is not a device"),
+        (-1, "index is an int >= 0"),
+        (1.0, "of type float"),
+        (None, "of type NoneType"),
+    ],
+)
+def test_bad_device_specs_say_what_is_wrong(spec, message):
+    with pytest.raises(DeviceError, match=message):
+        tfshard.resolve_device(spec)
+
+
+def test_device_error_is_a_value_error_and_a_tfshard_error():
+    with pytest.raises(ValueError):
+        tfshard.resolve_device("cpu:9")
+    with pytest.raises(TfshardError):
+        tfshard.resolve_device("cpu:9")
+
+
+# ----------------------------------------------------------- context maps
+
+
+def test_context_map_parses_names_in_order():
+    m = tfshard.ContextMap.parse("dev0->GPU:0;dev1->GPU:1")
+    assert list(m.items()) == [("dev0", "GPU:0"), ("dev1", "GPU:1")]
+    assert str(m) == "dev0->GPU:0;dev1->GPU:1"
+    assert tfshard.ContextMap.parse(repr(m)[len("ContextMap.parse(") + 1 : -2]) == m
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        " dev0 -> cpu:0 ; dev1->cpu:1 ",
+        "dev0->cpu:0;dev1->cpu:1;",
+        "dev0->cpu:0 ;\n dev1 ->cpu:1 ; ",
+    ],
+)
+def test_context_map_tolerates_whitespace_and_a_trailing_semicolon(text):
+    assert dict(tfshard.ContextMap.parse(text)) == {"dev0": "cpu:0", "dev1": "cpu:1"}
+
+
+def test_empty_context_map_string_is_an_empty_map():
+    assert len(tfshard.ContextMap.parse("")) == 0
+    assert len(tfshard.ContextMap.parse("  ")) == 0
+
+
+def test_names_may_contain_other_characters():
+    m = tfshard.ContextMap.parse("encoder.A->cpu:1;my-gpu->cpu:2;dev:0->cpu:3")
+    assert list(m) == ["encoder.A", "my-gpu", "dev:0"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("->GPU:0", r"entry 0 '->GPU:0' .*the context name is empty"),
+        ("dev0->GPU:0;  ->GPU:1", r"entry 1 '->GPU:1' .*the context name is empty"),
+        ("dev0->", r"entry 0 'dev0->' .*the device of 'dev0' is empty"),
+        ("dev0 GPU:0", r"entry 0 'dev0 GPU:0' .*expected 'name->device'"),
+        ("dev0->GPU:0;;dev1->GPU:1", r"entry 1 '' .*expected 'name->device'"),
+        ("a->b->GPU:0", r"entry 0 'a->b->GPU:0' .*more than one '->'"),
+        ("cuda0->GPU:0", r"'cuda0' begins with 'cuda'"),
+        ("gpu_main->GPU:0", r"'gpu_main' begins with 'gpu'"),
+        ("CPUx->cpu:0", r"'CPUx' begins with 'cpu'"),
+        ("opencl->GPU:0", r"'opencl' begins with 'opencl'"),
+        (
+            "dev0->GPU:0;dev1->GPU:1;dev0->GPU:2",
+            r"entry 2 'dev0->GPU:2' .*'dev0' is already mapped to 'GPU:0'",
+        ),
+    ],
+)
+def test_bad_context_maps_name_the_entry_and_the_problem(text, message):
+    with pytest.raises(ContextMapError, match=message):
+        tfshard.ContextMap.parse(text)
+
+
+def test_context_map_from_a_dict_checks_the_same_rules():
+    assert dict(tfshard.ContextMap({"dev0": "cpu:1"})) == {"dev0": "cpu:1"}
+    with pytest.raises(ContextMapError, match="begins with 'gpu'"):
+        tfshard.ContextMap({"gpu0": "cpu:1"})
+
+
+def test_context_names_resolve_inside_use_contexts():
+    with tfshard.use_contexts("dev0->cpu:2;dev1->/device:CPU:3", log=False) as active:
+        assert tfshard.active_contexts() is active
+        assert tfshard.resolve_device("dev0") == "/device:CPU:2"
+        assert tfshard.resolve_device("dev1") == "/device:CPU:3"
+    assert tfshard.active_contexts() is None
+    with pytest.raises(DeviceError, match="'dev0' is not a device name"):
+        tfshard.resolve_device("dev0")
+
+
+def test_use_contexts_nests_and_none_hides_the_outer_map():
+    with tfshard.use_contexts("dev0->cpu:1", log=False):
+        with tfshard.use_contexts("dev0->cpu:2", log=False):
+            assert tfshard.resolve_device("dev0") == "/device:CPU:2"
+        with tfshard.use_contexts(None):
+            assert tfshard.active_contexts() is None
+        assert tfshard.resolve_device("dev0") == "/device:CPU:1"
+
+
+def test_set_contexts_makes_a_map_active_until_cleared():
+    tfshard.set_contexts("dev0->cpu:3", log=False)
+    assert tfshard.resolve_device("dev0") == "/device:CPU:3"
+    tfshard.set_contexts(None)
+    assert tfshard.active_contexts() is None
+
+
+def test_environment_variable_supplies_the_map(monkeypatch):
+    monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:1;dev1->cpu:2")
+    assert tfshard.resolve_device("dev1") == "/device:CPU:2"
+    with tfshard.use_contexts("dev1->cpu:3", log=False):  # An explicit map wins.
+        assert tfshard.resolve_device("dev1") == "/device:CPU:3"
+
+
+def test_malformed_environment_variable_names_the_variable(monkeypatch):
+    monkeypatch.setenv("TFSHARD_CONTEXTS", "gpu->cpu:1")
+    with pytest.raises(ContextMapError, match=r"^TFSHARD_CONTEXTS: entry 0"):
+        tfshard.resolve_device("dev0")
+
+
+def test_activation_logs_each_mapping_and_shared_devices(caplog):
+    with caplog.at_level(logging.INFO, logger="tfshard"):
+        with tfshard.use_contexts("dev0->cpu:1;dev1->cpu:1;dev2->cpu:2"):
+            pass
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        m.startswith("Mapped name dev0 to device /device:CPU:1 (logical device 1 of 4")
+        for m in messages
+    )
+    assert any(m.startswith("Mapped name dev2 to device /device:CPU:2 (") for m in messages)
+    assert "Context names dev0, dev1 share device /device:CPU:1" in messages
+
+
+def test_activation_logging_can_be_turned_off(caplog):
+    with caplog.at_level(logging.INFO, logger="tfshard"):
+        with tfshard.use_contexts("dev0->cpu:1", log=False):
+            pass
+    assert not caplog.records
+
+
+def test_context_to_a_missing_device_names_the_context():
+    with pytest.raises(DeviceError, match=r"context 'dev0' -> 'GPU:5': device 'GPU:5'"):
+        tfshard.use_contexts("dev0->GPU:5").__enter__()
+
+
+def test_context_mapped_to_another_context_is_an_error():
+    with tfshard.use_contexts("a->b;b->cpu:1", log=False):
+        with pytest.raises(DeviceError, match="maps to another context name 'b'"):
+            tfshard.resolve_device("a")
+
+
+def test_unknown_name_lists_the_active_context_names():
+    with tfshard.use_contexts("dev0->cpu:1", log=False):
+        with pytest.raises(DeviceError, match=r"active context names: \['dev0'\]"):
+            tfshard.resolve_device("dev9")
+
+
+def test_bad_contexts_argument_type():
+    with pytest.raises(ContextMapError, match="pass a ContextMap"):
+        tfshard.set_contexts(42)
+
+
+# -------------------------------------------------------- virtual devices
+
+
+def test_virtual_devices_after_start_explains_the_ordering():
+    with pytest.raises(DeviceSetupError, match=r"must run before TensorFlow starts.*4 logical CPU"):
+        tfshard.virtual_devices(2)
+
+
+def test_virtual_devices_repeating_the_current_split_is_harmless():
+    assert tfshard.virtual_devices(4) == CPUS
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((0,), {}, r"n=0\): n is the number of devices"),
+        ((-2,), {}, r"n=-2\)"),
+        ((2.0,), {}, r"n=2.0\)"),
+        ((2, "GPU"), {}, "splitting a GPU needs memory_limit_mb"),
+        ((2, "CPU"), {"memory_limit_mb": 100}, "a memory limit applies to GPUs only"),
+    ],
+)
+def test_virtual_devices_rejects_bad_arguments(args, kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        tfshard.virtual_devices(*args, **kwargs)
+
+
+def test_virtual_gpus_without_a_gpu_say_so():
+    if tfshard.num_gpus():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(DeviceError, match="this machine has no visible GPU"):
+        tfshard.virtual_devices(2, "GPU", memory_limit_mb=1024)
+
+
+def test_virtual_devices_before_start_splits_the_cpu():
+    script = textwrap.dedent(
+        """
+        import tfshard
+        print(tfshard.virtual_devices(3))
+        print(tfshard.list_devices("CPU"))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
+    names = str(["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"])
+    assert out == [names, names]
+
+
+# -------------------------------------------------------------- transfers
+
+
+def test_to_device_returns_the_same_object_when_already_there():
+    with tf.device("/device:CPU:2"):
+        x = tf.constant([1.0, 2.0])
+    assert tfshard.to_device(x, "cpu:2") is x
+    nested = {"a": x, "b": (x, x)}
+    assert tfshard.to_device(nested, "/device:CPU:2") is nested
+
+
+def test_to_device_copies_to_another_device():
+    x = tf.constant([1.0, 2.0])
+    y = tfshard.to_device(x, "cpu:3")
+    assert y is not x
+    assert y.device.endswith("/device:CPU:3")
+    np.testing.assert_array_equal(y.numpy(), x.numpy())
+
+
+def test_to_device_copies_only_what_is_elsewhere_in_a_structure():
+    with tf.device("/device:CPU:1"):
+        here = tf.constant([1])
+    there = tf.constant([2])
+    out = tfshard.to_device({"here": here, "there": [there]}, "cpu:1")
+    assert out["here"] is here
+    assert out["there"][0].device.endswith("CPU:1")
+    assert out["there"][0].numpy().tolist() == [2]
+
+
+def test_to_device_converts_numpy_and_copies_variables_and_ragged():
+    out = tfshard.to_device(np.arange(3), "cpu:2")
+    assert isinstance(out, tf.Tensor) and out.device.endswith("CPU:2")
+    v = tf.Variable([1.0, 2.0])
+    copied = tfshard.to_device(v, "cpu:1")
+    assert copied.device.endswith("CPU:1") and copied.numpy().tolist() == [1.0, 2.0]
+    rt = tf.ragged.constant([[1, 2], [3]])
+    moved = tfshard.to_device(rt, "cpu:3")
+    assert moved.flat_values.device.endswith("CPU:3")
+    assert moved.to_list() == [[1, 2], [3]]
+
+
+def test_to_device_inside_a_function_places_an_identity():
+    @tf.function
+    def f(x):
+        return tfshard.to_device(x, "cpu:3") * 2
+
+    graph = f.get_concrete_function(tf.TensorSpec([2])).graph
+    devices = {op.device for op in graph.get_operations() if op.type == "Identity"}
+    assert "/device:CPU:3" in devices
+    assert f(tf.constant([1.0, 2.0])).numpy().tolist() == [2.0, 4.0]
+
+
+def test_pin_resolves_and_places():
+    with tfshard.use_contexts("dev0->cpu:2", log=False), tfshard.pin("dev0") as name:
+        y = tf.constant([1.0]) + 1.0
+    assert name == "/device:CPU:2"
+    assert y.device.endswith("/device:CPU:2")
+
+
+def test_pin_rejects_unknown_devices_before_entering():
+    with pytest.raises(DeviceError), tfshard.pin("cpu:11"):
+        pass

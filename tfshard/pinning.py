@@ -1,0 +1,702 @@
+"""Where things run: device discovery, name resolution, context maps, transfers.
+
+Every function here speaks TensorFlow's *logical* device names, the ones
+`tf.config.list_logical_devices()` reports (``/device:GPU:1``, or
+``/job:worker/replica:0/task:1/device:CPU:0`` for a remote device). Those are the
+canonical names: `resolve_device` turns any accepted spelling into one of them,
+and everything else in tfshard takes what `resolve_device` takes.
+
+A *context map* names roles instead of cards, in the format Aesara/Theano users
+know::
+
+    dev0->GPU:0; dev1->GPU:1
+
+Once a map is active (`use_contexts`, `set_contexts`, or the ``TFSHARD_CONTEXTS``
+environment variable), ``resolve_device("dev1")`` is ``/device:GPU:1``, so code
+can say ``parallelize(devices=["dev0", "dev1"])`` and be moved to other cards by
+changing one string.
+
+Device discovery (`list_devices`, `resolve_device`, ...) starts the TensorFlow
+runtime, after which logical devices can no longer be configured: call
+`virtual_devices` first. `num_gpus`, `try_gpu` and `try_all_gpus` only read the
+configuration and do not start the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import tensorflow as tf
+
+from tfshard.errors import ContextMapError, DeviceError, DeviceSetupError
+
+__all__ = (
+    "ContextMap",
+    "active_contexts",
+    "cpu",
+    "gpu",
+    "list_devices",
+    "num_gpus",
+    "pin",
+    "resolve_device",
+    "set_contexts",
+    "to_device",
+    "try_all_gpus",
+    "try_gpu",
+    "use_contexts",
+    "virtual_devices",
+)
+
+_log = logging.getLogger("tfshard")
+
+DeviceSpecLike = int | str | tf.config.LogicalDevice | tf.DeviceSpec
+
+CONTEXTS_ENV = "TFSHARD_CONTEXTS"
+
+# Spellings people type for a local device: "gpu", "GPU:1", "/gpu:1",
+# "/device:GPU:1", "device:gpu:1", "cuda", "cuda1", "cpu:0".
+_LOCAL_RE = re.compile(
+    r"^/?(?:device:)?(?P<type>[A-Za-z_]+)(?::(?P<index>\d+))?$",
+)
+_CUDA_RE = re.compile(r"^cuda(?P<index>\d*)$", re.IGNORECASE)
+_RESERVED_PREFIXES = ("cuda", "opencl", "gpu", "cpu")
+
+
+def _local_count(device_type: str) -> int:
+    """Number of logical devices of a type on this machine, without starting TF."""
+    count = 0
+    for physical in tf.config.get_visible_devices(device_type):
+        configs = tf.config.get_logical_device_configuration(physical)
+        count += len(configs) if configs else 1
+    return count
+
+
+def num_gpus() -> int:
+    """The number of logical GPUs TensorFlow will give this process.
+
+    Reads the configuration only, so it is safe to call before `virtual_devices`.
+
+    Returns:
+      How many ``/device:GPU:N`` devices exist (0 on a machine without GPUs).
+
+    >>> tfshard.num_gpus() >= 0
+    True
+    """
+    return _local_count("GPU")
+
+
+def cpu() -> str:
+    """The canonical name of the first CPU device.
+
+    >>> tfshard.cpu()
+    '/device:CPU:0'
+    """
+    return "/device:CPU:0"
+
+
+def gpu(i: int = 0) -> str:
+    """The canonical name of GPU ``i``.
+
+    Args:
+      i: the GPU's index, as TensorFlow numbers them (``CUDA_VISIBLE_DEVICES``
+        order).
+
+    Returns:
+      ``"/device:GPU:i"``.
+
+    Raises:
+      DeviceError: there is no GPU ``i``; use `try_gpu` to fall back to the CPU.
+    """
+    _check_index(i, "i")
+    count = num_gpus()
+    if i >= count:
+        raise DeviceError(
+            f"gpu({i}): this process has {count} GPU(s) "
+            f"({', '.join(_gpu_names(count)) or 'none'}); use tfshard.try_gpu({i}) "
+            "to fall back to the CPU, or tfshard.virtual_devices(n, 'GPU', "
+            "memory_limit_mb=...) to split one GPU into several"
+        )
+    return f"/device:GPU:{i}"
+
+
+def try_gpu(i: int = 0) -> str:
+    """GPU ``i`` if it exists, else the CPU.
+
+    >>> tfshard.try_gpu(99)
+    '/device:CPU:0'
+    """
+    _check_index(i, "i")
+    return f"/device:GPU:{i}" if i < num_gpus() else cpu()
+
+
+def try_all_gpus() -> list[str]:
+    """Every GPU, or ``[cpu()]`` when there is none.
+
+    >>> tfshard.try_all_gpus() == (tfshard.pinning._gpu_names(tfshard.num_gpus())
+    ...                            or ['/device:CPU:0'])
+    True
+    """
+    return _gpu_names(num_gpus()) or [cpu()]
+
+
+def _gpu_names(count: int) -> list[str]:
+    return [f"/device:GPU:{i}" for i in range(count)]
+
+
+def _check_index(i: Any, name: str) -> None:
+    if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+        raise DeviceError(f"{name}={i!r}: a device index is an int >= 0")
+
+
+def list_devices(device_type: str | None = None) -> list[str]:
+    """Canonical names of the logical devices, local and (after connecting) remote.
+
+    Starts the TensorFlow runtime.
+
+    Args:
+      device_type: ``"CPU"``, ``"GPU"``, ... (any case), or None for all.
+
+    Returns:
+      Names exactly as `tf.config.list_logical_devices` reports them.
+
+    >>> tfshard.list_devices("cpu")[:2]
+    ['/device:CPU:0', '/device:CPU:1']
+    """
+    kind = device_type.upper() if device_type else None
+    return [d.name for d in tf.config.list_logical_devices(kind)]
+
+
+# ---------------------------------------------------------------- resolution
+
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    """The parts of a device name that identify it; None is "local default"."""
+
+    job: str | None
+    replica: int | None
+    task: int | None
+    device_type: str
+    index: int
+
+    @classmethod
+    def of(cls, spec: tf.DeviceSpec) -> _Key:
+        job = spec.job if spec.job != "localhost" else None
+        replica = spec.replica if job is not None else None
+        task = spec.task if job is not None else None
+        return cls(job, replica, task, spec.device_type.upper(), spec.device_index)
+
+    def matches(self, other: _Key) -> bool:
+        """True when `self` (what was asked for) names `other` (what exists)."""
+        if (self.device_type, self.index, self.job) != (
+            other.device_type, other.index, other.job,
+        ):
+            return False
+        # A request without replica/task means replica 0 / task 0, as TF reads it.
+        return (self.replica or 0) == (other.replica or 0) and (self.task or 0) == (
+            other.task or 0
+        )
+
+
+def _parse_spec(text: str) -> tf.DeviceSpec | None:
+    """The DeviceSpec for a device spelling, or None when it is not one."""
+    cuda = _CUDA_RE.match(text)
+    if cuda:
+        return tf.DeviceSpec(device_type="GPU", device_index=int(cuda["index"] or 0))
+    local = _LOCAL_RE.match(text)
+    if local:
+        index = int(local["index"]) if local["index"] is not None else 0
+        return tf.DeviceSpec(device_type=local["type"].upper(), device_index=index)
+    if text.startswith("/job:") or text.startswith("/replica:") or "/device:" in text:
+        try:
+            spec = tf.DeviceSpec.from_string(text)
+        except ValueError:
+            return None
+        if spec.device_type is None:
+            return None
+        if spec.device_index is None:
+            spec = spec.replace(device_index=0)
+        return spec.replace(device_type=spec.device_type.upper())
+    return None
+
+
+def resolve_device(spec: DeviceSpecLike) -> str:
+    """Turns any accepted device spelling into its canonical name.
+
+    Accepted: an int (GPU index); ``"gpu"``, ``"gpu:1"``, ``"GPU:1"``,
+    ``"/gpu:1"``, ``"/device:GPU:1"``, ``"cuda"``, ``"cuda1"``; ``"cpu"``,
+    ``"cpu:0"``; a full name such as ``"/job:worker/replica:0/task:1/device:CPU:0"``
+    (replica and task default to 0); a `tf.config.LogicalDevice` or `tf.DeviceSpec`;
+    or a context name from the active context map. Case and surrounding whitespace
+    do not matter in device names; context names are matched exactly.
+
+    Args:
+      spec: the device to look up.
+
+    Returns:
+      The device's name as `tf.config.list_logical_devices` reports it.
+
+    Raises:
+      DeviceError: the spelling is not a device name, or no such device exists;
+        the message lists the devices that do exist.
+
+    >>> tfshard.resolve_device("cpu:1")
+    '/device:CPU:1'
+    >>> with tfshard.use_contexts("dev0->cpu:2", log=False):
+    ...     tfshard.resolve_device("dev0")
+    '/device:CPU:2'
+    """
+    if isinstance(spec, bool):
+        raise DeviceError(f"device {spec!r}: a bool is not a device")
+    if isinstance(spec, int):
+        _check_index(spec, "device")
+        parsed = tf.DeviceSpec(device_type="GPU", device_index=spec)
+    elif isinstance(spec, tf.config.LogicalDevice):
+        parsed = _parse_spec(spec.name)
+    elif isinstance(spec, tf.DeviceSpec):
+        parsed = _parse_spec(spec.to_string())
+    elif isinstance(spec, str):
+        text = spec.strip()
+        contexts = active_contexts()
+        if contexts is not None and text in contexts:
+            return contexts.resolve(text)
+        if text.lower().startswith("opencl"):
+            raise DeviceError(
+                f"device {spec!r}: TensorFlow has no OpenCL devices; "
+                f"use one of {_existing()}"
+            )
+        if text.lower().startswith("/physical_device:"):
+            raise DeviceError(
+                f"device {spec!r} is a physical device; tfshard places work on "
+                f"logical devices: use one of {_existing()}"
+            )
+        parsed = _parse_spec(text)
+    else:
+        raise DeviceError(
+            f"device {spec!r} of type {type(spec).__name__}: pass an int (GPU index), "
+            "a name such as 'GPU:1' or 'cpu', a tf.config.LogicalDevice, or a "
+            "context name"
+        )
+    if parsed is None:
+        names = active_contexts()
+        known = f"; active context names: {sorted(names)}" if names else ""
+        raise DeviceError(
+            f"device {spec!r} is not a device name (examples: 'GPU:1', 'cuda1', "
+            f"'cpu', '/job:worker/task:1/device:CPU:0'){known}"
+        )
+    wanted = _Key.of(parsed)
+    devices = tf.config.list_logical_devices()
+    for device in devices:
+        if wanted.matches(_Key.of(tf.DeviceSpec.from_string(device.name))):
+            return device.name
+    hint = ""
+    if wanted.device_type == "GPU":
+        hint = (
+            "; tfshard.try_gpu()/try_all_gpus() fall back to the CPU when a GPU is "
+            "missing"
+        )
+    hint += (
+        "; tfshard.virtual_devices(n) before the first TF op splits the CPU (or a "
+        "GPU) into n logical devices"
+    )
+    raise DeviceError(
+        f"device {spec!r} ({parsed.to_string()}) does not exist; this process has "
+        f"{_existing(devices)}{hint}"
+    )
+
+
+def _existing(devices: list[tf.config.LogicalDevice] | None = None) -> str:
+    devices = tf.config.list_logical_devices() if devices is None else devices
+    return ", ".join(d.name for d in devices) or "no devices"
+
+
+def _describe(name: str) -> str:
+    """A short human description of a canonical device, for logs."""
+    spec = tf.DeviceSpec.from_string(name)
+    if spec.job not in (None, "localhost"):
+        return f"{spec.device_type} {spec.device_index} of {spec.job} task {spec.task}"
+    physical = tf.config.get_visible_devices(spec.device_type)
+    if len(physical) == 1 and spec.device_type != "GPU":
+        total = _local_count(spec.device_type)
+        if total > 1:
+            return f"logical device {spec.device_index} of {total} on {physical[0].name}"
+        return physical[0].name
+    if spec.device_type == "GPU":
+        for device in physical:
+            # Only the unsplit case maps logical index to physical index 1:1.
+            if device.name.endswith(f":{spec.device_index}") and _local_count("GPU") == len(
+                physical
+            ):
+                details = tf.config.experimental.get_device_details(device)
+                return details.get("device_name", device.name)
+    return spec.device_type
+
+
+# --------------------------------------------------------------- context maps
+
+
+class ContextMap(Mapping[str, str]):
+    """An immutable map from context names (roles) to device specs.
+
+    Parse one from the Aesara-style string ``"dev0->GPU:0;dev1->GPU:1"`` with
+    `ContextMap.parse`. Rules, each checked with the entry's position in the
+    error: a name is non-empty, contains neither ``->`` nor ``;``, does not begin
+    with ``cuda``, ``opencl``, ``gpu`` or ``cpu`` (those read as device names),
+    and appears once; several names may map to one device (they will share it).
+    Whitespace around names and devices, and a trailing ``;``, are ignored.
+
+    Targets are device specs, resolved when the map is used, so a map can be
+    parsed before TensorFlow starts.
+
+    >>> m = tfshard.ContextMap.parse("dev0->GPU:0; dev1->GPU:1;")
+    >>> dict(m)
+    {'dev0': 'GPU:0', 'dev1': 'GPU:1'}
+    """
+
+    def __init__(self, mapping: Mapping[str, str] | None = None) -> None:
+        self._map: dict[str, str] = {}
+        for position, (name, device) in enumerate((mapping or {}).items()):
+            _check_context_entry(name, device, f"entry {position} {name!r}->{device!r}")
+            self._map[name] = device
+
+    @classmethod
+    def parse(cls, text: str) -> ContextMap:
+        """Parses ``"name->device;name->device"``.
+
+        Args:
+          text: the map; an empty or blank string is an empty map.
+
+        Returns:
+          The map, in the order written.
+
+        Raises:
+          ContextMapError: an entry is malformed; the message names the entry
+            and its position.
+        """
+        if not isinstance(text, str):
+            raise ContextMapError(
+                f"context map {text!r}: expected a string like 'dev0->GPU:0;dev1->GPU:1'"
+            )
+        entries = text.split(";")
+        if entries and not entries[-1].strip():
+            entries = entries[:-1]
+        parsed: dict[str, str] = {}
+        for position, entry in enumerate(entries):
+            where = f"entry {position} {entry.strip()!r} of context map {text!r}"
+            if "->" not in entry:
+                raise ContextMapError(
+                    f"{where}: expected 'name->device' (e.g. 'dev0->GPU:0'), "
+                    "entries separated by ';'"
+                )
+            name, device = (part.strip() for part in entry.split("->", 1))
+            if "->" in device:
+                raise ContextMapError(
+                    f"{where}: more than one '->'; a name cannot contain '->'"
+                )
+            _check_context_entry(name, device, where)
+            if name in parsed:
+                raise ContextMapError(
+                    f"{where}: name {name!r} is already mapped to {parsed[name]!r}; "
+                    "each context name may appear once"
+                )
+            parsed[name] = device
+        return cls(parsed)
+
+    def resolve(self, name: str) -> str:
+        """The canonical device a context name maps to.
+
+        Raises:
+          DeviceError: the name is unknown, or its device does not exist.
+        """
+        if name not in self._map:
+            raise DeviceError(
+                f"context name {name!r} is not in the context map {self}; "
+                f"known names: {sorted(self._map)}"
+            )
+        target = self._map[name]
+        if target in self._map:  # A chain such as "a->b;b->GPU:0" is not a device.
+            raise DeviceError(f"context {name!r} maps to another context name {target!r}")
+        try:
+            return resolve_device(target)
+        except DeviceError as error:
+            raise DeviceError(f"context {name!r} -> {target!r}: {error}") from None
+
+    def log_mappings(self) -> None:
+        """Logs ``Mapped name dev0 to device /device:GPU:0 (description)``."""
+        targets: dict[str, list[str]] = {}
+        for name in self._map:
+            device = self.resolve(name)
+            targets.setdefault(device, []).append(name)
+            _log.info("Mapped name %s to device %s (%s)", name, device, _describe(device))
+        for device, names in targets.items():
+            if len(names) > 1:
+                _log.info("Context names %s share device %s", ", ".join(names), device)
+
+    def __getitem__(self, name: str) -> str:
+        return self._map[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __str__(self) -> str:
+        return ";".join(f"{name}->{device}" for name, device in self._map.items())
+
+    def __repr__(self) -> str:
+        return f"ContextMap.parse({str(self)!r})"
+
+
+def _check_context_entry(name: str, device: str, where: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise ContextMapError(f"{where}: the context name is empty")
+    if "->" in name or ";" in name:
+        raise ContextMapError(f"{where}: a context name cannot contain '->' or ';'")
+    lowered = name.lower()
+    for prefix in _RESERVED_PREFIXES:
+        if lowered.startswith(prefix):
+            raise ContextMapError(
+                f"{where}: context name {name!r} begins with {prefix!r}, which reads "
+                "as a device name; choose another name (e.g. 'dev0')"
+            )
+    if not isinstance(device, str) or not device:
+        raise ContextMapError(f"{where}: the device of {name!r} is empty")
+
+
+_contexts_lock = threading.Lock()
+_explicit: list[ContextMap | None] = []  # A stack; the top is the active map.
+_env_cache: dict[str, ContextMap] = {}
+
+
+def active_contexts() -> ContextMap | None:
+    """The active context map: the innermost `use_contexts`/`set_contexts`,
+    else ``TFSHARD_CONTEXTS``, else None.
+
+    Raises:
+      ContextMapError: ``TFSHARD_CONTEXTS`` is set but malformed.
+    """
+    with _contexts_lock:
+        if _explicit:
+            return _explicit[-1]
+    text = os.environ.get(CONTEXTS_ENV)
+    if not text or not text.strip():
+        return None
+    cached = _env_cache.get(text)
+    if cached is None:
+        try:
+            cached = ContextMap.parse(text)
+        except ContextMapError as error:
+            raise ContextMapError(f"{CONTEXTS_ENV}: {error}") from None
+        _env_cache.clear()
+        _env_cache[text] = cached
+    return cached
+
+
+def _coerce_map(contexts: ContextMap | str | Mapping[str, str] | None) -> ContextMap | None:
+    if contexts is None or isinstance(contexts, ContextMap):
+        return contexts
+    if isinstance(contexts, str):
+        return ContextMap.parse(contexts) if contexts.strip() else None
+    if isinstance(contexts, Mapping):
+        return ContextMap(contexts)
+    raise ContextMapError(
+        f"contexts={contexts!r}: pass a ContextMap, a string like "
+        "'dev0->GPU:0;dev1->GPU:1', a dict, or None"
+    )
+
+
+def set_contexts(
+    contexts: ContextMap | str | Mapping[str, str] | None, *, log: bool = True
+) -> ContextMap | None:
+    """Makes a context map active for the whole process (None clears it).
+
+    This is how a ``--contexts`` flag is applied: ``set_contexts(FLAGS.contexts)``.
+    It replaces every map set before, including those of enclosing `use_contexts`
+    blocks until they exit.
+
+    Args:
+      contexts: the map, its string form, a dict, or None.
+      log: log each mapping (``Mapped name dev0 to device ...``) at INFO level.
+
+    Returns:
+      The active map.
+
+    Raises:
+      ContextMapError: the map is malformed.
+      DeviceError: a mapped device does not exist (checked when `log` is true).
+    """
+    parsed = _coerce_map(contexts)
+    if parsed is not None and log:
+        parsed.log_mappings()
+    with _contexts_lock:
+        _explicit[:] = [parsed]
+    return parsed
+
+
+@contextlib.contextmanager
+def use_contexts(
+    contexts: ContextMap | str | Mapping[str, str] | None, *, log: bool = True
+) -> Iterator[ContextMap | None]:
+    """Makes a context map active inside a ``with`` block (None hides any map).
+
+    Args:
+      contexts: the map, its string form, a dict, or None.
+      log: log each mapping at INFO level when the block starts.
+
+    Yields:
+      The active map.
+    """
+    parsed = _coerce_map(contexts)
+    if parsed is not None and log:
+        parsed.log_mappings()
+    with _contexts_lock:
+        _explicit.append(parsed)
+        depth = len(_explicit)
+    try:
+        yield parsed
+    finally:
+        with _contexts_lock:
+            del _explicit[depth - 1 :]
+
+
+# ------------------------------------------------------------ virtual devices
+
+
+def virtual_devices(
+    n: int, device_type: str = "CPU", memory_limit_mb: int | None = None
+) -> list[str]:
+    """Splits the first physical device of a type into ``n`` logical devices.
+
+    This is how to test multi-device code without several GPUs: four logical
+    CPU devices behave like four (slow) accelerators. It must run before the
+    first TensorFlow op; calling it again with the same arguments is harmless.
+
+    Args:
+      n: how many logical devices, >= 1.
+      device_type: ``"CPU"`` or ``"GPU"``.
+      memory_limit_mb: memory of each logical GPU, required for GPUs (TF needs
+        it to split one); not accepted for CPUs.
+
+    Returns:
+      The names of the new logical devices.
+
+    Raises:
+      ArgumentError: `n` or `memory_limit_mb` is invalid.
+      DeviceError: there is no physical device of that type.
+      DeviceSetupError: TensorFlow has already started with another split.
+    """
+    from tfshard.errors import ArgumentError
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ArgumentError(f"virtual_devices(n={n!r}): n is the number of devices, an int >= 1")
+    kind = device_type.upper()
+    if kind == "GPU":
+        if memory_limit_mb is None or memory_limit_mb <= 0:
+            raise ArgumentError(
+                f"virtual_devices({n}, 'GPU'): splitting a GPU needs memory_limit_mb, "
+                "the memory of each logical GPU (e.g. memory_limit_mb=2048)"
+            )
+    elif memory_limit_mb is not None:
+        raise ArgumentError(
+            f"virtual_devices({n}, {device_type!r}, memory_limit_mb={memory_limit_mb}): "
+            "a memory limit applies to GPUs only; drop memory_limit_mb"
+        )
+    physical = tf.config.get_visible_devices(kind)
+    if not physical:
+        raise DeviceError(
+            f"virtual_devices({n}, {device_type!r}): this machine has no visible "
+            f"{kind}; physical devices: "
+            f"{[d.name for d in tf.config.list_physical_devices()]}"
+        )
+    configs = [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)] * n
+    if tf.config.get_logical_device_configuration(physical[0]) != configs:
+        try:
+            tf.config.set_logical_device_configuration(physical[0], configs)
+        except RuntimeError:
+            current = tf.config.list_logical_devices(kind)
+            raise DeviceSetupError(
+                f"virtual_devices({n}, {device_type!r}) must run before TensorFlow "
+                f"starts its runtime (before the first op or device query); it has "
+                f"already started with {len(current)} logical {kind} device(s): "
+                f"{[d.name for d in current]}. Call virtual_devices at the top of "
+                "the program, right after importing tfshard"
+            ) from None
+    return [f"/device:{kind}:{i}" for i in range(n)]
+
+
+# ------------------------------------------------------------------ transfers
+
+
+def _same_device(have: str, want: str) -> bool:
+    if not have:
+        return False
+    try:
+        return _Key.of(tf.DeviceSpec.from_string(have)) == _Key.of(
+            tf.DeviceSpec.from_string(want)
+        )
+    except ValueError:
+        return False
+
+
+def to_device(x: Any, device: DeviceSpecLike) -> Any:
+    """Copies `x` (a tensor, array, or nested structure of them) to a device.
+
+    Returns `x` itself, the same object, when every tensor in it already lives on
+    that device, so calling it on data that is already in place costs nothing.
+    NumPy arrays and Python numbers are converted to tensors on the device;
+    variables are read and their value copied. Inside a `tf.function` the copy
+    is an identity op placed on the device.
+
+    Args:
+      x: the data.
+      device: anything `resolve_device` accepts.
+
+    Returns:
+      `x` or a copy of it on `device`, with the same structure.
+
+    >>> x = tf.constant([1.0, 2.0])
+    >>> tfshard.to_device(x, "cpu:0") is x
+    True
+    >>> tfshard.to_device(x, "cpu:1").device
+    '/job:localhost/replica:0/task:0/device:CPU:1'
+    """
+    name = resolve_device(device)
+    leaves = tf.nest.flatten(x, expand_composites=True)
+    if leaves and all(
+        isinstance(leaf, (tf.Tensor, tf.Variable)) and _same_device(leaf.device, name)
+        for leaf in leaves
+    ):
+        return x
+
+    def copy(leaf: Any) -> Any:
+        if isinstance(leaf, tf.Tensor) and _same_device(leaf.device, name):
+            return leaf
+        with tf.device(name):
+            return tf.identity(leaf)
+
+    return tf.nest.map_structure(copy, x, expand_composites=True)
+
+
+@contextlib.contextmanager
+def pin(device: DeviceSpecLike) -> Iterator[str]:
+    """A `tf.device` scope that accepts every spelling `resolve_device` does.
+
+    Yields:
+      The canonical device name.
+
+    >>> with tfshard.pin("cuda0" if tfshard.num_gpus() else "cpu:1") as name:
+    ...     y = tf.constant(1.0) + 1.0
+    >>> y.device.endswith(name.split("/device:")[1])
+    True
+    """
+    name = resolve_device(device)
+    with tf.device(name):
+        yield name
