@@ -276,9 +276,11 @@ def test_malformed_environment_variable_names_the_variable(monkeypatch):
 
 
 def test_activation_logs_each_mapping_and_shared_devices(caplog):
-    with caplog.at_level(logging.INFO, logger="tfshard"):
-        with tfshard.use_contexts("dev0->cpu:1;dev1->cpu:1;dev2->cpu:2"):
-            pass
+    with (
+        caplog.at_level(logging.INFO, logger="tfshard"),
+        tfshard.use_contexts("dev0->cpu:1;dev1->cpu:1;dev2->cpu:2"),
+    ):
+        pass
     messages = [r.getMessage() for r in caplog.records]
     assert any(
         m.startswith("Mapped name dev0 to device /device:CPU:1 (logical device 1 of 4")
@@ -289,9 +291,11 @@ def test_activation_logs_each_mapping_and_shared_devices(caplog):
 
 
 def test_activation_logging_can_be_turned_off(caplog):
-    with caplog.at_level(logging.INFO, logger="tfshard"):
-        with tfshard.use_contexts("dev0->cpu:1", log=False):
-            pass
+    with (
+        caplog.at_level(logging.INFO, logger="tfshard"),
+        tfshard.use_contexts("dev0->cpu:1", log=False),
+    ):
+        pass
     assert not caplog.records
 
 
@@ -301,15 +305,19 @@ def test_context_to_a_missing_device_names_the_context():
 
 
 def test_context_mapped_to_another_context_is_an_error():
-    with tfshard.use_contexts("a->b;b->cpu:1", log=False):
-        with pytest.raises(DeviceError, match="maps to another context name 'b'"):
-            tfshard.resolve_device("a")
+    with (
+        tfshard.use_contexts("a->b;b->cpu:1", log=False),
+        pytest.raises(DeviceError, match="maps to another context name 'b'"),
+    ):
+        tfshard.resolve_device("a")
 
 
 def test_unknown_name_lists_the_active_context_names():
-    with tfshard.use_contexts("dev0->cpu:1", log=False):
-        with pytest.raises(DeviceError, match=r"active context names: \['dev0'\]"):
-            tfshard.resolve_device("dev9")
+    with (
+        tfshard.use_contexts("dev0->cpu:1", log=False),
+        pytest.raises(DeviceError, match=r"active context names: \['dev0'\]"),
+    ):
+        tfshard.resolve_device("dev9")
 
 
 def test_bad_contexts_argument_type():

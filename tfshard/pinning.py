@@ -196,13 +196,13 @@ class _Key:
     def matches(self, other: _Key) -> bool:
         """True when `self` (what was asked for) names `other` (what exists)."""
         if (self.device_type, self.index, self.job) != (
-            other.device_type, other.index, other.job,
+            other.device_type,
+            other.index,
+            other.job,
         ):
             return False
         # A request without replica/task means replica 0 / task 0, as TF reads it.
-        return (self.replica or 0) == (other.replica or 0) and (self.task or 0) == (
-            other.task or 0
-        )
+        return (self.replica or 0) == (other.replica or 0) and (self.task or 0) == (other.task or 0)
 
 
 def _parse_spec(text: str) -> tf.DeviceSpec | None:
@@ -269,8 +269,7 @@ def resolve_device(spec: DeviceSpecLike) -> str:
             return contexts.resolve(text)
         if text.lower().startswith("opencl"):
             raise DeviceError(
-                f"device {spec!r}: TensorFlow has no OpenCL devices; "
-                f"use one of {_existing()}"
+                f"device {spec!r}: TensorFlow has no OpenCL devices; use one of {_existing()}"
             )
         if text.lower().startswith("/physical_device:"):
             raise DeviceError(
@@ -298,10 +297,7 @@ def resolve_device(spec: DeviceSpecLike) -> str:
             return device.name
     hint = ""
     if wanted.device_type == "GPU":
-        hint = (
-            "; tfshard.try_gpu()/try_all_gpus() fall back to the CPU when a GPU is "
-            "missing"
-        )
+        hint = "; tfshard.try_gpu()/try_all_gpus() fall back to the CPU when a GPU is missing"
     hint += (
         "; tfshard.virtual_devices(n) before the first TF op splits the CPU (or a "
         "GPU) into n logical devices"
@@ -397,9 +393,7 @@ class ContextMap(Mapping[str, str]):
                 )
             name, device = (part.strip() for part in entry.split("->", 1))
             if "->" in device:
-                raise ContextMapError(
-                    f"{where}: more than one '->'; a name cannot contain '->'"
-                )
+                raise ContextMapError(f"{where}: more than one '->'; a name cannot contain '->'")
             _check_context_entry(name, device, where)
             if name in parsed:
                 raise ContextMapError(
@@ -639,9 +633,7 @@ def _same_device(have: str, want: str) -> bool:
     if not have:
         return False
     try:
-        return _Key.of(tf.DeviceSpec.from_string(have)) == _Key.of(
-            tf.DeviceSpec.from_string(want)
-        )
+        return _Key.of(tf.DeviceSpec.from_string(have)) == _Key.of(tf.DeviceSpec.from_string(want))
     except ValueError:
         return False
 

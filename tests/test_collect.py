@@ -1,0 +1,104 @@
+"""Gathering and reducing shard outputs, checked against NumPy."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tfshard import collect
+from tfshard.errors import ArgumentError
+
+
+def _in_graph(fn, *args):
+    """Runs `fn` traced, as parallelize runs collect."""
+    return tf.function(fn, autograph=False)(*args)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=4))
+def test_gather_concatenates_in_shard_order(sizes):
+    pieces = []
+    start = 0
+    for n in sizes:
+        pieces.append(np.arange(start, start + n, dtype=np.float32).reshape(n, 1).repeat(2, 1))
+        start += n
+    out = _in_graph(lambda *p: collect.gather(list(p)), *pieces)
+    np.testing.assert_array_equal(out.numpy(), np.concatenate(pieces))
+
+
+def test_gather_keeps_unknown_row_counts_and_inner_shape():
+    @tf.function(input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([None, 3])])
+    def f(a, b):
+        out = collect.gather([a, b])
+        assert out.shape.as_list() == [None, 3]
+        return out
+
+    assert f(tf.ones([2, 3]), tf.zeros([0, 3])).shape == (2, 3)
+
+
+def test_gather_ragged_rebuilds_rows_in_order():
+    a = tf.ragged.constant([[[1], [2]], [], [[3]]], ragged_rank=1)
+    b = tf.ragged.constant([[[4], [5], [6]]], ragged_rank=1)
+    nested_a = tf.ragged.constant([[[1, 2], [3]], [[4]]])
+    nested_b = tf.ragged.constant([[[5], [], [6, 7, 8]]])
+    out = _in_graph(lambda x, y: collect.gather([x, y]), a, b)
+    assert out.to_list() == a.to_list() + b.to_list()
+    nested = _in_graph(lambda x, y: collect.gather([x, y]), nested_a, nested_b)
+    assert nested.to_list() == nested_a.to_list() + nested_b.to_list()
+
+
+@pytest.mark.parametrize(
+    "op, np_op", [("sum", np.sum), ("mean", np.mean), ("max", np.max), ("min", np.min)]
+)
+def test_per_sample_partials_combine_to_the_full_reduction(op, np_op):
+    rng = np.random.default_rng(1)
+    shards = [rng.normal(size=[n, 3]).astype(np.float32) for n in (4, 0, 3, 1)]
+
+    def run(*parts):
+        partials = [collect.shard_partial(p, tf.shape(p)[0], op, per_sample=True) for p in parts]
+        return collect.combine(partials, sum(len(s) for s in shards), op)
+
+    np.testing.assert_allclose(
+        _in_graph(run, *shards).numpy(), np_op(np.concatenate(shards), 0), rtol=1e-6
+    )
+
+
+def test_per_shard_mean_is_size_weighted_and_ignores_empty_shards():
+    # Shard means 1.0 (3 rows), NaN (empty), 4.0 (1 row): full mean (3 + 4) / 4.
+    values = [tf.constant(1.0), tf.constant(np.nan, tf.float32), tf.constant(4.0)]
+    sizes = [3, 0, 1]
+
+    def run():
+        partials = [
+            collect.shard_partial(v, tf.constant(n), "mean", per_sample=False)
+            for v, n in zip(values, sizes)
+        ]
+        return collect.combine(partials, tf.constant(4), "mean")
+
+    assert _in_graph(run).numpy() == pytest.approx(7.0 / 4.0)
+
+
+def test_combine_int_mean_truncates_toward_zero_and_is_zero_for_no_samples():
+    def run(partials, total):
+        return collect.combine(tf.unstack(partials), total, "mean")
+
+    assert _in_graph(run, tf.constant([-7, 0]), 2).numpy() == tf.reduce_mean([-3, -4]).numpy()
+    # No samples: every partial is the empty sum, and the mean is 0, not a crash.
+    assert _in_graph(run, tf.constant([0, 0]), 0).numpy() == 0
+
+
+@pytest.mark.parametrize(
+    "value, op, message",
+    [
+        (tf.constant([True]), "sum", "dtype bool"),
+        (tf.constant(["a"]), "max", "dtype string"),
+        (tf.constant([1j]), "max", "is complex"),
+        (tf.ragged.constant([[1], []]), "sum", "is ragged"),
+    ],
+)
+def test_check_reducible_names_the_path(value, op, message):
+    with pytest.raises(
+        ArgumentError, match=f"outputs\\['x'\\] .*{message}|outputs\\['x'\\] {message}"
+    ):
+        collect.check_reducible(value, op, "outputs['x']")

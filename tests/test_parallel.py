@@ -1,0 +1,694 @@
+"""@parallelize: splitting, placement, tracing, nesting, errors.
+
+References are independent of tfshard: the same function on one device
+(`tf.vectorized_map` or a plain call), NumPy, or MirroredStrategy.
+"""
+
+import collections
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tfshard
+from tfshard.errors import ArgumentError, DeviceError, ShardError, TfshardError
+
+CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
+RTOL = 1e-5
+
+rng = np.random.default_rng(0)
+W = tf.constant(rng.normal(size=[6, 5]).astype(np.float32))
+
+
+def embed_one(sample):
+    return tf.tanh(tf.linalg.matvec(W, sample, transpose_a=True))
+
+
+def reference(fn, x):
+    """The same per-sample function on one device, without tfshard."""
+    with tf.device("/device:CPU:0"):
+        return tf.vectorized_map(fn, tf.convert_to_tensor(x))
+
+
+@pytest.fixture(scope="module")
+def embed():
+    return tfshard.parallelize(embed_one)
+
+
+# ------------------------------------------------------------------ basics
+
+
+def test_default_devices_are_every_logical_cpu(embed):
+    assert embed.devices == CPUS
+    assert embed.output_device == CPUS[0]
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 17])
+def test_per_sample_equals_one_device(embed, n):
+    x = rng.normal(size=[n, 6]).astype(np.float32)
+    out = embed(x)
+    assert out.shape == (n, 5)
+    np.testing.assert_allclose(out.numpy(), reference(embed_one, x).numpy(), rtol=RTOL)
+
+
+def test_bare_and_called_decorator_forms():
+    @tfshard.parallelize
+    def bare(s):
+        return s + 1
+
+    @tfshard.parallelize(devices=["cpu:1", "cpu:2"])
+    def called(s):
+        return s + 1
+
+    x = np.arange(5.0)
+    assert bare(x).numpy().tolist() == called(x).numpy().tolist() == (x + 1).tolist()
+    assert called.devices == CPUS[1:3]
+    assert bare.__name__ == "bare" and called.__name__ == "called"
+
+
+def test_tensor_numpy_and_variable_inputs_agree(embed):
+    x = rng.normal(size=[7, 6]).astype(np.float32)
+    expected = reference(embed_one, x).numpy()
+    for value in (x, tf.constant(x), tf.Variable(x)):
+        np.testing.assert_allclose(embed(value).numpy(), expected, rtol=RTOL)
+
+
+def test_result_lands_on_the_output_device():
+    f = tfshard.parallelize(lambda s: s * 2, devices=["cpu:1", "cpu:2"])
+    assert f(np.ones([5, 2])).device.endswith("/device:CPU:1")
+    g = tfshard.parallelize(lambda s: s * 2, devices=["cpu:1", "cpu:2"], output_device="cpu:3")
+    assert g(np.ones([5, 2])).device.endswith("/device:CPU:3")
+
+
+def test_per_batch_equals_one_device():
+    def block(x):
+        return tf.tanh(x @ W) * tf.cast(tf.shape(x)[0] >= 0, tf.float32)
+
+    f = tfshard.parallelize(block, per_sample=False)
+    x = rng.normal(size=[11, 6]).astype(np.float32)
+    np.testing.assert_allclose(f(x).numpy(), block(tf.constant(x)).numpy(), rtol=RTOL)
+
+
+def test_per_batch_function_sees_its_shard_sizes():
+    f = tfshard.parallelize(
+        lambda x: tf.fill([tf.shape(x)[0]], tf.shape(x)[0]),
+        per_sample=False,
+        devices=["cpu:0", "cpu:1", "cpu:2"],
+    )
+    assert f(np.zeros([8, 1])).numpy().tolist() == [3, 3, 3, 3, 3, 3, 2, 2]
+
+
+def test_per_batch_matches_mirrored_strategy():
+    """Same per-batch function, same devices: MirroredStrategy is the reference."""
+    devices = ["/device:CPU:0", "/device:CPU:1"]
+
+    def block(x):
+        return tf.tanh(x @ W)
+
+    x = rng.normal(size=[10, 6]).astype(np.float32)
+    strategy = tf.distribute.MirroredStrategy(devices)
+    halves = np.split(x, 2)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(halves[ctx.replica_id_in_sync_group])
+    )
+    per_replica = strategy.run(tf.function(block), args=(values,))
+    expected = np.concatenate([t.numpy() for t in strategy.experimental_local_results(per_replica)])
+    f = tfshard.parallelize(block, devices=devices, per_sample=False)
+    np.testing.assert_allclose(f(x).numpy(), expected, rtol=RTOL)
+
+
+# ----------------------------------------------------------- plans, property
+
+
+@pytest.mark.parametrize(
+    "n, count, expected",
+    [(0, 4, [0, 0, 0, 0]), (3, 4, [1, 1, 1, 0]), (8, 3, [3, 3, 2]), (9, 3, [3, 3, 3])],
+)
+def test_even_plans(n, count, expected):
+    f = tfshard.parallelize(tf.identity, devices=CPUS[:count])
+    assert f.plan(n) == expected
+
+
+@pytest.mark.parametrize(
+    "weights, n, expected",
+    [
+        ([3, 1], 10, [8, 2]),  # quotas 7.5, 2.5: the tie goes to the first device
+        ([3, 1], 4, [3, 1]),
+        ([0.7, 0.3], 10, [7, 3]),
+        ([1, 1, 1], 10, [4, 3, 3]),
+        ([1, 0], 5, [5, 0]),
+        ([1, 2, 3, 4], 1, [0, 0, 0, 1]),
+        ([1, 2, 3, 4], 7, [1, 1, 2, 3]),  # quotas .7 1.4 2.1 2.8
+    ],
+)
+def test_weighted_plans_use_largest_remainder(weights, n, expected):
+    f = tfshard.parallelize(tf.identity, devices=CPUS[: len(weights)], weights=weights)
+    assert f.plan(n) == expected
+
+
+def _largest_remainder(n, weights):
+    """Independent reference with exact fractions."""
+    from fractions import Fraction
+
+    total = sum(Fraction(w) for w in weights)
+    quotas = [n * Fraction(w) / total for w in weights]
+    base = [int(q) for q in quotas]
+    order = sorted(range(len(weights)), key=lambda k: (-(quotas[k] - base[k]), k))
+    for k in order[: n - sum(base)]:
+        base[k] += 1
+    return base
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(0, 300),
+    weights=st.one_of(
+        st.integers(1, 4).map(lambda k: None),
+        st.lists(st.integers(0, 9), min_size=1, max_size=4).filter(lambda w: sum(w) > 0),
+    ),
+    count=st.integers(1, 4),
+)
+def test_plans_sum_to_n_and_follow_the_weights(n, weights, count):
+    devices = CPUS[: len(weights)] if weights else CPUS[:count]
+    sizes = tfshard.parallelize(tf.identity, devices=devices, weights=weights).plan(n)
+    assert sum(sizes) == n and len(sizes) == len(devices)
+    if weights is None:
+        assert max(sizes) - min(sizes) <= 1
+    else:
+        assert sizes == _largest_remainder(n, weights)
+
+
+_ROUND_TRIP = {}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(0, 300),
+    count=st.integers(1, 4),
+    weights=st.none() | st.lists(st.integers(0, 5), min_size=4, max_size=4),
+)
+def test_every_sample_comes_back_once_in_order(n, count, weights):
+    if weights is not None:
+        weights = weights[:count]
+        if sum(weights) == 0:
+            weights[0] = 1
+    key = (count, tuple(weights) if weights else None)
+    if key not in _ROUND_TRIP:
+        _ROUND_TRIP[key] = tfshard.parallelize(
+            lambda s: {"id": s * 10, "tag": tf.stack([s, -s])},
+            devices=CPUS[:count],
+            weights=weights,
+        )
+    f = _ROUND_TRIP[key]
+    ids = np.arange(n, dtype=np.int64)
+    out = f(ids)
+    assert out["id"].numpy().tolist() == (ids * 10).tolist()
+    assert out["tag"].numpy().tolist() == np.stack([ids, -ids], 1).tolist()
+
+
+# -------------------------------------------------------------- placement
+
+
+def test_each_shard_runs_on_its_device():
+    f = tfshard.parallelize(lambda s: tf.sin(s) * 3.0, devices=["cpu:1", "cpu:3"])
+    f(np.zeros([4, 2], np.float32))
+    (graph,) = f._graphs.values()
+    devices = collections.defaultdict(set)
+    for op in graph.graph.get_operations():
+        if op.name.startswith("tfshard_shard_"):
+            devices[op.name.split("/")[0]].add(op.device)
+    assert devices == {
+        "tfshard_shard_0": {"/device:CPU:1"},
+        "tfshard_shard_1": {"/device:CPU:3"},
+    }
+    gather = [op for op in graph.graph.get_operations() if op.name.startswith("tfshard_collect/")]
+    assert gather and {op.device for op in gather} == {"/device:CPU:1"}
+    # A TensorArray in a TF2 graph is a TensorList.
+    assert {"TensorListReserve", "TensorListConcatV2"} <= {op.type for op in gather}
+
+
+def test_split_runs_where_the_input_lives():
+    f = tfshard.parallelize(lambda s: s + 1.0, devices=["cpu:0", "cpu:1"])
+    with tf.device("/device:CPU:2"):
+        x = tf.zeros([4, 2])
+    f(x)
+    (graph,) = f._graphs.values()
+    splits = [op for op in graph.graph.get_operations() if op.type == "SplitV"]
+    assert [op.device for op in splits] == ["/job:localhost/replica:0/task:0/device:CPU:2"]
+
+
+def test_shards_run_concurrently():
+    """Two devices, each blocked until the other has started: only parallel shards finish."""
+    barrier = threading.Barrier(2, timeout=20)
+
+    def wait(x):
+        barrier.wait()
+        return x
+
+    def block(x):
+        # stateful=True would make TF serialize the two calls.
+        return tf.numpy_function(wait, [x], tf.float32, stateful=False)
+
+    f = tfshard.parallelize(block, devices=["cpu:0", "cpu:1"], per_sample=False)
+    out = f(np.arange(4, dtype=np.float32).reshape(4, 1))
+    assert out.numpy().ravel().tolist() == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- tracing
+
+
+def test_one_trace_serves_every_batch_size():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x * 2
+
+    f = tfshard.parallelize(fn, per_sample=False)
+    for n in (0, 1, 3, 8, 33, 100):
+        assert f(np.ones([n, 3], np.float32)).shape == (n, 3)
+    assert f.trace_count == 1
+    assert len(calls) == 4  # one trace: one call per device
+    f(np.ones([5, 4], np.float32))  # a new per-sample shape is a new signature
+    assert f.trace_count == 2
+
+
+def test_per_sample_traces_once_for_all_sizes(embed):
+    before = embed.trace_count
+    for n in (2, 9, 30):
+        embed(np.ones([n, 6], np.float32))
+    assert embed.trace_count - before <= 1
+
+
+def test_new_static_values_trace_again():
+    f = tfshard.parallelize(lambda s, scale: s * scale)
+    x = np.ones([3], np.float32)
+    assert f(x, 2.0).numpy().tolist() == [2, 2, 2]
+    assert f(x, 3.0).numpy().tolist() == [3, 3, 3]
+    assert f(x, 3.0).numpy().tolist() == [3, 3, 3]
+    assert f.trace_count == 2
+
+
+def test_calls_from_several_threads_are_correct():
+    f = tfshard.parallelize(lambda s: s * 3)
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            x = np.arange(i + 1, dtype=np.float32) + i
+            results[i] = (f(x).numpy(), x * 3)
+        except Exception as error:  # noqa: BLE001 - surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for got, want in results.values():
+        np.testing.assert_array_equal(got, want)
+    assert f.trace_count == 1
+
+
+def test_works_inside_another_tf_function(embed):
+    @tf.function
+    def outer(x):
+        return embed(x) + 1.0
+
+    x = rng.normal(size=[5, 6]).astype(np.float32)
+    np.testing.assert_allclose(outer(x).numpy(), reference(embed_one, x).numpy() + 1, rtol=RTOL)
+
+
+# ----------------------------------------------------------------- nesting
+
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+def test_nested_inputs_and_outputs_keep_their_structure():
+    def fn(batch, offset):
+        return {
+            "sum": batch["a"] + batch["b"][0],
+            "pair": Pair(batch["b"][1] * 2, tf.reduce_sum(batch["a"]) + offset),
+        }
+
+    f = tfshard.parallelize(fn, devices=CPUS[:3])
+    a = rng.normal(size=[7, 2]).astype(np.float32)
+    b0 = rng.normal(size=[7, 2]).astype(np.float32)
+    b1 = np.arange(7)
+    out = f({"a": a, "b": [b0, b1]}, offset=1.0)
+    assert set(out) == {"sum", "pair"} and isinstance(out["pair"], Pair)
+    np.testing.assert_allclose(out["sum"].numpy(), a + b0, rtol=RTOL)
+    assert out["pair"].left.numpy().tolist() == (b1 * 2).tolist()
+    np.testing.assert_allclose(out["pair"].right.numpy(), a.sum(1) + 1, rtol=RTOL)
+
+
+def test_several_split_arguments_and_keywords():
+    f = tfshard.parallelize(lambda x, y, *, z: x * y + z)
+    x, y, z = (rng.normal(size=[9, 3]).astype(np.float32) for _ in range(3))
+    np.testing.assert_allclose(f(x, y, z=z).numpy(), x * y + z, rtol=RTOL)
+
+
+def test_broadcast_arguments_go_whole_to_every_shard():
+    def fn(sample, table):
+        return tf.gather(table, sample)
+
+    f = tfshard.parallelize(fn, broadcast=("table",))
+    table = rng.normal(size=[4, 3]).astype(np.float32)
+    ids = np.array([3, 0, 1, 1, 2, 3, 0])
+    np.testing.assert_array_equal(f(ids, table).numpy(), table[ids])
+    np.testing.assert_array_equal(f(ids, table=table).numpy(), table[ids])
+    g = tfshard.parallelize(fn, broadcast=(1,))
+    np.testing.assert_array_equal(g(ids, table).numpy(), table[ids])
+
+
+def test_python_constants_are_static():
+    seen = []
+
+    def fn(sample, mode, scale=None):
+        seen.append((mode, scale))
+        return sample * (2.0 if mode == "double" else 1.0)
+
+    f = tfshard.parallelize(fn, per_sample=False, devices=CPUS[:2])
+    assert f(np.ones([3]), "double").numpy().tolist() == [2, 2, 2]
+    assert f(np.ones([3]), "same").numpy().tolist() == [1, 1, 1]
+    assert set(seen) == {("double", None), ("same", None)}
+
+
+def test_captured_variables_are_read_on_each_device():
+    v = tf.Variable([1.0, 2.0])
+    f = tfshard.parallelize(lambda s: s * v)
+    x = np.ones([5, 2], np.float32)
+    assert f(x).numpy().tolist() == [[1, 2]] * 5
+    v.assign([3.0, 4.0])
+    assert f(x).numpy().tolist() == [[3, 4]] * 5
+
+
+def test_method_decoration_binds_self():
+    class Model:
+        def __init__(self):
+            self.w = tf.constant(3.0)
+
+        @tfshard.parallelize(devices=["cpu:0", "cpu:1"])
+        def apply(self, sample):
+            return sample * self.w
+
+    assert Model().apply(np.ones([3], np.float32)).numpy().tolist() == [3, 3, 3]
+
+
+def test_autograph_control_flow_in_the_function():
+    def fn(sample):
+        if tf.reduce_sum(sample) > 0:
+            return sample
+        return -sample
+
+    f = tfshard.parallelize(fn)
+    x = np.array([[1.0], [-2.0], [3.0]], np.float32)
+    assert f(x).numpy().ravel().tolist() == [1, 2, 3]
+
+
+def test_per_sample_falls_back_to_a_loop_for_unvectorizable_ops():
+    def fn(sample):
+        return tf.py_function(lambda s: s * 2, [sample], tf.float32)
+
+    f = tfshard.parallelize(fn, devices=["cpu:0", "cpu:1"])
+    out = f(np.arange(5, dtype=np.float32))
+    assert out.numpy().ravel().tolist() == [0, 2, 4, 6, 8]
+
+
+# ------------------------------------------------------------------ ragged
+
+
+def test_outputs_of_varying_shape_become_ragged_in_order():
+    f = tfshard.parallelize(lambda n: tf.range(n), devices=CPUS[:3])
+    out = f(np.array([2, 0, 3, 1, 4]))
+    assert isinstance(out, tf.RaggedTensor)
+    assert out.to_list() == [[0, 1], [], [0, 1, 2], [0], [0, 1, 2, 3]]
+
+
+def test_ragged_flag_returns_ragged_even_for_fixed_shapes():
+    f = tfshard.parallelize(lambda s: s * 2, ragged=True, devices=CPUS[:2])
+    out = f(np.ones([3, 2], np.int32))
+    assert isinstance(out, tf.RaggedTensor) and out.to_list() == [[2, 2]] * 3
+
+
+def test_ragged_inputs_are_split_by_rows():
+    f = tfshard.parallelize(lambda row: tf.reduce_sum(row), devices=CPUS[:3])
+    rt = tf.ragged.constant([[1, 2], [], [3], [4, 5, 6], [7]])
+    assert f(rt).numpy().tolist() == [3, 0, 3, 15, 7]
+
+
+def test_ragged_results_for_fewer_rows_than_devices():
+    f = tfshard.parallelize(lambda n: tf.range(n), devices=CPUS)
+    assert f(np.array([2])).to_list() == [[0, 1]]
+    assert f(np.zeros([0], np.int64)).to_list() == []
+
+
+# ------------------------------------------------------------------ reduce
+
+
+@pytest.mark.parametrize(
+    "op, np_op", [("sum", np.sum), ("mean", np.mean), ("max", np.max), ("min", np.min)]
+)
+@pytest.mark.parametrize("n", [1, 3, 10])
+def test_per_sample_reductions_match_numpy(op, np_op, n):
+    f = tfshard.parallelize(lambda s: {"sq": s * s, "s": tf.reduce_sum(s)}, reduce=op)
+    x = rng.normal(size=[n, 3]).astype(np.float32)
+    out = f(x)
+    np.testing.assert_allclose(out["sq"].numpy(), np_op(x * x, axis=0), rtol=RTOL)
+    np.testing.assert_allclose(out["s"].numpy(), np_op(x.sum(1)), rtol=RTOL, atol=1e-6)
+
+
+def test_mean_is_over_samples_not_shard_means():
+    # 5 rows on 2 devices (3 + 2): the mean of shard means would be 2.25, not 2.0.
+    f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:2])
+    assert f(np.array([0.0, 1.0, 2.0, 3.0, 4.0], np.float32)).numpy() == pytest.approx(2.0)
+
+
+def test_per_batch_mean_weights_shards_by_size():
+    """A shard-mean loss reduces to exactly the full-batch mean, empty shards ignored."""
+    f = tfshard.parallelize(
+        lambda b: tf.reduce_mean(b, axis=0), per_sample=False, reduce="mean", devices=CPUS
+    )
+    for n in (1, 2, 5, 13):
+        x = rng.normal(size=[n, 4]).astype(np.float32)
+        np.testing.assert_allclose(f(x).numpy(), x.mean(0), rtol=RTOL, atol=1e-7)
+
+
+def test_per_batch_sum_max_min_skip_empty_shards():
+    sum_f = tfshard.parallelize(lambda b: tf.reduce_sum(b), per_sample=False, reduce="sum")
+    max_f = tfshard.parallelize(lambda b: tf.reduce_max(b), per_sample=False, reduce="max")
+    min_f = tfshard.parallelize(lambda b: tf.reduce_min(b), per_sample=False, reduce="min")
+    x = np.array([-3.0, 5.0], np.float32)  # two of four shards are empty
+    assert sum_f(x).numpy() == 2.0
+    assert max_f(x).numpy() == 5.0
+    assert min_f(x).numpy() == -3.0
+
+
+def test_data_parallel_gradient_step_equals_full_batch():
+    w = tf.Variable(rng.normal(size=[6, 1]).astype(np.float32))
+    x = rng.normal(size=[11, 6]).astype(np.float32)
+    y = rng.normal(size=[11, 1]).astype(np.float32)
+
+    def grads(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(xb @ w - yb))
+        return {"loss": loss, "grad": tape.gradient(loss, w)}
+
+    f = tfshard.parallelize(grads, per_sample=False, reduce="mean", devices=CPUS[:3])
+    got = f(x, y)
+    want = grads(tf.constant(x), tf.constant(y))
+    np.testing.assert_allclose(got["loss"].numpy(), want["loss"].numpy(), rtol=RTOL)
+    np.testing.assert_allclose(got["grad"].numpy(), want["grad"].numpy(), rtol=RTOL, atol=1e-6)
+
+
+def test_reductions_over_zero_samples():
+    x = np.zeros([0, 2], np.float32)
+    assert np.isnan(tfshard.parallelize(lambda s: s, reduce="mean")(x).numpy()).all()
+    assert tfshard.parallelize(lambda s: s, reduce="sum")(x).numpy().tolist() == [0, 0]
+    assert tfshard.parallelize(lambda s: s, reduce="max")(x).numpy().tolist() == [-np.inf] * 2
+
+
+def test_integer_mean_truncates_like_reduce_mean():
+    f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:2])
+    x = np.array([1, 2, 2, -9], np.int32)
+    assert f(x).numpy() == tf.reduce_mean(tf.constant(x)).numpy()
+
+
+# ----------------------------------------------------------------- jit
+
+
+def test_jit_compile_matches_and_compiles_per_shard(embed):
+    f = tfshard.parallelize(embed_one, jit_compile=True, devices=CPUS[:2])
+    x = rng.normal(size=[5, 6]).astype(np.float32)
+    np.testing.assert_allclose(f(x).numpy(), reference(embed_one, x).numpy(), rtol=RTOL, atol=1e-6)
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"devices": []}, r"devices=\[\]: give at least one device"),
+        ({"reduce": "avg"}, r"reduce='avg': choose one of 'sum', 'mean', 'max', 'min'"),
+        (
+            {"weights": [1, 2, 3], "devices": ["cpu:0", "cpu:1"]},
+            "weights has 3 entries but devices has 2",
+        ),
+        ({"weights": [1, -1]}, r"weights\[1\]=-1 is negative"),
+        ({"weights": [0, 0]}, "at least one weight must be > 0"),
+        ({"weights": [1, float("nan")]}, r"weights\[1\]=nan: weights must be finite"),
+        ({"weights": ["a"]}, r"weights\[0\]='a' is not a number"),
+        ({"weights": 3}, "pass one number per device"),
+        ({"ragged": True, "reduce": "sum"}, "ragged=True with reduce='sum'"),
+        ({"ragged": True, "per_sample": False}, "ragged=True needs per_sample=True"),
+        ({"broadcast": ("table",)}, "broadcast names 'table', but fn has no such parameter"),
+    ],
+)
+def test_bad_options_fail_at_decoration(kwargs, message):
+    def fn(x):
+        return x
+
+    with pytest.raises(ArgumentError, match=message):
+        tfshard.parallelize(fn, **kwargs)
+
+
+def test_weights_length_is_checked_against_default_devices():
+    f = tfshard.parallelize(tf.identity, weights=[1, 2])
+    with pytest.raises(ArgumentError, match=r"weights has 2 entries but there are 4 devices"):
+        f(np.ones([3]))
+
+
+def test_duplicate_devices_need_an_opt_in():
+    f = tfshard.parallelize(tf.identity, devices=["cpu:1", "/device:CPU:1"])
+    with pytest.raises(
+        ArgumentError,
+        match=r"devices\[0\]='cpu:1' and devices\[1\]='/device:CPU:1' are both "
+        r"/device:CPU:1.*allow_duplicate_devices=True",
+    ):
+        f(np.ones([3]))
+    g = tfshard.parallelize(tf.identity, devices=["cpu:1", "cpu:1"], allow_duplicate_devices=True)
+    assert g(np.arange(3)).numpy().tolist() == [0, 1, 2]
+
+
+def test_context_names_alias_one_card_with_opt_in():
+    with tfshard.use_contexts("dev0->cpu:2;dev1->cpu:2", log=False):
+        f = tfshard.parallelize(tf.identity, devices=["dev0", "dev1"], allow_duplicate_devices=True)
+        assert f.devices == ("/device:CPU:2", "/device:CPU:2")
+        assert f(np.arange(5)).numpy().tolist() == [0, 1, 2, 3, 4]
+
+
+def test_unknown_device_is_a_device_error():
+    f = tfshard.parallelize(tf.identity, devices=["cpu:0", "GPU:3"])
+    with pytest.raises(DeviceError, match="'GPU:3'"):
+        f(np.ones([2]))
+
+
+def test_mismatched_leading_dimensions_name_both_arguments():
+    f = tfshard.parallelize(lambda x, y: x + y)
+    with pytest.raises(ArgumentError, match=r"y has 8 rows but x has 7.*broadcast=\('y',\)"):
+        f(np.ones([7, 2]), np.ones([8, 2]))
+
+
+def test_mismatch_inside_a_structure_names_the_path():
+    f = tfshard.parallelize(lambda d: d["a"])
+    with pytest.raises(ArgumentError, match=r"d\['b'\]\[1\] has 2 rows but d\['a'\] has 3"):
+        f({"a": np.ones([3]), "b": [np.ones([3]), np.ones([2])]})
+
+
+def test_rank_zero_input_explains_broadcast():
+    f = tfshard.parallelize(lambda x, s: x * s)
+    with pytest.raises(ArgumentError, match=r"s is a scalar \(rank 0\).*broadcast=\('s',\)"):
+        f(np.ones([3]), tf.constant(2.0))
+
+
+def test_no_tensor_argument():
+    f = tfshard.parallelize(lambda x: x)
+    with pytest.raises(ArgumentError, match="got no tensor or array to split"):
+        f([1.0, 2.0])
+
+
+def test_wrong_arguments_for_the_signature():
+    f = tfshard.parallelize(lambda x: x)
+    with pytest.raises(ArgumentError, match="too many positional arguments"):
+        f(np.ones(3), np.ones(3))
+
+
+def test_unhashable_constant():
+    f = tfshard.parallelize(lambda x, opts: x)
+    with pytest.raises(ArgumentError, match=r"opts is a set, which is neither a tensor"):
+        f(np.ones(3), {1, 2})
+
+
+def test_sparse_input_is_refused_with_a_remedy():
+    f = tfshard.parallelize(lambda x: x)
+    sparse = tf.sparse.from_dense(tf.eye(3))
+    with pytest.raises(ArgumentError, match=r"tf.SparseTensor.*tf.sparse.to_dense"):
+        f(sparse)
+
+
+@pytest.mark.parametrize("per_sample", [True, False])
+def test_non_tensor_outputs_name_the_path(per_sample):
+    f = tfshard.parallelize(lambda x: {"ok": x, "bad": "text"}, per_sample=per_sample)
+    with pytest.raises(ArgumentError, match=r"outputs\['bad'\] is str 'text'") as raised:
+        f(np.ones([3, 1]))
+    assert "StagingError" not in type(raised.value).__name__
+    g = tfshard.parallelize(lambda x: None, per_sample=per_sample)
+    with pytest.raises(ArgumentError, match="forget to return"):
+        g(np.ones([3, 1]))
+
+
+def test_scalar_per_shard_output_without_reduce():
+    f = tfshard.parallelize(lambda b: tf.reduce_sum(b), per_sample=False)
+    with pytest.raises(ArgumentError, match=r"outputs is a scalar per shard.*reduce="):
+        f(np.ones([4]))
+
+
+def test_structure_that_differs_between_shards_is_named():
+    def fn(x):
+        # Branching on the device at trace time: each shard traces its own structure.
+        if tf.constant(0.0).device.endswith("CPU:1"):
+            return {"loss": tf.reduce_mean(x, 0)}
+        return {"loss": x}
+
+    f = tfshard.parallelize(fn, per_sample=False, devices=["cpu:0", "cpu:1"])
+    with pytest.raises(
+        ArgumentError, match=r"outputs\['loss'\] has rank 0 .* on /device:CPU:1 but rank 1"
+    ):
+        f(np.ones([4], np.float32))
+
+
+def test_bool_output_cannot_be_summed():
+    f = tfshard.parallelize(lambda s: s > 0, reduce="sum")
+    with pytest.raises(ArgumentError, match=r"outputs has dtype bool.*cast it"):
+        f(np.ones([3]))
+
+
+def test_failure_in_a_shard_names_device_and_rows():
+    f = tfshard.parallelize(lambda s: tf.debugging.check_numerics(s, "bad value"), devices=CPUS[:2])
+    x = np.array([1.0, 2.0, 3.0, np.nan, 5.0], np.float32)
+    with pytest.raises(
+        ShardError, match=r"shard 1 on /device:CPU:1 \(rows \[3:5\) of 5\) failed"
+    ) as raised:
+        f(x)
+    # Still the TensorFlow error type, for existing handlers.
+    assert isinstance(raised.value, tf.errors.InvalidArgumentError)
+    assert isinstance(raised.value, TfshardError)
+
+
+def test_bad_input_errors_are_value_errors():
+    with pytest.raises(ValueError):
+        tfshard.parallelize(tf.identity, reduce="nope")
+
+
+def test_plan_and_explain_validate():
+    f = tfshard.parallelize(tf.identity, devices=CPUS[:2])
+    with pytest.raises(ArgumentError, match=r"plan\(n=-1\)"):
+        f.plan(-1)
+    text = f.explain(np.zeros([3, 2]))
+    assert "[0:2)" in text and "[2:3)" in text and "-> /device:CPU:0" in text
