@@ -1,0 +1,70 @@
+"""The public surface changes only on purpose."""
+
+import subprocess
+import sys
+
+import tfshard
+
+CONTRACT = {
+    # ../shared/DESIGN.md, "Public contract"
+    "num_gpus",
+    "cpu",
+    "gpu",
+    "try_gpu",
+    "try_all_gpus",
+    "list_devices",
+    "resolve_device",
+    "ContextMap",
+    "virtual_devices",
+    "to_device",
+    "pin",
+    "parallelize",
+    "TfshardError",
+    "utilization",
+    # Context maps made active, the wrapper type, and the error family.
+    "use_contexts",
+    "set_contexts",
+    "active_contexts",
+    "ShardedFunction",
+    "ArgumentError",
+    "ContextMapError",
+    "DeviceError",
+    "DeviceSetupError",
+    "ShardError",
+    "UtilizationError",
+}
+
+
+def test_all_is_the_documented_contract():
+    assert isinstance(tfshard.__all__, tuple)
+    assert set(tfshard.__all__) == CONTRACT
+
+
+def test_every_public_name_resolves():
+    for name in tfshard.__all__:
+        assert getattr(tfshard, name) is not None
+    assert callable(tfshard.utilization.query)
+
+
+def test_errors_form_one_family():
+    for name in ("ArgumentError", "ContextMapError", "DeviceError"):
+        error = getattr(tfshard, name)
+        assert issubclass(error, tfshard.TfshardError) and issubclass(error, ValueError)
+    for name in ("DeviceSetupError", "UtilizationError"):
+        assert issubclass(getattr(tfshard, name), RuntimeError)
+    assert issubclass(tfshard.ShardError, tfshard.TfshardError)
+
+
+def test_importing_tfshard_does_not_import_tensorflow():
+    code = "import sys, tfshard; print('tensorflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_unknown_attribute():
+    try:
+        tfshard.no_such_name  # noqa: B018
+    except AttributeError as error:
+        assert "no_such_name" in str(error)
+    else:
+        raise AssertionError("expected AttributeError")

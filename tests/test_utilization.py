@@ -1,0 +1,757 @@
+"""Tests of tfshard.utilization against a fake nvidia-smi that replays recorded output.
+
+The fake is a real executable, tests/fake_nvidia_smi/nvidia-smi, put first on PATH; it
+answers only the exact query tfshard runs. No test needs TensorFlow or a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tfshard import utilization
+from tfshard.errors import ArgumentError, TfshardError, UtilizationError
+from tfshard.utilization import GpuReading, Monitor
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE_DIR = Path(__file__).resolve().parent / "fake_nvidia_smi"
+FAKE = FAKE_DIR / "nvidia-smi"
+SCENARIOS = FAKE_DIR / "scenarios"
+THREAD_NAME = "tfshard-utilization-monitor"
+
+A100 = "NVIDIA A100-SXM4-40GB"
+U0 = "GPU-8f3a2c1e-5b7d-4e9f-a0c2-1d3e5f7a9b0c"
+U1 = "GPU-8f3b9d04-22c6-0a1b-7e35-c4d2f09e8a61"
+U2 = "GPU-3c71e0a9-9f2d-5b48-1c6e-a7b3d58f2e90"
+U3 = "GPU-d4e2b6f8-1a3c-47d9-8e05-6b9c2f1a7d34"
+
+
+def _fake_executable() -> Path:
+    # git keeps the exec bit, but a checkout through an archive or a copy may drop it.
+    mode = FAKE.stat().st_mode
+    if not mode & stat.S_IXUSR:
+        FAKE.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return FAKE
+
+
+@pytest.fixture(autouse=True)
+def no_monitor_thread_left():
+    """Every test must leave no sampling thread behind."""
+    yield
+    assert _monitor_threads() == []
+
+
+@pytest.fixture
+def fake_nvidia_smi(monkeypatch, tmp_path) -> Callable[[str], Path]:
+    """Puts the fake first on PATH; returns a function that picks a scenario.
+
+    The fake counts its calls in the returned state directory (files "calls" and "pid").
+    """
+    _fake_executable()
+    # The interpreter's own directory comes next so the fake's `env python3` starts fast
+    # (a pyenv shim costs 0.1 s a call) and runs a Python that exists.
+    path = os.pathsep.join([str(FAKE_DIR), str(Path(sys.executable).parent), os.environ["PATH"]])
+    monkeypatch.setenv("PATH", path)
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_STATE", str(tmp_path))
+    for name in ("TFSHARD_NVIDIA_SMI", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.delenv(name, raising=False)
+
+    def use(scenario: str) -> Path:
+        assert (SCENARIOS / f"{scenario}.txt").is_file(), scenario
+        monkeypatch.setenv("FAKE_NVIDIA_SMI_SCENARIO", scenario)
+        return tmp_path
+
+    return use
+
+
+@pytest.fixture
+def nvidia_smi_several_gpus_busy(fake_nvidia_smi):
+    return fake_nvidia_smi("several_gpus_busy")
+
+
+@pytest.fixture
+def nvidia_smi_units_and_header(fake_nvidia_smi):
+    return fake_nvidia_smi("several_gpus_busy_with_units_and_header")
+
+
+@pytest.fixture
+def nvidia_smi_one_gpu_idle(fake_nvidia_smi):
+    return fake_nvidia_smi("one_gpu_idle")
+
+
+@pytest.fixture
+def nvidia_smi_not_supported_fields(fake_nvidia_smi):
+    return fake_nvidia_smi("not_supported_fields")
+
+
+@pytest.fixture
+def nvidia_smi_mig_enabled(fake_nvidia_smi):
+    return fake_nvidia_smi("mig_enabled")
+
+
+@pytest.fixture
+def nvidia_smi_utilization_changes(fake_nvidia_smi):
+    return fake_nvidia_smi("utilization_changes")
+
+
+@pytest.fixture
+def nvidia_smi_driver_library_mismatch(fake_nvidia_smi):
+    return fake_nvidia_smi("driver_library_mismatch")
+
+
+@pytest.fixture
+def nvidia_smi_driver_hangs(fake_nvidia_smi):
+    return fake_nvidia_smi("driver_hangs")
+
+
+@pytest.fixture
+def nvidia_smi_no_devices(fake_nvidia_smi):
+    return fake_nvidia_smi("no_devices")
+
+
+@pytest.fixture
+def no_nvidia_driver(monkeypatch, tmp_path):
+    """A PATH with no nvidia-smi on it, as on this machine."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv("TFSHARD_NVIDIA_SMI", raising=False)
+
+
+def _calls(state: Path) -> int:
+    return int((state / "calls").read_text())
+
+
+def _monitor_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def _wait_for(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+# --- the fake itself ---------------------------------------------------------------------
+
+
+def test_fake_rejects_any_other_command_line(nvidia_smi_several_gpus_busy):
+    done = subprocess.run(
+        [str(FAKE), "-L"], capture_output=True, text=True, timeout=10, check=False
+    )
+    assert done.returncode == 2
+    assert "no recording for the command line ['-L']" in done.stderr
+    assert done.stdout == ""
+
+
+def test_fake_is_executable_for_git():
+    assert os.access(_fake_executable(), os.X_OK)
+    assert FAKE.read_text().startswith("#!/usr/bin/env python3\n")
+
+
+# --- query and parse ---------------------------------------------------------------------
+
+SEVERAL_BUSY = [
+    GpuReading(0, U0, A100, 97.0, 41.0, 15012, 40960, "/device:GPU:0"),
+    GpuReading(1, U1, A100, 93.0, 38.0, 14876, 40960, "/device:GPU:1"),
+    GpuReading(2, U2, A100, 100.0, 52.0, 15012, 40960, "/device:GPU:2"),
+    GpuReading(3, U3, A100, 91.0, 36.0, 14990, 40960, "/device:GPU:3"),
+]
+
+
+def test_query_reads_several_gpus(nvidia_smi_several_gpus_busy):
+    assert utilization.query() == SEVERAL_BUSY
+    assert _calls(nvidia_smi_several_gpus_busy) == 1
+
+
+def test_query_reads_units_and_header_lines(nvidia_smi_units_and_header):
+    assert utilization.query() == SEVERAL_BUSY
+
+
+def test_query_turns_na_and_not_supported_into_none(nvidia_smi_not_supported_fields):
+    gt710, k80 = utilization.query()
+    assert gt710 == GpuReading(
+        index=0,
+        uuid="GPU-0b1c2d3e-4f5a-6b7c-8d9e-0f1a2b3c4d5e",
+        name="NVIDIA GeForce GT 710",
+        utilization_gpu=None,
+        utilization_memory=None,
+        memory_used_mib=412,
+        memory_total_mib=2048,
+        device=None,
+    )
+    # Two models, default FASTEST_FIRST order: which is GPU:0 is not knowable.
+    assert (k80.utilization_gpu, k80.utilization_memory, k80.memory_used_mib) == (None,) * 3
+    assert k80.memory_total_mib == 11441
+
+
+def test_query_mig_enabled_gpus_have_no_utilization(nvidia_smi_mig_enabled):
+    readings = utilization.query()
+    assert [r.utilization_gpu for r in readings] == [None, None]
+    assert [r.memory_used_mib for r in readings] == [87, 2195]
+
+
+def test_parse_skips_blank_and_repeated_header_lines():
+    text = (SCENARIOS / "several_gpus_busy_with_units_and_header.txt").read_text()
+    header = text.splitlines()[0]
+    assert utilization.parse(f"\n{text}\n{header}\n", environ={}) == SEVERAL_BUSY
+
+
+def test_parse_keeps_a_comma_in_a_product_name():
+    [reading] = utilization.parse("0, GPU-1, Board, Rev 2, 5, 6, 7, 8", environ={})
+    assert (reading.name, reading.utilization_gpu, reading.memory_total_mib) == (
+        "Board, Rev 2",
+        5.0,
+        8,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("GPU 0: NVIDIA A100 (UUID: GPU-1)", r"line 1 has 1 comma-separated fields, expected 7"),
+        ("0, GPU-1, A100, 93, 41, 15012", r"line 1 has 6 comma-separated fields"),
+        ("x, GPU-1, A100, 93, 41, 15012, 40960", r"line 1 has GPU index 'x'"),
+        ("0, GPU-1, A100, busy, 41, 15012, 40960", r"utilization.gpu 'busy', expected a number"),
+        ("0, GPU-1, A100, 93, 41, 15 GiB, 40960", r"memory.used '15 GiB'"),
+        (
+            "0, GPU-1, A100, 93, 41, 1, 2\n0, GPU-1, A100, 93, 41, 1, 2",
+            r"line 2 repeats GPU index 0: .*; pass the output of one",
+        ),
+    ],
+)
+def test_parse_rejects_text_it_cannot_read(text, message):
+    with pytest.raises(ArgumentError, match=message) as caught:
+        utilization.parse(text, environ={})
+    assert isinstance(caught.value, ValueError)
+
+
+# --- nvidia-smi faults -------------------------------------------------------------------
+
+
+def test_missing_driver_says_what_to_install(no_nvidia_driver):
+    with pytest.raises(
+        UtilizationError, match=r"no NVIDIA driver found: `nvidia-smi` is not on PATH\. Install"
+    ) as caught:
+        utilization.query()
+    assert "TFSHARD_NVIDIA_SMI" in str(caught.value)
+    assert isinstance(caught.value, TfshardError) and isinstance(caught.value, RuntimeError)
+
+
+def test_path_can_be_overridden_by_argument_and_environment(
+    no_nvidia_driver, monkeypatch, tmp_path
+):
+    _fake_executable()
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_SCENARIO", "several_gpus_busy")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    assert utilization.query(nvidia_smi=FAKE) == SEVERAL_BUSY
+    monkeypatch.setenv("TFSHARD_NVIDIA_SMI", str(FAKE))
+    assert utilization.query() == SEVERAL_BUSY
+    monkeypatch.setenv("TFSHARD_NVIDIA_SMI", str(tmp_path / "nope"))
+    with pytest.raises(UtilizationError, match=r"\$TFSHARD_NVIDIA_SMI is '.*nope', which is not"):
+        utilization.query()
+    with pytest.raises(UtilizationError, match=r"the nvidia_smi argument is '.*nope', which"):
+        utilization.query(nvidia_smi=tmp_path / "nope")
+
+
+def test_nvidia_smi_that_cannot_start_is_a_clear_error(no_nvidia_driver, tmp_path):
+    broken = tmp_path / "nvidia-smi"
+    broken.write_text("#!/nonexistent/interpreter\n")
+    broken.chmod(0o755)
+    with pytest.raises(UtilizationError, match=r"could not run `.*nvidia-smi --query-gpu=.*`: "):
+        utilization.query(nvidia_smi=broken)
+
+
+def test_failing_nvidia_smi_quotes_its_stderr(nvidia_smi_driver_library_mismatch):
+    with pytest.raises(
+        UtilizationError,
+        match=r"failed with exit status 18; the kernel module and the user-space driver differ"
+        r".*reboot.*stderr: 'Failed to initialize NVML: Driver/library version mismatch",
+    ):
+        utilization.query()
+
+
+def test_no_devices_is_an_error_that_quotes_stdout(nvidia_smi_no_devices):
+    with pytest.raises(
+        UtilizationError, match=r"exit status 6\. .*stdout: 'No devices were found'"
+    ):
+        utilization.query()
+
+
+def test_hung_nvidia_smi_is_killed(nvidia_smi_driver_hangs):
+    start = time.monotonic()
+    with pytest.raises(
+        UtilizationError, match=r"did not answer within 0\.5 s and was killed; the driver"
+    ):
+        utilization.query(timeout=0.5)
+    assert time.monotonic() - start < 5
+    pid = int((nvidia_smi_driver_hangs / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        ("garbage_list_output", r"printed output tfshard cannot read \(line 1 has 1 comma-sep"),
+        ("garbage_non_numeric", r"cannot read \(line 1 has utilization.gpu 'busy'"),
+    ],
+)
+def test_garbage_output_is_quoted(fake_nvidia_smi, scenario, message):
+    fake_nvidia_smi(scenario)
+    with pytest.raises(UtilizationError, match=message) as caught:
+        utilization.query()
+    assert "--query-gpu=index,uuid,name" in str(caught.value)
+    first_line = (SCENARIOS / f"{scenario}.txt").read_text().splitlines()[0]
+    assert first_line in str(caught.value)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "5"])
+def test_query_rejects_a_bad_timeout(timeout):
+    with pytest.raises(ArgumentError, match=r"timeout=.*; give a positive number of seconds"):
+        utilization.query(timeout=timeout)
+
+
+# --- which TensorFlow device is which GPU -------------------------------------------------
+
+FOUR = (SCENARIOS / "several_gpus_busy.txt").read_text()
+MIXED = (SCENARIOS / "mixed_models.txt").read_text()
+
+
+def _devices(text: str, **environ: str) -> dict[int, str]:
+    return {r.index: r.device for r in utilization.parse(text, environ=environ) if r.device}
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [
+        (None, {0: "GPU:0", 1: "GPU:1", 2: "GPU:2", 3: "GPU:3"}),
+        ("2,0", {2: "GPU:0", 0: "GPU:1"}),
+        (" 3, 1", {3: "GPU:0", 1: "GPU:1"}),  # blanks around entries are skipped
+        ("1gpu,3", {1: "GPU:0", 3: "GPU:1"}),  # strtoul reads the leading number
+        ("", {}),  # empty: no GPU visible
+        ("-1", {}),
+        ("1,-1,3", {1: "GPU:0"}),  # a negative entry stops the list
+        ("1,7,2", {1: "GPU:0"}),  # so does one out of range
+        ("1,x,2", {1: "GPU:0"}),  # and one that is not a number
+        ("0,1,0", {}),  # a repeated GPU hides every GPU
+        (f"{U3},GPU-8f3a", {3: "GPU:0", 0: "GPU:1"}),  # UUIDs and unique prefixes
+        (f"{U2},GPU-8f3,{U1}", {2: "GPU:0"}),  # an ambiguous prefix stops the list
+        (f"{U2},GPU-ffff,{U1}", {2: "GPU:0"}),  # so does an unknown UUID
+        (f"{U1},2", {1: "GPU:0"}),  # and an entry of another kind
+        (f"{U1},GPU-8f3b", {}),  # the same GPU twice hides every GPU
+        ("0,GPU-8f3a", {0: "GPU:0"}),
+        (f"MIG-{U0}/1/0,MIG-{U0}/2/0", {}),  # MIG slices are not whole GPUs
+    ],
+)
+def test_cuda_visible_devices_maps_gpus_to_tf_names(visible, expected):
+    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    want = {index: f"/device:{name}" for index, name in expected.items()}
+    assert _devices(FOUR, **environ) == want
+    assert _devices(FOUR, CUDA_DEVICE_ORDER="PCI_BUS_ID", **environ) == want
+
+
+def test_mixed_models_in_fastest_first_order_are_not_guessed():
+    # CUDA puts the faster model first by a heuristic nvidia-smi does not show.
+    assert _devices(MIXED) == {}
+    assert _devices(MIXED, CUDA_VISIBLE_DEVICES="1,0") == {}
+    assert _devices(MIXED, CUDA_DEVICE_ORDER="FASTEST_FIRST") == {}
+    # UUIDs name the GPU whatever the order; PCI_BUS_ID order is nvidia-smi's.
+    uuid_a6000 = "GPU-99ff88ee-77dd-66cc-55bb-44aa33221100"
+    assert _devices(MIXED, CUDA_VISIBLE_DEVICES=uuid_a6000) == {1: "/device:GPU:0"}
+    assert _devices(MIXED, CUDA_DEVICE_ORDER="PCI_BUS_ID") == {
+        0: "/device:GPU:0",
+        1: "/device:GPU:1",
+    }
+    assert _devices(MIXED, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES="1") == {
+        1: "/device:GPU:0"
+    }
+
+
+def test_query_maps_devices_from_this_process_environment(
+    nvidia_smi_several_gpus_busy, monkeypatch
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert [r.device for r in utilization.query()] == [
+        None,
+        "/device:GPU:1",
+        None,
+        "/device:GPU:0",
+    ]
+
+
+# --- Monitor -------------------------------------------------------------------------------
+
+# utilization_changes.txt by hand: per call, GPU 0 and GPU 1 (None is [N/A]).
+CYCLE_GPU0_UTIL = [10, 60, 90, 100]
+CYCLE_GPU0_MEM_UTIL = [5, 20, 35, 40]
+CYCLE_GPU0_USED = [1000, 3000, 5000, 2000]
+CYCLE_GPU1_UTIL = [0, None, 50, 30]
+
+
+def test_monitor_summarises_each_gpu(nvidia_smi_utilization_changes):
+    with Monitor(interval=0.01) as monitor:
+        _wait_for(lambda: bool(monitor.summaries) and monitor.summaries[0].samples >= 5)
+    gpu0, gpu1 = monitor.summaries
+    calls = _calls(nvidia_smi_utilization_changes)
+    # Call 1 is the probe on entry, before the body; calls 2..n are the samples.
+    assert gpu0.samples == gpu1.samples == calls - 1 >= 6
+    seen = [(call - 1) % 4 for call in range(2, calls + 1)]
+    util0 = [CYCLE_GPU0_UTIL[i] for i in seen]
+    assert gpu0.utilization_gpu_mean == pytest.approx(statistics.mean(util0))
+    assert (gpu0.utilization_gpu_min, gpu0.utilization_gpu_max) == (min(util0), max(util0))
+    mem0 = [CYCLE_GPU0_MEM_UTIL[i] for i in seen]
+    assert gpu0.utilization_memory_mean == pytest.approx(statistics.mean(mem0))
+    assert gpu0.utilization_memory_max == max(mem0)
+    assert gpu0.memory_used_peak_mib == max(CYCLE_GPU0_USED[i] for i in seen) == 5000
+    assert gpu0.memory_total_mib == 40960
+    util1 = [CYCLE_GPU1_UTIL[i] for i in seen if CYCLE_GPU1_UTIL[i] is not None]
+    assert gpu1.utilization_gpu_mean == pytest.approx(statistics.mean(util1))
+    assert (gpu1.index, gpu1.uuid, gpu1.name, gpu1.device) == (1, U1, A100, "/device:GPU:1")
+
+
+def test_monitor_takes_one_sample_on_exit_of_a_short_body(nvidia_smi_utilization_changes):
+    with Monitor(interval=60) as monitor:
+        pass
+    # The probe saw sample 0; the exit sample is sample 1 of the cycle.
+    assert [(s.samples, s.utilization_gpu_mean) for s in monitor.summaries] == [
+        (1, 60.0),
+        (1, None),
+    ]
+    summary = monitor.summaries[1]
+    assert (summary.utilization_gpu_min, summary.utilization_gpu_max) == (None, None)
+
+
+def test_monitor_thread_ends_when_the_body_raises(nvidia_smi_utilization_changes):
+    with pytest.raises(KeyError, match="from the body"), Monitor(interval=0.01) as monitor:
+        assert len(_monitor_threads()) == 1
+        _wait_for(lambda: bool(monitor.summaries))
+        raise KeyError("from the body")
+    assert _monitor_threads() == []
+    assert monitor.summaries[0].samples >= 1  # what was sampled stays readable
+
+
+def test_monitor_raises_a_sampling_failure_on_exit(nvidia_smi_utilization_changes, monkeypatch):
+    with (
+        pytest.raises(
+            UtilizationError,
+            match=r"sampling GPU utilisation failed after \d+ readings: .*version mismatch",
+        ),
+        Monitor(interval=0.01) as monitor,
+    ):
+        _wait_for(lambda: bool(monitor.summaries))
+        monkeypatch.setenv("FAKE_NVIDIA_SMI_SCENARIO", "driver_library_mismatch")
+        _wait_for(lambda: _monitor_threads() == [])  # the thread stops at its first failure
+    assert monitor.summaries[0].samples >= 1
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
+def test_monitor_keeps_the_body_error_and_notes_the_sampling_failure(
+    nvidia_smi_utilization_changes, monkeypatch
+):
+    with pytest.raises(ZeroDivisionError) as caught, Monitor(interval=0.01) as monitor:
+        _wait_for(lambda: bool(monitor.summaries))
+        monkeypatch.setenv("FAKE_NVIDIA_SMI_SCENARIO", "driver_library_mismatch")
+        _wait_for(lambda: _monitor_threads() == [])
+        _ = 1 / 0
+    assert any("sampling also failed" in note for note in caught.value.__notes__)
+
+
+def test_monitor_fails_on_entry_without_a_driver(no_nvidia_driver):
+    body_ran = False
+    with pytest.raises(UtilizationError, match="no NVIDIA driver found"), Monitor():
+        body_ran = True
+    assert not body_ran
+
+
+@pytest.mark.parametrize(
+    ("devices", "environ", "expected"),
+    [
+        ([1], {}, [1]),
+        ("2", {}, [2]),
+        (["GPU-d4e2", 0], {}, [0, 3]),
+        (U1, {}, [1]),
+        ("GPU:1", {}, [1]),
+        (["/device:GPU:0", "gpu:1"], {"CUDA_VISIBLE_DEVICES": "3,2"}, [2, 3]),
+        ("/job:localhost/replica:0/task:0/device:GPU:0", {"CUDA_VISIBLE_DEVICES": "2"}, [2]),
+    ],
+)
+def test_monitor_follows_only_the_given_devices(
+    nvidia_smi_several_gpus_busy, monkeypatch, devices, environ, expected
+):
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with Monitor(interval=60, devices=devices) as monitor:
+        pass
+    assert [s.index for s in monitor.summaries] == expected
+
+
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        ([7], r"devices entry 7 names no GPU; nvidia-smi sees: 0 GPU-8f3a"),
+        ("GPU-8f3", r"devices entry 'GPU-8f3' names several GPUs"),
+        ("GPU:0", r"devices entry 'GPU:0' names no GPU; .*\(no TF device\)"),  # hidden by CUDA
+        ("cuda:0", r"cannot read device spec 'cuda:0'"),
+        ("/job:worker/task:1/device:GPU:0", r"cannot read device spec '/job:worker"),
+    ],
+)
+def test_monitor_rejects_devices_that_name_no_gpu(
+    nvidia_smi_several_gpus_busy, monkeypatch, devices, message
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ArgumentError, match=message), Monitor(devices=devices):
+        pytest.fail("the body must not run")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval": -1}, r"interval=-1; give a positive number of seconds"),
+        ({"interval": 0}, r"interval=0; give a positive"),
+        ({"interval": float("inf")}, r"interval=inf"),
+        ({"timeout": 0}, r"timeout=0"),
+        ({"devices": [1.5]}, r"devices=\[1\.5\] holds 1\.5; give nvidia-smi indices"),
+        ({"devices": True}, r"holds True"),
+        ({"devices": []}, r"devices=\[\] follows no GPU; pass None"),
+    ],
+)
+def test_monitor_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        Monitor(**kwargs)
+
+
+def test_monitor_cannot_be_entered_twice_at_once(nvidia_smi_several_gpus_busy):
+    monitor = Monitor(interval=60)
+    with monitor, pytest.raises(UtilizationError, match="already running"), monitor:
+        pass
+    with monitor:  # and can run again afterwards
+        pass
+    assert monitor.summaries[0].samples == 1
+
+
+# --- check -----------------------------------------------------------------------------------
+
+
+def test_check_busy_gpus_with_a_function(nvidia_smi_several_gpus_busy):
+    calls = []
+    verdicts = utilization.check(calls.append, "x", duration=0.05, interval=0.01)
+    assert len(calls) >= 2 and set(calls) == {"x"}  # a warm-up call, then the measured ones
+    assert [v.busy for v in verdicts] == [True] * 4
+    assert [v.summary.utilization_gpu_mean for v in verdicts] == [97.0, 93.0, 100.0, 91.0]
+    first = verdicts[0]
+    assert "mean utilisation 97.0 % meets the 90 % threshold (min 97 %, max 97 %" in first.reason
+    assert "tfshard.parallelize" in first.hint
+    text = str(first)
+    assert text.startswith(f"GPU 0 {A100} (/device:GPU:0): busy enough to scale out\n")
+    assert "hint: " in text
+
+
+def test_check_not_busy_gpu_gets_a_batch_hint(nvidia_smi_one_gpu_idle):
+    busy, idle = utilization.check(duration=0.02, interval=0.01)
+    assert busy.busy and not idle.busy
+    assert "mean utilisation 3.0 % is below the 90 % threshold" in idle.reason
+    assert "raise the per-device batch size" in idle.hint
+    assert "not busy enough to scale out" in str(idle)
+    [only] = utilization.check(duration=0.02, interval=0.01, devices=1, threshold=2)
+    assert only.busy and only.summary.index == 1
+
+
+def test_check_bursty_gpu_gets_an_input_pipeline_hint(nvidia_smi_utilization_changes):
+    state = nvidia_smi_utilization_changes
+
+    def step() -> None:
+        # Returns after four more nvidia-smi calls, so the measured step sees at least four
+        # consecutive samples of the cycle 10, 60, 90, 100: max 100, mean at most 75.
+        start = _calls(state)
+        _wait_for(lambda: _calls(state) >= start + 4)
+
+    gpu0, _ = utilization.check(step, duration=0, interval=0.01)
+    assert not gpu0.busy and gpu0.summary.utilization_gpu_max == 100
+    assert "move input preprocessing off the critical path" in gpu0.hint
+    assert "keep logs and metrics on the device" in gpu0.hint
+
+
+def test_check_gpu_without_utilization_is_not_called_busy(nvidia_smi_mig_enabled):
+    verdicts = utilization.check(duration=0.01, interval=0.01)
+    assert [v.busy for v in verdicts] == [False, False]
+    assert "reports no utilisation" in verdicts[0].reason
+    assert "DCGM" in verdicts[0].hint
+
+
+def test_check_fails_before_running_fn_without_a_driver(no_nvidia_driver):
+    calls = []
+    with pytest.raises(UtilizationError, match="no NVIDIA driver found"):
+        utilization.check(calls.append, 1, duration=0.01)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((), {"threshold": -1}, r"threshold=-1; give a percentage from 0 to 100"),
+        ((), {"threshold": 100.5}, r"threshold=100\.5"),
+        ((), {"duration": -0.1}, r"duration=-0\.1; give the seconds to measure, >= 0"),
+        ((), {"interval": -1}, r"interval=-1"),
+        ((3,), {}, r"fn=3 is not callable"),
+        ((None, 1), {}, r"arguments \(1,\) were given without fn"),
+    ],
+)
+def test_check_rejects_bad_arguments(args, kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        utilization.check(*args, **kwargs)
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def test_run_cli_prints_a_table_and_exits_0_when_every_gpu_is_busy(
+    nvidia_smi_several_gpus_busy, capsys
+):
+    assert utilization.run_cli() == 0
+    assert capsys.readouterr().out == (
+        "gpu  tf device      name                   util %  mem util %  memory MiB     vs 90 %\n"
+        "  0  /device:GPU:0  NVIDIA A100-SXM4-40GB      97          41  15012 / 40960  ok\n"
+        "  1  /device:GPU:1  NVIDIA A100-SXM4-40GB      93          38  14876 / 40960  ok\n"
+        "  2  /device:GPU:2  NVIDIA A100-SXM4-40GB     100          52  15012 / 40960  ok\n"
+        "  3  /device:GPU:3  NVIDIA A100-SXM4-40GB      91          36  14990 / 40960  ok\n"
+    )
+
+
+def test_run_cli_exits_1_below_the_threshold(nvidia_smi_one_gpu_idle, capsys):
+    assert utilization.run_cli() == 1
+    assert capsys.readouterr().out.splitlines()[2].endswith("below")
+    assert utilization.run_cli(threshold=2) == 0
+    assert utilization.run_cli(threshold=97) == 1
+
+
+def test_run_cli_json_uses_reading_field_names(nvidia_smi_not_supported_fields, capsys):
+    assert utilization.run_cli(as_json=True) == 1  # no utilisation reported: not busy
+    rows = json.loads(capsys.readouterr().out)
+    names = [field.name for field in dataclasses.fields(GpuReading)]
+    assert [list(row) for row in rows] == [names, names]
+    assert rows[1]["utilization_gpu"] is None and rows[1]["memory_total_mib"] == 11441
+
+
+def test_run_cli_watch_refreshes_count_times(nvidia_smi_utilization_changes, capsys):
+    assert utilization.run_cli(watch=0.01, count=3) == 1  # last refresh: 90 % and 50 %
+    out = capsys.readouterr().out
+    assert out.count("gpu  tf device") == 3
+    assert _calls(nvidia_smi_utilization_changes) == 3
+
+
+def test_run_cli_exits_2_when_no_reading_can_be_taken(nvidia_smi_no_devices, capsys):
+    assert utilization.run_cli(as_json=True) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "exit status 6" in captured.err and "No devices were found" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"threshold": 150}, r"threshold=150; give a percentage from 0 to 100"),
+        ({"watch": 0}, r"watch=0; give a positive number"),
+        ({"count": 2}, r"count=2; give a count >= 0 together with watch"),
+        ({"watch": 1, "count": -1}, r"count=-1"),
+    ],
+)
+def test_run_cli_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        utilization.run_cli(**kwargs)
+
+
+def test_main_rejects_positional_arguments(capsys):
+    assert utilization.main(["tfshard.utilization", "extra"]) == 2
+    assert "unexpected arguments ['extra']" in capsys.readouterr().err
+
+
+# Through a real `python -m`. Each run pays for importing the tfshard package, so the runs
+# start together, once per module, and the tests below read their results.
+
+_NO_DRIVER = "<no nvidia-smi on PATH>"
+_CLI_RUNS = {
+    "flags": ("utilization_changes", "--watch=0.01", "--count=3", "--json", "--threshold=50"),
+    "below_threshold": ("one_gpu_idle",),
+    "no_driver": (_NO_DRIVER,),
+    "bad_flag": ("several_gpus_busy", "--no-such-flag"),
+}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory) -> dict[str, tuple[int, str, str, Path]]:
+    """Runs `python -m tfshard.utilization` for each case; (status, stdout, stderr, state)."""
+    _fake_executable()
+    started = {}
+    for case, (scenario, *args) in _CLI_RUNS.items():
+        state = tmp_path_factory.mktemp(case)
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "TFSHARD_"))}
+        env.update(PYTHONPATH=pythonpath, FAKE_NVIDIA_SMI_STATE=str(state))
+        if scenario == _NO_DRIVER:
+            env["PATH"] = str(state)
+        else:
+            env["FAKE_NVIDIA_SMI_SCENARIO"] = scenario
+            env["PATH"] = os.pathsep.join([str(FAKE_DIR), str(Path(sys.executable).parent)])
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tfshard.utilization", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started[case] = (process, state)
+    runs = {}
+    for case, (process, state) in started.items():
+        out, err = process.communicate(timeout=120)
+        runs[case] = (process.returncode, out, err, state)
+    return runs
+
+
+def test_cli_flags_watch_count_json_threshold(cli_runs):
+    status, out, err, state = cli_runs["flags"]
+    assert status == 0, err  # the last refresh has 90 % and 50 %, the threshold is 50
+    lists = [json.loads(line) for line in out.splitlines()]
+    assert [[row["utilization_gpu"] for row in rows] for rows in lists] == [
+        [10.0, 0.0],
+        [60.0, None],
+        [90.0, 50.0],
+    ]
+    assert list(lists[0][0]) == [field.name for field in dataclasses.fields(GpuReading)]
+    assert _calls(state) == 3
+
+
+def test_cli_exits_1_when_a_gpu_is_below_the_threshold(cli_runs):
+    status, out, err, _ = cli_runs["below_threshold"]
+    assert status == 1, err
+    assert out.splitlines()[2].endswith("below")
+
+
+def test_cli_without_driver_exits_2_without_traceback(cli_runs):
+    status, out, err, _ = cli_runs["no_driver"]
+    assert status == 2
+    assert "tfshard.utilization: no NVIDIA driver found" in err
+    assert "Traceback" not in err
+    assert out == ""
+
+
+def test_cli_flag_errors_exit_2(cli_runs):
+    # absl's own exit status for a flag error is 1, which would read as "not busy".
+    status, _, err, _ = cli_runs["bad_flag"]
+    assert status == 2
+    assert "no-such-flag" in err and "Traceback" not in err

@@ -1,0 +1,994 @@
+"""How busy the GPUs are, read from ``nvidia-smi`` while your code runs.
+
+Before adding GPUs, check that the function keeps one GPU busy: if its utilisation is well
+under 90 %, a second GPU will mostly wait too. This module answers that from the
+``nvidia-smi`` that ships with the NVIDIA driver; it imports no TensorFlow and needs only the
+standard library (absl is used by the command line only).
+
+- `query` runs ``nvidia-smi`` once and returns one `GpuReading` per GPU.
+- `parse` reads the same CSV from text you paste (header lines and units are fine).
+- `Monitor` samples in a background thread while a ``with`` block runs and summarises each
+  GPU (`GpuSummary`).
+- `check` runs a function under a `Monitor` and returns a `Verdict` per GPU: busy enough to
+  scale out, or not, with the reason and what to change.
+- ``python -m tfshard.utilization`` prints a table (``--watch SECONDS`` to refresh,
+  ``--threshold``, ``--json``); it exits 0 when every GPU meets the threshold, 1 when one
+  does not, 2 when no reading could be taken.
+
+The ``nvidia-smi`` executable is, in order: the ``nvidia_smi=`` argument, the
+``TFSHARD_NVIDIA_SMI`` environment variable, ``nvidia-smi`` on ``PATH``.
+
+Which TensorFlow device is which GPU
+------------------------------------
+``nvidia-smi`` numbers GPUs in PCI bus order. TensorFlow's ``GPU:N`` is CUDA's device N,
+which follows ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``. `GpuReading.device` is
+filled in by these rules (CUDA's, as PyTorch's ``torch.cuda`` also reimplements them):
+
+- ``CUDA_VISIBLE_DEVICES`` unset: every GPU is visible, in CUDA order.
+- Set: a comma-separated list, and the i-th entry that parses becomes ``GPU:i``. The kind of
+  the first entry sets the kind of the list:
+
+  - indices (``"2,0"``): read like C's ``strtoul`` (``"1gpu"`` is 1); an index refers to CUDA
+    order, not to ``nvidia-smi``'s;
+  - UUIDs (``"GPU-8f3a..."``): any prefix that starts with ``GPU-`` and names one GPU;
+  - MIG instances (``"MIG-..."``): each takes a ``GPU:i`` slot but is a slice of a GPU, so no
+    whole-GPU reading maps to it.
+
+  Parsing stops at the first entry that is invalid (negative, out of range, an ambiguous or
+  unknown UUID, an entry of another kind); a repeated GPU hides every GPU; an empty value
+  hides every GPU.
+- ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: CUDA order is ``nvidia-smi`` order.
+- Otherwise CUDA orders ``FASTEST_FIRST``, by a heuristic NVIDIA does not specify, breaking
+  ties in PCI order. When every GPU on the machine has the same name (one model), that is
+  ``nvidia-smi`` order. With mixed models the order is not knowable from ``nvidia-smi``, so
+  GPUs reached through an index (or through an unset ``CUDA_VISIBLE_DEVICES``) get
+  ``device=None`` rather than a guess; UUID entries still map exactly. Set
+  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (or use UUIDs) to make the mapping exact.
+
+What the mapping does not see: ``tf.config.set_visible_devices`` calls inside a process, GPUs
+TensorFlow skips (too old a compute capability), which shift later ``GPU:N`` names, and MIG
+mode with ``CUDA_VISIBLE_DEVICES`` unset. It assumes the text lists every GPU on the machine.
+
+Utilisation is ``nvidia-smi``'s ``utilization.gpu``: the share of the driver's last sample
+period (1/6 s to 1 s) in which any kernel ran. It does not say how much of the GPU a kernel
+used, so a GPU at 100 % may still have room; below the threshold it is certainly waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from tfshard.errors import ArgumentError, UtilizationError
+
+__all__ = (
+    "GpuReading",
+    "GpuSummary",
+    "Monitor",
+    "Verdict",
+    "check",
+    "format_table",
+    "parse",
+    "query",
+    "run_cli",
+)
+
+_QUERY_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "utilization.gpu",
+    "utilization.memory",
+    "memory.used",
+    "memory.total",
+)
+_QUERY_ARGS = (
+    "--query-gpu=" + ",".join(_QUERY_FIELDS),
+    "--format=csv,noheader,nounits",
+)
+_ENV_EXECUTABLE = "TFSHARD_NVIDIA_SMI"
+# Without persistence mode every nvidia-smi call initialises the driver, which takes
+# seconds on a machine with many GPUs; longer than this means it hangs.
+_DEFAULT_TIMEOUT_S = 10.0
+_DEFAULT_THRESHOLD = 90.0
+_QUOTE_LIMIT = 1000
+_THREAD_NAME = "tfshard-utilization-monitor"
+
+_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+_TF_GPU_NAME = re.compile(
+    r"(?:/job:localhost(?:/replica:0)?(?:/task:0)?)?/?(?:device:)?GPU:([0-9]+)", re.IGNORECASE
+)
+
+_DeviceSpec = int | str
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuReading:
+    """One GPU as ``nvidia-smi`` reported it at one moment.
+
+    Field names follow ``nvidia-smi --query-gpu`` names. A field the driver reports as
+    ``[N/A]`` or ``[Not Supported]`` (for example utilisation in MIG mode) is None.
+
+    Attributes:
+        index: ``nvidia-smi``'s index, in PCI bus order.
+        uuid: The GPU's UUID, ``"GPU-..."``.
+        name: The product name, for example ``"NVIDIA A100-SXM4-40GB"``.
+        utilization_gpu: Percent of the last sample period in which a kernel ran.
+        utilization_memory: Percent of the last sample period in which memory was read or
+            written.
+        memory_used_mib: Memory in use, in MiB.
+        memory_total_mib: Memory on the GPU, in MiB.
+        device: The TensorFlow device name of this GPU in this process, for example
+            ``"/device:GPU:0"``, or None when TensorFlow cannot see it or the mapping is not
+            knowable (see the module docstring).
+    """
+
+    index: int
+    uuid: str | None
+    name: str | None
+    utilization_gpu: float | None
+    utilization_memory: float | None
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+    device: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSummary:
+    """What a `Monitor` saw of one GPU.
+
+    Means, minima and maxima are over the samples in which the driver reported a value; they
+    are None when it never did.
+
+    Attributes:
+        index: ``nvidia-smi``'s index.
+        uuid: The GPU's UUID.
+        name: The product name.
+        device: The TensorFlow device name, or None (see `GpuReading.device`).
+        samples: How many readings of this GPU were taken.
+        utilization_gpu_mean: Mean of ``utilization.gpu``, in percent.
+        utilization_gpu_min: Lowest ``utilization.gpu``.
+        utilization_gpu_max: Highest ``utilization.gpu``.
+        utilization_memory_mean: Mean of ``utilization.memory``, in percent.
+        utilization_memory_max: Highest ``utilization.memory``.
+        memory_used_peak_mib: Highest ``memory.used``, in MiB.
+        memory_total_mib: ``memory.total``, in MiB.
+    """
+
+    index: int
+    uuid: str | None
+    name: str | None
+    device: str | None
+    samples: int
+    utilization_gpu_mean: float | None
+    utilization_gpu_min: float | None
+    utilization_gpu_max: float | None
+    utilization_memory_mean: float | None
+    utilization_memory_max: float | None
+    memory_used_peak_mib: int | None
+    memory_total_mib: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether one GPU was busy enough that adding GPUs can help.
+
+    Attributes:
+        summary: What the `Monitor` saw of this GPU.
+        busy: True when the mean utilisation met the threshold.
+        reason: The numbers behind ``busy``.
+        hint: What to do next.
+    """
+
+    summary: GpuSummary
+    busy: bool
+    reason: str
+    hint: str
+
+    def __str__(self) -> str:
+        s = self.summary
+        where = s.device or "no TensorFlow device in this process"
+        state = "busy enough to scale out" if self.busy else "not busy enough to scale out"
+        name = s.name or "unnamed GPU"
+        return f"GPU {s.index} {name} ({where}): {state}\n  {self.reason}\n  hint: {self.hint}"
+
+
+# --- reading nvidia-smi output ---------------------------------------------------------
+
+
+def parse(text: str, environ: Mapping[str, str] | None = None) -> list[GpuReading]:
+    """Reads the output of ``nvidia-smi --query-gpu=...`` into one reading per GPU.
+
+    Accepts what `query` runs (``--format=csv,noheader,nounits``) and what users paste:
+    header lines and units (``93 %``, ``15012 MiB``) are fine. The columns must be
+    ``index, uuid, name, utilization.gpu, utilization.memory, memory.used, memory.total``.
+
+    >>> text = '''
+    ... index, uuid, name, utilization.gpu, utilization.memory, memory.used, memory.total
+    ... 0, GPU-8f3a2c1e, NVIDIA A100-SXM4-40GB, 93 %, 41 %, 15012 MiB, 40960 MiB
+    ... 1, GPU-1b2c3d4e, NVIDIA A100-SXM4-40GB, [N/A], [Not Supported], 0 MiB, 40960 MiB
+    ... '''
+    >>> gpu0, gpu1 = parse(text, environ={"CUDA_VISIBLE_DEVICES": "1"})
+    >>> gpu0.utilization_gpu, gpu0.memory_used_mib, gpu0.device
+    (93.0, 15012, None)
+    >>> gpu1.utilization_gpu, gpu1.utilization_memory, gpu1.device
+    (None, None, '/device:GPU:0')
+
+    Args:
+        text: The output, one GPU per line.
+        environ: The environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
+            decide `GpuReading.device`; defaults to this process's ``os.environ``.
+
+    Returns:
+        The readings, in the order of the text.
+
+    Raises:
+        ArgumentError: A line does not have the seven columns, a value is not a number, or
+            a GPU index appears twice.
+    """
+    readings: list[GpuReading] = []
+    seen: set[int] = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            reading = _parse_line(line)
+        except ValueError as err:
+            raise ArgumentError(f"line {number} {err}: {_quote(line)}") from None
+        if reading is None:
+            continue
+        if reading.index in seen:
+            raise ArgumentError(
+                f"line {number} repeats GPU index {reading.index}: {_quote(line)}; "
+                "pass the output of one nvidia-smi call"
+            )
+        seen.add(reading.index)
+        readings.append(reading)
+    devices = _tf_devices(readings, os.environ if environ is None else environ)
+    return [dataclasses.replace(r, device=devices.get(r.index)) for r in readings]
+
+
+def _parse_line(line: str) -> GpuReading | None:
+    """Parses one CSV line; returns None for a header line."""
+    fields = [f.strip() for f in line.split(",")]
+    if fields[0].lower() == "index":
+        return None
+    if len(fields) < len(_QUERY_FIELDS):
+        raise ValueError(
+            f"has {len(fields)} comma-separated fields, expected {len(_QUERY_FIELDS)} "
+            f"({', '.join(_QUERY_FIELDS)})"
+        )
+    # A product name could hold a comma; the numeric columns cannot.
+    name = ", ".join(fields[2:-4])
+    index_text, uuid = fields[0], fields[1]
+    if not (index_text.isascii() and index_text.isdigit()):
+        raise ValueError(f"has GPU index {index_text!r}, expected a whole number")
+    gpu, mem, used, total = fields[-4:]
+    return GpuReading(
+        index=int(index_text),
+        uuid=None if _missing(uuid) else uuid,
+        name=None if _missing(name) else name,
+        utilization_gpu=_number(gpu, "%", "utilization.gpu"),
+        utilization_memory=_number(mem, "%", "utilization.memory"),
+        memory_used_mib=_whole(_number(used, "MiB", "memory.used")),
+        memory_total_mib=_whole(_number(total, "MiB", "memory.total")),
+    )
+
+
+def _missing(value: str) -> bool:
+    # The driver writes "[N/A]", "[Not Supported]", "[Unknown Error]", ... for values it
+    # cannot give; older drivers wrote "N/A" without brackets.
+    return (value.startswith("[") and value.endswith("]")) or value == "N/A"
+
+
+def _number(value: str, unit: str, field: str) -> float | None:
+    if _missing(value):
+        return None
+    if value.endswith(unit):
+        value = value[: -len(unit)].rstrip()
+    if not _NUMBER.fullmatch(value):
+        raise ValueError(f"has {field} {value!r}, expected a number (in {unit}) or [N/A]")
+    return float(value)
+
+
+def _whole(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+# --- which TensorFlow device each GPU is -----------------------------------------------
+
+
+def _tf_devices(readings: Sequence[GpuReading], environ: Mapping[str, str]) -> dict[int, str]:
+    """Maps nvidia-smi index to TensorFlow device name by the rules in the module docstring."""
+    by_index = sorted(readings, key=lambda r: r.index)
+    pci_order = environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+    one_model = len({r.name for r in by_index}) <= 1 and all(r.name for r in by_index)
+    # CUDA's own order of the GPUs, or None when it cannot be known from nvidia-smi.
+    cuda_order = by_index if pci_order or one_model else None
+    spec = environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        visible = list(cuda_order) if cuda_order is not None else []
+    else:
+        visible = _visible(spec, by_index, cuda_order)
+    return {
+        gpu.index: f"/device:GPU:{ordinal}"
+        for ordinal, gpu in enumerate(visible)
+        if gpu is not None
+    }
+
+
+def _visible(
+    spec: str, gpus: Sequence[GpuReading], cuda_order: Sequence[GpuReading] | None
+) -> list[GpuReading | None]:
+    """Applies CUDA_VISIBLE_DEVICES: entry i is the GPU that becomes GPU:i (None: unknown)."""
+    visible: list[GpuReading | None] = []
+    seen: set[object] = set()
+    kind = "GPU-" if spec.startswith("GPU-") else "MIG-" if spec.startswith("MIG-") else None
+    for raw in spec.split(","):
+        key: object
+        if kind is None:
+            ordinal = _strtoul(raw.strip())
+            if ordinal < 0 or ordinal >= len(gpus):
+                break
+            key = ordinal
+            gpu = cuda_order[ordinal] if cuda_order is not None else None
+        elif not raw.startswith(kind):
+            break
+        elif kind == "MIG-":
+            # A MIG instance is its own CUDA device, not the whole GPU nvidia-smi reports.
+            key, gpu = raw, None
+        else:
+            matches = [g for g in gpus if g.uuid is not None and g.uuid.startswith(raw)]
+            if len(matches) != 1:
+                break
+            gpu = matches[0]
+            key = gpu.index
+        if key in seen:
+            return []
+        seen.add(key)
+        visible.append(gpu)
+    return visible
+
+
+def _strtoul(text: str) -> int:
+    """The leading integer of text, sign included, or -1 when it starts with no digits.
+
+    C's strtoul, which CUDA uses, reads "1gpu" as 1 and stops there; a negative entry ends the
+    list either way.
+    """
+    match = re.match(r"[+-]?[0-9]+", text)
+    return int(match.group()) if match else -1
+
+
+# --- running nvidia-smi ----------------------------------------------------------------
+
+
+def query(
+    nvidia_smi: str | os.PathLike[str] | None = None, *, timeout: float = _DEFAULT_TIMEOUT_S
+) -> list[GpuReading]:
+    """Runs ``nvidia-smi`` once and returns one reading per GPU.
+
+    Args:
+        nvidia_smi: The executable to run; defaults to ``$TFSHARD_NVIDIA_SMI``, then
+            ``nvidia-smi`` on ``PATH``.
+        timeout: Seconds to wait before ``nvidia-smi`` is killed and counted as hung.
+
+    Returns:
+        The readings in ``nvidia-smi`` order, with `GpuReading.device` set for this
+        process's ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``. Empty when the driver
+        lists no GPU.
+
+    Raises:
+        ArgumentError: ``timeout`` is not a positive number.
+        UtilizationError: No ``nvidia-smi`` was found (no NVIDIA driver), it failed, hung or
+            printed something that is not the expected CSV. The message quotes its output.
+    """
+    _check_positive("timeout", timeout)
+    command = [_find_executable(nvidia_smi), *_QUERY_ARGS]
+    shown = shlex.join(command)
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as err:
+        # subprocess.run has already killed and reaped the child.
+        raise UtilizationError(
+            f"`{shown}` did not answer within {timeout:g} s and was killed; the driver may be "
+            f"stuck (a GPU in a bad state, or a driver being reloaded){_outputs(err)}"
+        ) from None
+    except OSError as err:
+        raise UtilizationError(f"could not run `{shown}`: {err}") from None
+    if done.returncode != 0:
+        output = f"{done.stdout}\n{done.stderr}"
+        remedy = ""
+        if "version mismatch" in output.lower():
+            remedy = (
+                "; the kernel module and the user-space driver differ, usually after a driver "
+                "upgrade: reboot, or reload the nvidia kernel modules"
+            )
+        raise UtilizationError(
+            f"`{shown}` failed with exit status {done.returncode}{remedy}{_outputs(done)}"
+        )
+    try:
+        return parse(done.stdout)
+    except ArgumentError as err:
+        raise UtilizationError(
+            f"`{shown}` printed output tfshard cannot read ({err}){_outputs(done)}"
+        ) from None
+
+
+def _find_executable(nvidia_smi: str | os.PathLike[str] | None) -> str:
+    if nvidia_smi is not None:
+        candidate, source = os.fspath(nvidia_smi), "the nvidia_smi argument"
+    elif os.environ.get(_ENV_EXECUTABLE):
+        candidate, source = os.environ[_ENV_EXECUTABLE], f"${_ENV_EXECUTABLE}"
+    else:
+        candidate, source = "nvidia-smi", None
+    found = shutil.which(candidate)
+    if found is not None:
+        return found
+    if source is None:
+        raise UtilizationError(
+            "no NVIDIA driver found: `nvidia-smi` is not on PATH. Install the NVIDIA driver "
+            "for your GPU (it ships nvidia-smi; in a container, run it with --gpus all and "
+            f"the NVIDIA Container Toolkit), or set {_ENV_EXECUTABLE} to the path of "
+            "nvidia-smi. Without an NVIDIA GPU there is no GPU utilisation to measure."
+        )
+    raise UtilizationError(
+        f"{source} is {candidate!r}, which is not an executable file on this machine; "
+        "give the path of nvidia-smi (it comes with the NVIDIA driver)"
+    )
+
+
+def _outputs(result: subprocess.CompletedProcess[str] | subprocess.TimeoutExpired) -> str:
+    parts = []
+    for label, value in (("stdout", result.stdout), ("stderr", result.stderr)):
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        if value and value.strip():
+            parts.append(f"{label}: {_quote(value)}")
+    return ". It printed " + "; ".join(parts) if parts else ". It printed nothing"
+
+
+def _quote(text: str) -> str:
+    text = text.strip()
+    if len(text) > _QUOTE_LIMIT:
+        text = text[:_QUOTE_LIMIT] + "..."
+    return repr(text)
+
+
+# --- sampling in the background --------------------------------------------------------
+
+
+class _Running:
+    """Mean, min and max of the values seen so far, ignoring the driver's None."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+        self.low: float | None = None
+        self.high: float | None = None
+
+    def add(self, value: float | None) -> None:
+        if value is None:
+            return
+        self.total += value
+        self.count += 1
+        self.low = value if self.low is None else min(self.low, value)
+        self.high = value if self.high is None else max(self.high, value)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+class _Stats:
+    """Running aggregates of one GPU, so a long run does not keep every reading."""
+
+    def __init__(self, first: GpuReading) -> None:
+        self.last = first
+        self.samples = 0
+        self.gpu = _Running()
+        self.mem = _Running()
+        self.used = _Running()
+
+    def add(self, reading: GpuReading) -> None:
+        self.last = reading
+        self.samples += 1
+        self.gpu.add(reading.utilization_gpu)
+        self.mem.add(reading.utilization_memory)
+        self.used.add(reading.memory_used_mib)
+
+    def summary(self) -> GpuSummary:
+        last = self.last
+        return GpuSummary(
+            index=last.index,
+            uuid=last.uuid,
+            name=last.name,
+            device=last.device,
+            samples=self.samples,
+            utilization_gpu_mean=self.gpu.mean,
+            utilization_gpu_min=self.gpu.low,
+            utilization_gpu_max=self.gpu.high,
+            utilization_memory_mean=self.mem.mean,
+            utilization_memory_max=self.mem.high,
+            memory_used_peak_mib=_whole(self.used.high),
+            memory_total_mib=last.memory_total_mib,
+        )
+
+
+class Monitor:
+    """Samples GPU utilisation in a background thread while a ``with`` block runs.
+
+    On entry it runs ``nvidia-smi`` once, so a missing driver or an unknown entry in
+    ``devices`` fails before the body starts; that reading predates the body and is not
+    counted. The thread then samples every ``interval`` seconds (at most; a slow
+    ``nvidia-smi`` stretches it), and one last sample is taken on exit, so every GPU has at
+    least one sample. On exit the thread is stopped and joined, also when the body raises.
+    A sampling failure in the thread is raised on exit as `UtilizationError`; when the body
+    raised too, the body's exception propagates with a note about the sampling failure.
+
+    >>> monitor = Monitor(interval=0.5, devices=["GPU:0"])
+    >>> monitor.summaries  # filled in while a with-block runs, readable afterwards
+    []
+
+    Usage::
+
+        with tfshard.utilization.Monitor() as monitor:
+            train(steps=1000)
+        for summary in monitor.summaries:
+            print(summary.device, summary.utilization_gpu_mean)
+
+    Args:
+        interval: Seconds between samples.
+        devices: The GPUs to follow, default all: ``nvidia-smi`` indices (``0``, ``"0"``),
+            UUIDs or UUID prefixes (``"GPU-8f3a"``), or TensorFlow names (``"GPU:1"``,
+            ``"/device:GPU:1"``). One spec or a sequence of them.
+        nvidia_smi: The executable, as in `query`.
+        timeout: Seconds before one ``nvidia-smi`` call counts as hung, as in `query`.
+
+    Raises:
+        ArgumentError: ``interval`` or ``timeout`` is not positive, or ``devices`` holds
+            something that is not a device spec. On entry: a spec that names no GPU.
+        UtilizationError: On entry or exit, as `query` raises, or the Monitor is already
+            running.
+    """
+
+    def __init__(
+        self,
+        interval: float = 0.5,
+        devices: _DeviceSpec | Sequence[_DeviceSpec] | None = None,
+        *,
+        nvidia_smi: str | os.PathLike[str] | None = None,
+        timeout: float = _DEFAULT_TIMEOUT_S,
+    ) -> None:
+        _check_positive("interval", interval)
+        _check_positive("timeout", timeout)
+        self._interval = float(interval)
+        self._specs = _device_specs(devices)
+        self._nvidia_smi = nvidia_smi
+        self._timeout = float(timeout)
+        self._lock = threading.Lock()
+        self._stats: dict[int, _Stats] = {}
+        # Bumped by _discard_samples, so a reading already in flight then is dropped too.
+        self._generation = 0
+        self._selected: frozenset[int] = frozenset()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def summaries(self) -> list[GpuSummary]:
+        """One summary per followed GPU, in ``nvidia-smi`` order; live while running."""
+        with self._lock:
+            return [self._stats[i].summary() for i in sorted(self._stats)]
+
+    def __enter__(self) -> Monitor:
+        if self._thread is not None:
+            raise UtilizationError("this Monitor is already running; use a new Monitor to nest")
+        probe = query(self._nvidia_smi, timeout=self._timeout)
+        selected = _select(probe, self._specs)
+        with self._lock:
+            self._stats = {}
+            self._selected = selected
+        self._error = None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=_THREAD_NAME, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> None:
+        thread, self._thread = self._thread, None
+        self._stop.set()
+        if thread is not None:
+            thread.join()
+        if exc is not None:
+            # The body's error is the one to see; the sampling failure rides along as a note
+            # (notes exist from Python 3.11; on 3.10 it is dropped).
+            if self._error is not None and sys.version_info >= (3, 11):
+                exc.add_note(f"tfshard.utilization.Monitor: sampling also failed: {self._error}")
+            return
+        if self._error is None:
+            try:
+                self._sample()
+            except UtilizationError as err:
+                self._error = err
+        if self._error is not None:
+            taken = sum(s.samples for s in self._stats.values())
+            raise UtilizationError(
+                f"sampling GPU utilisation failed after {taken} readings: {self._error}"
+            ) from self._error
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._sample()
+            except Exception as err:  # any failure, kept for __exit__ to raise, not lost
+                self._error = err
+                return
+
+    def _sample(self) -> None:
+        generation = self._generation
+        readings = query(self._nvidia_smi, timeout=self._timeout)
+        with self._lock:
+            if generation != self._generation:
+                return
+            for reading in readings:
+                if reading.index in self._selected:
+                    self._stats.setdefault(reading.index, _Stats(reading)).add(reading)
+
+    def _discard_samples(self) -> None:
+        """Forgets what was sampled so far (check() drops its warm-up this way)."""
+        with self._lock:
+            self._stats = {}
+            self._generation += 1
+
+
+def _device_specs(devices: _DeviceSpec | Sequence[_DeviceSpec] | None) -> tuple[_DeviceSpec, ...]:
+    if devices is None:
+        return ()
+    specs = (devices,) if isinstance(devices, int | str) else tuple(devices)
+    for spec in specs:
+        if isinstance(spec, bool) or not isinstance(spec, int | str):
+            raise ArgumentError(
+                f"devices={devices!r} holds {spec!r}; give nvidia-smi indices (0), UUIDs "
+                "('GPU-8f3a...') or TensorFlow names ('GPU:1')"
+            )
+    if not specs:
+        raise ArgumentError("devices=[] follows no GPU; pass None to follow every GPU")
+    return specs
+
+
+def _select(readings: Sequence[GpuReading], specs: Sequence[_DeviceSpec]) -> frozenset[int]:
+    """The nvidia-smi indices the specs name; every GPU when there are no specs."""
+    if not specs:
+        return frozenset(r.index for r in readings)
+    chosen = set()
+    for spec in specs:
+        matches = [r for r in readings if _matches(r, spec)]
+        if len(matches) != 1:
+            seen = "; ".join(f"{r.index} {r.uuid} ({r.device or 'no TF device'})" for r in readings)
+            problem = "names no GPU" if not matches else "names several GPUs"
+            raise ArgumentError(
+                f"devices entry {spec!r} {problem}; nvidia-smi sees: {seen or 'no GPU'}"
+            )
+        chosen.add(matches[0].index)
+    return frozenset(chosen)
+
+
+def _matches(reading: GpuReading, spec: _DeviceSpec) -> bool:
+    if isinstance(spec, int) or (spec.isascii() and spec.isdigit()):
+        return reading.index == int(spec)
+    if spec.startswith("GPU-"):
+        return reading.uuid is not None and reading.uuid.startswith(spec)
+    match = _TF_GPU_NAME.fullmatch(spec)
+    if match is None:
+        raise ArgumentError(
+            f"cannot read device spec {spec!r}; give an nvidia-smi index (0), a UUID "
+            "('GPU-8f3a...') or a TensorFlow name ('GPU:1', '/device:GPU:1')"
+        )
+    return reading.device == f"/device:GPU:{int(match.group(1))}"
+
+
+# --- the verdict -----------------------------------------------------------------------
+
+
+def check(
+    fn: Callable[..., Any] | None = None,
+    *args: Any,
+    threshold: float = _DEFAULT_THRESHOLD,
+    duration: float = 5.0,
+    interval: float = 0.5,
+    devices: _DeviceSpec | Sequence[_DeviceSpec] | None = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+) -> list[Verdict]:
+    """Measures whether ``fn`` keeps each GPU busy enough that more GPUs can help.
+
+    With ``fn``, calls ``fn(*args)`` once to warm up (tracing and autotuning are not the
+    steady state; that call is not measured), then again and again for ``duration`` seconds
+    (at least once) under a `Monitor`. Without ``fn``, samples for ``duration`` seconds
+    whatever already runs on the GPUs (another process, a training job). A GPU is busy when
+    its mean utilisation is at least ``threshold``. Use ``functools.partial`` for keyword
+    arguments of ``fn``.
+
+    Args:
+        fn: The function to measure, or None to only sample.
+        *args: Positional arguments of ``fn``.
+        threshold: Percent of mean utilisation that counts as busy, 0 to 100.
+        duration: Seconds to measure for; a few seconds or more gives a stable mean.
+        interval: Seconds between samples.
+        devices: The GPUs to judge, as in `Monitor`; default all.
+        nvidia_smi: The executable, as in `query`.
+
+    Returns:
+        One verdict per GPU, in ``nvidia-smi`` order.
+
+    Raises:
+        ArgumentError: ``fn`` is not callable, ``threshold`` is outside 0..100,
+            ``duration`` is negative, or as `Monitor` raises.
+        UtilizationError: As `query` raises, before ``fn`` first runs when no driver is
+            found.
+    """
+    if fn is not None and not callable(fn):
+        raise ArgumentError(f"fn={fn!r} is not callable; pass a function, or None to sample")
+    if fn is None and args:
+        raise ArgumentError(f"arguments {args!r} were given without fn; pass fn first")
+    _check_threshold(threshold)
+    if not (isinstance(duration, int | float) and 0 <= duration < math.inf):
+        raise ArgumentError(f"duration={duration!r}; give the seconds to measure, >= 0")
+    with Monitor(interval, devices, nvidia_smi=nvidia_smi) as monitor:
+        if fn is None:
+            time.sleep(duration)
+        else:
+            fn(*args)
+            monitor._discard_samples()
+            end = time.monotonic() + duration
+            fn(*args)
+            while time.monotonic() < end:
+                fn(*args)
+    return [_verdict(summary, threshold) for summary in monitor.summaries]
+
+
+def _verdict(summary: GpuSummary, threshold: float) -> Verdict:
+    mean = summary.utilization_gpu_mean
+    if mean is None:
+        return Verdict(
+            summary,
+            busy=False,
+            reason="the driver reports no utilisation for this GPU ([N/A] or [Not Supported], "
+            "as in MIG mode)",
+            hint="measure SM activity with NVIDIA DCGM (dcgmi dmon) or Nsight Systems instead",
+        )
+    spread = (
+        f"(min {summary.utilization_gpu_min:g} %, max {summary.utilization_gpu_max:g} %, "
+        f"{summary.samples} samples)"
+    )
+    if mean >= threshold:
+        return Verdict(
+            summary,
+            busy=True,
+            reason=f"mean utilisation {mean:.1f} % meets the {threshold:g} % threshold {spread}",
+            hint="one GPU is kept busy, so more GPUs can take real work: shard the batch "
+            "across them with tfshard.parallelize",
+        )
+    reason = f"mean utilisation {mean:.1f} % is below the {threshold:g} % threshold {spread}"
+    assert summary.utilization_gpu_max is not None  # set whenever the mean is
+    if summary.utilization_gpu_max >= threshold:
+        hint = (
+            "the GPU works in bursts and waits in between, so a second GPU would wait too: "
+            "move input preprocessing off the critical path (tf.data with "
+            ".prefetch(tf.data.AUTOTUNE)) and keep logs and metrics on the device instead of "
+            "calling .numpy() every step"
+        )
+    else:
+        hint = (
+            "each step is too small to fill the GPU, so a second GPU would mostly wait too: "
+            "raise the per-device batch size, and keep logs and metrics on the device"
+        )
+    return Verdict(summary, busy=False, reason=reason, hint=hint)
+
+
+def _check_positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not (isinstance(value, int | float) and 0 < value < math.inf):
+        raise ArgumentError(f"{name}={value!r}; give a positive number of seconds")
+
+
+def _check_threshold(threshold: float) -> None:
+    if isinstance(threshold, bool) or not (
+        isinstance(threshold, int | float) and 0 <= threshold <= 100
+    ):
+        raise ArgumentError(f"threshold={threshold!r}; give a percentage from 0 to 100")
+
+
+# --- the command line ------------------------------------------------------------------
+
+
+def format_table(readings: Iterable[GpuReading], threshold: float = _DEFAULT_THRESHOLD) -> str:
+    """Formats readings as the table ``python -m tfshard.utilization`` prints.
+
+    >>> reading = GpuReading(0, "GPU-8f3a", "NVIDIA A100-SXM4-40GB", 93.0, 41.0, 15012, 40960,
+    ...                      "/device:GPU:0")
+    >>> print(format_table([reading]))
+    gpu  tf device      name                   util %  mem util %  memory MiB     vs 90 %
+      0  /device:GPU:0  NVIDIA A100-SXM4-40GB      93          41  15012 / 40960  ok
+
+    Args:
+        readings: The readings to show.
+        threshold: The utilisation bar, in percent, for the last column.
+
+    Returns:
+        The table, one line per GPU under a header line, without a final newline.
+    """
+    rows = [
+        ("gpu", "tf device", "name", "util %", "mem util %", "memory MiB", f"vs {threshold:g} %")
+    ]
+    for r in readings:
+        if r.utilization_gpu is None:
+            status = "n/a"
+        else:
+            status = "ok" if r.utilization_gpu >= threshold else "below"
+        rows.append(
+            (
+                str(r.index),
+                r.device or "-",
+                r.name or "?",
+                _show(r.utilization_gpu),
+                _show(r.utilization_memory),
+                f"{_show(r.memory_used_mib)} / {_show(r.memory_total_mib)}",
+                status,
+            )
+        )
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    right = {0, 3, 4}  # numbers line up on the right
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(width) if col in right else cell.ljust(width)
+            for col, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _show(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:g}"
+
+
+def _exit_status(readings: Sequence[GpuReading], threshold: float) -> int:
+    if not readings:
+        return 2
+    meets = all(r.utilization_gpu is not None and r.utilization_gpu >= threshold for r in readings)
+    return 0 if meets else 1
+
+
+def run_cli(
+    *,
+    threshold: float = _DEFAULT_THRESHOLD,
+    watch: float | None = None,
+    count: int = 0,
+    as_json: bool = False,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+) -> int:
+    """Does what ``python -m tfshard.utilization`` does and returns its exit status.
+
+    Args:
+        threshold: The utilisation bar in percent.
+        watch: Seconds between refreshes; None prints once.
+        count: With ``watch``, stop after this many refreshes; 0 runs until interrupted.
+        as_json: Print a JSON list of readings (field names of `GpuReading`) instead of a
+            table; with ``watch``, one list per line.
+        nvidia_smi: The executable, as in `query`.
+
+    Returns:
+        0 when every GPU met the threshold in the last refresh, 1 when one did not, 2 when
+        no reading could be taken (the reason goes to stderr).
+
+    Raises:
+        ArgumentError: ``threshold``, ``watch`` or ``count`` is out of range.
+    """
+    _check_threshold(threshold)
+    if watch is not None:
+        _check_positive("watch", watch)
+    if count < 0 or (count and watch is None):
+        raise ArgumentError(f"count={count}; give a count >= 0 together with watch")
+    clear = watch is not None and not as_json and sys.stdout.isatty()
+    status, refreshes = 2, 0
+    try:
+        while True:
+            try:
+                readings = query(nvidia_smi)
+            except UtilizationError as err:
+                print(f"tfshard.utilization: {err}", file=sys.stderr)
+                return 2
+            status = _exit_status(readings, threshold)
+            if as_json:
+                rows = [dataclasses.asdict(r) for r in readings]
+                print(json.dumps(rows, indent=None if watch else 2))
+            else:
+                if clear:
+                    print("\x1b[H\x1b[2J", end="")
+                if watch is not None:
+                    print(time.strftime("%Y-%m-%d %H:%M:%S"))
+                print(format_table(readings, threshold))
+            if not readings:
+                print("tfshard.utilization: nvidia-smi lists no GPU", file=sys.stderr)
+            sys.stdout.flush()
+            refreshes += 1
+            if watch is None or refreshes == count:
+                return status
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return status
+
+
+def main(argv: Sequence[str]) -> int:
+    """The entry point of ``python -m tfshard.utilization``, after absl parsed the flags.
+
+    Args:
+        argv: The program name and any arguments left after the flags.
+
+    Returns:
+        The exit status, as `run_cli` returns it (2 for unexpected arguments).
+    """
+    from absl import flags
+
+    if len(argv) > 1:
+        print(f"tfshard.utilization: unexpected arguments {argv[1:]}", file=sys.stderr)
+        return 2
+    values = flags.FLAGS
+    try:
+        return run_cli(
+            threshold=values.threshold,
+            watch=values.watch,
+            count=values.count,
+            as_json=values.json,
+        )
+    except ArgumentError as err:
+        print(f"tfshard.utilization: {err}", file=sys.stderr)
+        return 2
+
+
+def _define_flags() -> None:
+    # Defined only when run as a script: importing the library must not add flags to an
+    # application's global absl FLAGS, where names like --json and --threshold would clash.
+    from absl import flags
+
+    flags.DEFINE_float("threshold", _DEFAULT_THRESHOLD, "Percent utilisation that counts as busy.")
+    flags.DEFINE_float("watch", None, "Refresh the table every this many seconds.")
+    flags.DEFINE_integer("count", 0, "With --watch, stop after this many refreshes (0: never).")
+    flags.DEFINE_bool("json", False, "Print the readings as JSON (GpuReading field names).")
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    # absl exits 1 on a flag error, which here would read as "a GPU is not busy".
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        print(f"tfshard.utilization: {err}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main, flags_parser=_parse_flags)
