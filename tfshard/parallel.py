@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tfshard import collect, pinning
+from tfshard import collect, datasets, pinning
 from tfshard.errors import ArgumentError, ShardError
 
 __all__ = ("ShardedFunction", "parallelize")
@@ -316,6 +316,7 @@ class ShardedFunction:
         self._allow_duplicates = bool(allow_duplicate_devices)
         self._placement: tuple[tuple[str, ...], str] | None = None
         self._graphs: dict[Hashable, Any] = {}
+        self._twins: dict[str | None, ShardedFunction] = {}
         self._lock = threading.Lock()
         self._converted: Callable[..., Any] | None = None
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
@@ -394,6 +395,16 @@ class ShardedFunction:
         return "\n".join(line.rstrip() for line in lines)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the function on the batch, split across the devices.
+
+        A `tf.data.Dataset` as the first argument streams every element (one
+        global batch each) through the function and concatenates (or reduces)
+        the results; the keywords ``batch_size``, ``batched`` and ``progress``
+        then belong to tfshard, as in `iterate`.
+        """
+        if args and isinstance(args[0], tf.data.Dataset):
+            options = {k: kwargs.pop(k) for k in datasets.DATASET_OPTIONS if k in kwargs}
+            return datasets.run(self, args[0], args[1:], kwargs, **options)
         call = self._classify(args, kwargs)
         graph = self._graphs.get(call.key)
         if graph is None:
@@ -404,6 +415,78 @@ class ShardedFunction:
                 return graph(*call.tensors)
         except tf.errors.OpError as error:
             raise self._shard_error(error, call) from None
+
+    def iterate(
+        self,
+        dataset: tf.data.Dataset,
+        *args: Any,
+        batch_size: int | None = None,
+        batched: bool | None = None,
+        progress: bool | Any = False,
+        **kwargs: Any,
+    ) -> Iterator[Any]:
+        """Streams a dataset through the function, yielding one result per global batch.
+
+        For datasets too large to hold, or infinite ones. Each element is a
+        global batch split across the devices like a tensor (the last, smaller
+        batch included); a tuple element is spread over the positional
+        parameters, as `tf.data.Dataset.map` does. The next batch is prepared
+        by tf.data while the current one runs.
+
+        Args:
+          dataset: batches, or single samples with `batch_size`.
+          *args: further arguments, passed with every batch (name them in
+            `broadcast` if they are tensors).
+          batch_size: batch a dataset of single samples into global batches of
+            this many (the last may be smaller).
+          batched: True when elements are batches whose size the element spec
+            states (``batch(n, drop_remainder=True)``); None to tell by the
+            element spec.
+          progress: True to print a progress line with samples/s to stderr
+            (or a stream to print it to).
+          **kwargs: further keyword arguments, passed with every batch.
+
+        Yields:
+          The function's result for each batch, in order.
+
+        Raises:
+          ArgumentError: `dataset` is not a dataset, has no batch dimension,
+            its elements do not fit the function, or a batch changes the
+            per-sample shapes.
+
+        >>> f = tfshard.parallelize(lambda s: s * 10, devices=["cpu:0", "cpu:1"])
+        >>> ds = tf.data.Dataset.range(5)
+        >>> [r.numpy().tolist() for r in f.iterate(ds, batch_size=2)]
+        [[0, 10], [20, 30], [40]]
+        """
+        if not isinstance(dataset, tf.data.Dataset):
+            raise ArgumentError(
+                f"{self.__name__}.iterate() takes a tf.data.Dataset, got "
+                f"{type(dataset).__name__}; call {self.__name__}(x) for tensors and arrays"
+            )
+        for result, _ in datasets.iterate(
+            self, dataset, args, kwargs, batch_size=batch_size, batched=batched, progress=progress
+        ):
+            yield result
+
+    def _with_reduce(self, reduce: str | None) -> ShardedFunction:
+        """This function with another reduction (cached: it traces its own graph)."""
+        twin = self._twins.get(reduce)
+        if twin is None:
+            twin = ShardedFunction(
+                self._fn,
+                devices=self._device_specs,
+                weights=self._weights,
+                per_sample=self._per_sample,
+                reduce=reduce,
+                output_device=self._output_spec,
+                broadcast=tuple(self._broadcast),
+                ragged=self._ragged,
+                jit_compile=self._jit_compile,
+                allow_duplicate_devices=self._allow_duplicates,
+            )
+            self._twins[reduce] = twin
+        return twin
 
     def __repr__(self) -> str:
         return f"<tfshard.ShardedFunction {self.__name__} on {self._device_specs or 'all devices'}>"
@@ -505,6 +588,11 @@ class ShardedFunction:
             leaf_kinds, leaf_statics = [], []
             for i, leaf in enumerate(leaves):
                 tensor = _as_tensor(leaf, name)
+                if isinstance(leaf, tf.data.Dataset):
+                    raise ArgumentError(
+                        f"{_path(name, key, i)} is a tf.data.Dataset; pass a dataset as the "
+                        f"first positional argument, {self.__name__}(dataset, ...)"
+                    )
                 if tensor is None:
                     if not isinstance(leaf, Hashable) or isinstance(leaf, tf.SparseTensor):
                         raise ArgumentError(

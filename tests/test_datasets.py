@@ -1,0 +1,241 @@
+"""Streaming tf.data datasets through @parallelize.
+
+References: the tensor path of the same ShardedFunction, and a single-device
+`dataset.map` over the same elements.
+"""
+
+import collections
+import io
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tfshard
+from tfshard.errors import ArgumentError
+
+CPUS = [f"/device:CPU:{i}" for i in range(4)]
+rng = np.random.default_rng(3)
+W = tf.constant(rng.normal(size=[4, 3]).astype(np.float32))
+
+
+def embed_one(sample):
+    return tf.tanh(tf.linalg.matvec(W, sample, transpose_a=True))
+
+
+@pytest.fixture(scope="module")
+def embed():
+    return tfshard.parallelize(embed_one, devices=CPUS[:3])
+
+
+def single_device_map(fn, dataset):
+    """Reference: each batch through dataset.map on one device, concatenated."""
+    with tf.device("/device:CPU:0"):
+        return tf.concat(list(dataset.map(lambda b: tf.vectorized_map(fn, b))), axis=0)
+
+
+def test_batched_dataset_equals_tensor_path_and_dataset_map(embed):
+    x = rng.normal(size=[22, 4]).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(8)  # 8, 8, 6 rows
+    out = embed(ds)
+    np.testing.assert_allclose(out.numpy(), embed(x).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(out.numpy(), single_device_map(embed_one, ds).numpy(), rtol=1e-5)
+
+
+def test_last_batch_smaller_than_the_device_count(embed):
+    x = rng.normal(size=[9, 4]).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(4)  # 4, 4, 1: one row on 3 devices
+    np.testing.assert_allclose(embed(ds).numpy(), embed(x).numpy(), rtol=1e-6)
+
+
+def test_unbatched_dataset_with_batch_size(embed):
+    x = rng.normal(size=[13, 4]).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(x)
+    np.testing.assert_allclose(embed(ds, batch_size=5).numpy(), embed(x).numpy(), rtol=1e-6)
+
+
+def test_no_retracing_across_batch_sizes():
+    f = tfshard.parallelize(lambda s: s + 1.0, devices=CPUS[:2])
+    ds = tf.data.Dataset.from_tensor_slices(np.zeros([50, 2], np.float32))
+    for batch in (7, 16, 50):
+        assert f(ds.batch(batch)).shape == (50, 2)
+    assert f.trace_count == 1
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(0, 40), batch=st.integers(1, 12))
+def test_every_sample_once_in_order(n, batch):
+    f = _ID
+    ids = np.arange(n, dtype=np.int64)
+    out = f(tf.data.Dataset.from_tensor_slices(ids), batch_size=batch)
+    assert out.numpy().tolist() == ids.tolist()
+
+
+_ID = tfshard.parallelize(lambda s: s, devices=CPUS[:3])
+
+
+def test_iterate_yields_one_result_per_batch_in_order():
+    f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(7)
+    got = [r.numpy().tolist() for r in f.iterate(ds, batch_size=3)]
+    assert got == [[0, 2, 4], [6, 8, 10], [12]]
+
+
+def test_iterate_is_lazy_on_an_infinite_dataset():
+    f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
+    stream = f.iterate(tf.data.Dataset.range(10**12).repeat(), batch_size=4)
+    first = [next(stream).numpy().tolist() for _ in range(2)]
+    assert first == [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+def test_tuple_elements_are_spread_like_dataset_map():
+    f = tfshard.parallelize(lambda a, b: a * b, devices=CPUS[:2])
+    a = rng.normal(size=[10]).astype(np.float32)
+    b = rng.normal(size=[10]).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((a, b)).batch(4)
+    np.testing.assert_allclose(f(ds).numpy(), a * b, rtol=1e-6)
+    reference = tf.concat(list(ds.map(lambda x, y: x * y)), 0)
+    np.testing.assert_allclose(f(ds).numpy(), reference.numpy(), rtol=1e-6)
+
+
+Example = collections.namedtuple("Example", "image label")
+
+
+def test_dict_and_namedtuple_elements_are_one_argument():
+    f = tfshard.parallelize(lambda e: {"y": e["x"] + 1, "n": e["n"]}, devices=CPUS[:2])
+    x = np.arange(6, dtype=np.float32)
+    out = f(tf.data.Dataset.from_tensor_slices({"x": x, "n": np.arange(6)}).batch(4))
+    assert out["y"].numpy().tolist() == (x + 1).tolist()
+    assert out["n"].numpy().tolist() == list(range(6))
+    g = tfshard.parallelize(lambda e: e.image * tf.cast(e.label, tf.float32), devices=CPUS[:2])
+    ds = tf.data.Dataset.from_tensor_slices(Example(x, np.arange(6))).batch(4)
+    assert g(ds).numpy().tolist() == (x * np.arange(6)).tolist()
+
+
+def test_extra_arguments_go_with_every_batch():
+    f = tfshard.parallelize(lambda s, table: tf.gather(table, s), broadcast=("table",))
+    table = tf.constant([10.0, 20.0, 30.0])
+    ds = tf.data.Dataset.from_tensor_slices(np.array([2, 0, 1, 1, 2]))
+    assert f(ds, table, batch_size=2).numpy().tolist() == [30, 10, 20, 20, 30]
+
+
+def test_ragged_outputs_across_batches():
+    f = tfshard.parallelize(lambda n: tf.range(n), devices=CPUS[:3])
+    out = f(tf.data.Dataset.range(6), batch_size=4)
+    assert out.to_list() == [list(range(n)) for n in range(6)]
+
+
+def test_ragged_elements_work_as_tensors_do():
+    f = tfshard.parallelize(lambda row: tf.reduce_sum(row), devices=CPUS[:2])
+    rt = tf.ragged.constant([[1, 2], [], [3], [4, 5, 6], [7]])
+    ds = tf.data.Dataset.from_tensor_slices(rt).ragged_batch(2)
+    assert f(ds).numpy().tolist() == [3, 0, 3, 15, 7] == f(rt).numpy().tolist()
+
+
+@pytest.mark.parametrize(
+    "op, np_op", [("sum", np.sum), ("mean", np.mean), ("max", np.max), ("min", np.min)]
+)
+def test_reductions_over_the_whole_dataset(op, np_op):
+    f = tfshard.parallelize(lambda s: s * s, reduce=op, devices=CPUS[:3])
+    x = rng.normal(size=[17, 2]).astype(np.float32)
+    out = f(tf.data.Dataset.from_tensor_slices(x).batch(5))
+    np.testing.assert_allclose(out.numpy(), np_op(x * x, axis=0), rtol=1e-5)
+
+
+def test_integer_mean_over_batches_is_the_mean_over_samples():
+    f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:2])
+    # Per-batch means would truncate to 1 and 2, giving 1; the mean over samples is 2.
+    out = f(tf.data.Dataset.from_tensor_slices(np.array([1, 2, 2, 3])).batch(2))
+    assert out.numpy() == tf.reduce_mean(tf.constant([1, 2, 2, 3])).numpy() == 2
+
+
+def test_per_batch_mean_over_the_dataset_is_size_weighted():
+    f = tfshard.parallelize(
+        lambda b: tf.reduce_mean(b, 0), per_sample=False, reduce="mean", devices=CPUS[:3]
+    )
+    x = rng.normal(size=[11, 2]).astype(np.float32)
+    out = f(tf.data.Dataset.from_tensor_slices(x).batch(4))
+    np.testing.assert_allclose(out.numpy(), x.mean(0), rtol=1e-5)
+
+
+def test_empty_dataset_gives_an_empty_result_of_the_right_type(embed):
+    empty = tf.data.Dataset.from_tensor_slices(np.zeros([0, 4], np.float32))
+    out = embed(empty, batch_size=8)
+    assert out.shape == (0, 3) and out.dtype == tf.float32
+    out = embed(empty.batch(8))
+    assert out.shape == (0, 3)
+
+
+def test_empty_dataset_with_a_reduction():
+    f = tfshard.parallelize(lambda s: s, reduce="sum", devices=CPUS[:2])
+    out = f(tf.data.Dataset.from_tensor_slices(np.zeros([0, 2], np.float32)), batch_size=3)
+    assert out.numpy().tolist() == [0.0, 0.0]
+
+
+def test_progress_reports_samples_per_second():
+    f = tfshard.parallelize(lambda s: s, devices=CPUS[:2])
+    stream = io.StringIO()
+    f(tf.data.Dataset.range(10), batch_size=4, progress=stream)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("<lambda>: batch 1/3  4 samples")
+    assert lines[-1].startswith("<lambda>: batch 3/3  10 samples") and "samples/s" in lines[-1]
+
+
+def test_batched_true_for_fixed_size_batches():
+    f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[:2])
+    ds = tf.data.Dataset.from_tensor_slices(np.arange(8.0)).batch(4, drop_remainder=True)
+    assert f(ds, batched=True).numpy().tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_scalar_elements_need_a_batch_size():
+    f = tfshard.parallelize(lambda s: s)
+    with pytest.raises(ArgumentError, match=r"element is a scalar.*pass batch_size=N"):
+        f(tf.data.Dataset.range(3))
+
+
+def test_fixed_shape_elements_are_ambiguous():
+    f = tfshard.parallelize(lambda s: s)
+    ds = tf.data.Dataset.from_tensor_slices({"x": np.zeros([4, 3])})
+    with pytest.raises(ArgumentError, match=r"element\['x'\]: \(3,\).*batch_size=N.*batched=True"):
+        f(ds)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_batch_size(bad):
+    f = tfshard.parallelize(lambda s: s)
+    with pytest.raises(ArgumentError, match=rf"batch_size={bad!r}: .*an int >= 1"):
+        f(tf.data.Dataset.range(3), batch_size=bad)
+
+
+def test_iterate_needs_a_dataset():
+    f = tfshard.parallelize(lambda s: s)
+    with pytest.raises(ArgumentError, match=r"iterate\(\) takes a tf.data.Dataset, got ndarray"):
+        next(f.iterate(np.zeros([3])))
+
+
+def test_element_structure_that_does_not_fit_the_function():
+    f = tfshard.parallelize(lambda x: x)
+    ds = tf.data.Dataset.from_tensor_slices((np.zeros([4]), np.zeros([4]))).batch(2)
+    with pytest.raises(ArgumentError, match=r"passed as 2 positional argument\(s\).*<lambda>\(x\)"):
+        f(ds)
+
+
+def test_changing_per_sample_shapes_name_the_field():
+    f = tfshard.parallelize(lambda e: e["tokens"])
+    ds = tf.data.Dataset.range(1, 6).map(lambda n: {"tokens": tf.range(n)}).padded_batch(2)
+    with pytest.raises(
+        ArgumentError,
+        match=r"element\['tokens'\] has per-sample shape \[4\] in this batch but \[2\]",
+    ):
+        f(ds)
+
+
+def test_dataset_elsewhere_than_first():
+    f = tfshard.parallelize(lambda x, d: x)
+    with pytest.raises(ArgumentError, match="pass a dataset as the first positional argument"):
+        f(np.zeros([2]), tf.data.Dataset.range(2))
