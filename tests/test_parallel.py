@@ -632,6 +632,14 @@ def test_sparse_input_is_refused_with_a_remedy():
         f(sparse)
 
 
+def test_sparse_broadcast_argument():
+    f = tfshard.parallelize(
+        lambda i, m: tf.sparse.to_dense(m)[i], broadcast=("m",), devices=CPUS[:2]
+    )
+    m = tf.sparse.from_dense(tf.constant([[0.0, 1.0], [2.0, 0.0]]))
+    assert f(np.array([1, 0, 1]), m).numpy().tolist() == [[2, 0], [0, 1], [2, 0]]
+
+
 @pytest.mark.parametrize("per_sample", [True, False])
 def test_non_tensor_outputs_name_the_path(per_sample):
     f = tfshard.parallelize(lambda x: {"ok": x, "bad": "text"}, per_sample=per_sample)
@@ -660,6 +668,17 @@ def test_structure_that_differs_between_shards_is_named():
     with pytest.raises(
         ArgumentError, match=r"outputs\['loss'\] has rank 0 .* on /device:CPU:1 but rank 1"
     ):
+        f(np.ones([4], np.float32))
+
+
+def test_structure_keys_that_differ_between_shards_are_named():
+    def fn(x):
+        if tf.constant(0.0).device.endswith("CPU:1"):
+            return {"loss": x, "extra": x}
+        return {"loss": x}
+
+    f = tfshard.parallelize(fn, per_sample=False, devices=["cpu:0", "cpu:1"])
+    with pytest.raises(ArgumentError, match=r"outputs\['extra'\] differs between shards"):
         f(np.ones([4], np.float32))
 
 

@@ -134,6 +134,11 @@ def _build(key: Hashable, leaves: Iterator[Any]) -> Any:
 
 def _path(prefix: str, key: Hashable, index: int) -> str:
     """The readable path (``x['a'][1]``) of leaf number `index` under `key`."""
+    return _paths(prefix, key)[index]
+
+
+def _paths(prefix: str, key: Hashable) -> list[str]:
+    """The readable paths of every leaf under `key`, in leaf order."""
     paths: list[str] = []
 
     def visit(sub: Hashable, where: str) -> None:
@@ -147,15 +152,7 @@ def _path(prefix: str, key: Hashable, index: int) -> str:
                 visit(s, f"{where}[{i}]")
 
     visit(key, prefix)
-    return paths[index]
-
-
-_STATIC_TYPES = (int, float, bool, str, bytes, type(None), np.generic)
-
-
-class _Leaf(NamedTuple):
-    kind: str  # "split", "broadcast" or "static"
-    spec: Hashable  # part of the cache key
+    return paths
 
 
 class _Call(NamedTuple):
@@ -187,10 +184,7 @@ def _as_tensor(value: Any, where: str) -> Any:
             raise ArgumentError(f"{where} is a NumPy array of Python objects; use a numeric dtype")
         return tf.convert_to_tensor(value)
     if isinstance(value, tf.SparseTensor):
-        raise ArgumentError(
-            f"{where} is a tf.SparseTensor, which tfshard cannot split; pass "
-            f"tf.sparse.to_dense({where}) or name it in broadcast=(...)"
-        )
+        return value  # Broadcast whole; refused as a split argument.
     return None
 
 
@@ -198,8 +192,8 @@ def _tensor_spec(t: Any, split: bool) -> Hashable:
     shape = t.shape
     if split:
         shape = tf.TensorShape([None]).concatenate(shape[1:])
-    ragged = t.ragged_rank if isinstance(t, tf.RaggedTensor) else -1
-    return (t.dtype, tuple(shape.as_list()) if shape.rank is not None else None, ragged)
+    kind = t.ragged_rank if isinstance(t, tf.RaggedTensor) else type(t).__name__
+    return (t.dtype, tuple(shape.as_list()) if shape.rank is not None else None, kind)
 
 
 def _type_spec(t: Any, split: bool) -> tf.TypeSpec:
@@ -210,6 +204,8 @@ def _type_spec(t: Any, split: bool) -> tf.TypeSpec:
         return tf.RaggedTensorSpec(
             shape, t.dtype, ragged_rank=t.ragged_rank, row_splits_dtype=t.row_splits.dtype
         )
+    if isinstance(t, tf.SparseTensor):
+        return tf.SparseTensorSpec(shape, t.dtype)
     return tf.TensorSpec(shape, t.dtype)
 
 
@@ -609,6 +605,13 @@ class ShardedFunction:
                     shared.append(tensor)
                     key_specs.append(("broadcast", _tensor_spec(tensor, False)))
                     continue
+                if isinstance(tensor, tf.SparseTensor):
+                    where = _path(name, key, i)
+                    raise ArgumentError(
+                        f"{where} is a tf.SparseTensor, which tfshard cannot split; pass "
+                        f"tf.sparse.to_dense({where}), or name {name!r} in broadcast=(...) "
+                        "to give every shard all of it"
+                    )
                 if tensor.shape.rank == 0:
                     where = _path(name, key, i)
                     raise ArgumentError(
@@ -804,10 +807,16 @@ class ShardedFunction:
         flat = [reference_leaves]
         for k, result in enumerate(outputs[1:], start=1):
             leaves: list[Any] = []
-            if _walk(result, leaves) != reference:
+            structure = _walk(result, leaves)
+            if structure != reference:
+                ours = _paths("outputs", structure)
+                theirs = _paths("outputs", reference)
+                only = [p for p in ours if p not in theirs] or [p for p in theirs if p not in ours]
+                differ = only[0] if only else "outputs"
                 raise ArgumentError(
-                    f"the function returned a different structure on {devices[k]} than on "
-                    f"{devices[0]}; every shard must return the same structure"
+                    f"{differ} differs between shards: on {devices[k]} the function returned "
+                    f"{', '.join(ours)} but on {devices[0]} {', '.join(theirs)}; every shard "
+                    "must return the same structure"
                 )
             for i, (leaf, first) in enumerate(zip(leaves, reference_leaves)):
                 if leaf.shape.rank != first.shape.rank or leaf.dtype != first.dtype:
