@@ -40,3 +40,29 @@ class ShardError(TfshardError):
 
 class UtilizationError(TfshardError, RuntimeError):
     """``nvidia-smi`` is missing, failed, hung, or printed something unreadable."""
+
+
+class ClusterError(TfshardError, RuntimeError):
+    """A TensorFlow cluster is unreachable, or a worker in it went away.
+
+    The message names the worker's job, task and address, and how to bring it
+    back (``python -m tfshard.worker ...``, then ``tfshard.connect(...)`` again).
+    """
+
+
+class WorkerError(TfshardError, RuntimeError):
+    """A worker process failed, exited without a result, or outlived the timeout.
+
+    Attributes:
+      index: the worker's position in `per_device_args`.
+      device: the worker's device, as given (``"gpu:1"``, ``"cpu"``).
+      traceback: the worker's formatted traceback when it raised, else None.
+    """
+
+    def __init__(
+        self, message: str, *, index: int, device: str, traceback: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.index = index
+        self.device = device
+        self.traceback = traceback

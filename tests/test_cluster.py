@@ -1,0 +1,476 @@
+"""Connecting to a TensorFlow cluster: names, probing, and two real workers on loopback.
+
+`tfshard.connect` changes this process's TensorFlow context for good, and the
+other tests rely on the four local logical CPUs of ../conftest.py, so nothing
+here connects in the pytest process: the client runs in a subprocess (the
+script `CLIENT` below) and reports JSON lines. The workers are
+``python -m tfshard.worker`` processes on 127.0.0.1, started and killed by the
+`two_workers` fixture. Only loopback addresses are used.
+"""
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+import tfshard
+from tfshard import pinning, worker
+from tfshard.errors import ArgumentError, ClusterError, DeviceError
+
+ROOT = Path(__file__).resolve().parent.parent
+# Quiet TF's C++ logs in the children; keep tfshard's own.
+CHILD_ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+CHILD_ENV.pop(pinning.CONTEXTS_ENV, None)
+CHILD_ENV.pop(pinning.TF_CONFIG_ENV, None)
+START_TIMEOUT = 90  # seconds for a child to import TF and get going on a busy machine
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------- names, in-process
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("worker1:GPU:0", ("worker", 1, "GPU", 0)),
+        ("worker1:cpu", ("worker", 1, "CPU", 0)),
+        ("worker12:gpu:3", ("worker", 12, "GPU", 3)),
+        ("ps0:CPU:1", ("ps", 0, "CPU", 1)),
+        ("/job:worker/task:1/device:CPU:0", ("worker", 1, "CPU", 0)),
+        ("/job:worker/replica:0/task:1/device:GPU:2", ("worker", 1, "GPU", 2)),
+    ],
+)
+def test_remote_spellings_parse_to_job_task_and_device(spec, expected):
+    parsed = pinning._parse_spec(spec)
+    assert (parsed.job, parsed.task, parsed.device_type, parsed.device_index) == expected
+    assert pinning.is_remote(spec)
+
+
+@pytest.mark.parametrize("spec", ["cpu:1", "/device:CPU:0", "GPU:1", "cuda1", 2])
+def test_local_spellings_are_not_remote(spec):
+    assert not pinning.is_remote(spec)
+    assert pinning.host_of(spec) is None
+
+
+def test_short_remote_name_without_a_cluster_says_to_connect():
+    with pytest.raises(DeviceError, match=r"'worker1:GPU:0' .*does not exist.*tfshard\.connect"):
+        tfshard.resolve_device("worker1:GPU:0")
+
+
+def test_host_of_a_remote_device_reads_the_connected_cluster(monkeypatch):
+    connection = pinning._Connection({"worker": {0: "127.0.0.1:1", 1: "127.0.0.1:2"}}, "x:3")
+    monkeypatch.setattr(pinning, "_connection", connection)
+    assert pinning.host_of("worker1:CPU:0") == "127.0.0.1:2"
+    assert pinning.host_of("/job:worker/replica:0/task:0/device:CPU:0") == "127.0.0.1:1"
+    assert pinning.host_of("worker7:CPU:0") is None
+    with pytest.raises(DeviceError, match=r"connected cluster has worker tasks \[0, 1\]"):
+        tfshard.resolve_device("worker7:CPU:0")
+
+
+# ------------------------------------------------------ clusters, in-process
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
+        {"worker": {0: "127.0.0.1:2222", 1: "127.0.0.1:2223"}},
+        tf.train.ClusterSpec({"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}),
+        "127.0.0.1:2222, 127.0.0.1:2223",
+        '{"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}',
+        '{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "task": {}}',
+    ],
+)
+def test_every_cluster_spelling_gives_the_same_spec(cluster):
+    spec = pinning.cluster_spec(cluster)
+    assert spec.as_dict() == {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
+
+
+def test_cluster_comes_from_tf_config(monkeypatch):
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        json.dumps({"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "chief"}}),
+    )
+    assert pinning.cluster_spec().as_dict() == {"worker": ["127.0.0.1:2222"]}
+
+
+def test_missing_tf_config_says_how_to_give_a_cluster(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ArgumentError, match=r"TF_CONFIG is not set: pass the workers"):
+        pinning.cluster_spec()
+
+
+@pytest.mark.parametrize(
+    "cluster, message",
+    [
+        ({"worker": ["127.0.0.1"]}, r"job 'worker' task 0: address '127.0.0.1' is not 'host:port'"),
+        ({"worker": ["127.0.0.1:0"]}, r"a port is 1-65535"),
+        ({"worker": []}, r"job 'worker' has no tasks"),
+        ({"1worker": ["127.0.0.1:1"]}, r"job name '1worker' is not a TensorFlow job name"),
+        ({"localhost": ["127.0.0.1:1"]}, r"job 'localhost' is the name this process takes"),
+        ({"worker": ["127.0.0.1:1", "127.0.0.1:1"]}, r"task:0 and /job:worker/task:1 .*same|both"),
+        ({"worker": {-1: "127.0.0.1:1"}}, r"task -1: a task index is an int >= 0"),
+        ('{"worker": [', r"is not valid JSON"),
+        (42, r"cluster=42: pass a tf.train.ClusterSpec"),
+        ({}, r"the cluster has no jobs"),
+    ],
+)
+def test_bad_clusters_name_the_job_task_and_fix(cluster, message):
+    with pytest.raises(ArgumentError, match=message):
+        pinning.cluster_spec(cluster)
+
+
+def test_worker_command_reproduces_the_cluster():
+    jobs = pinning._cluster_jobs("127.0.0.1:2222,127.0.0.1:2223")
+    assert pinning._worker_command(jobs, "worker", 1) == (
+        "python -m tfshard.worker --cluster=127.0.0.1:2222,127.0.0.1:2223 --task=1"
+    )
+    jobs = pinning._cluster_jobs({"worker": ["127.0.0.1:2222"], "ps": ["127.0.0.1:2224"]})
+    assert pinning._cluster_jobs(json.loads(pinning._cluster_flag(jobs))) == jobs
+    assert "--job=ps --task=0" in pinning._worker_command(jobs, "ps", 0)
+
+
+def test_connect_to_a_closed_port_fails_fast_naming_the_address():
+    port = _free_port()  # Nothing listens there now.
+    start = time.monotonic()
+    with pytest.raises(ClusterError) as raised:
+        tfshard.pinning.connect({"worker": [f"127.0.0.1:{port}"]}, timeout=2)
+    assert time.monotonic() - start < 5
+    message = str(raised.value)
+    assert f"/job:worker/task:0 at 127.0.0.1:{port}: Connection refused for 2 s" in message
+    assert f"python -m tfshard.worker --cluster=127.0.0.1:{port} --task=0" in message
+    assert pinning._connection is None  # Nothing changed: TF was never asked.
+
+
+def test_a_port_that_never_answers_is_bounded_by_the_timeout():
+    with socket.socket() as silent:  # Accepts connections (backlog), never speaks gRPC.
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        problem, local = pinning._probe(address, timeout=1.0)
+    assert time.monotonic() - start < 4
+    assert local == "127.0.0.1"
+    assert "did not answer" in problem
+
+
+def test_connect_rejects_a_bad_timeout():
+    with pytest.raises(ArgumentError, match=r"timeout=0"):
+        tfshard.pinning.connect("127.0.0.1:1", timeout=0)
+
+
+def test_explain_remote_error_ignores_errors_without_a_cluster():
+    error = tf.errors.UnavailableError(None, None, "Socket closed")
+    assert pinning.explain_remote_error(error) is None
+
+
+def test_explain_remote_error_names_the_dead_worker(monkeypatch):
+    port = _free_port()
+    connection = pinning._Connection({"worker": {0: f"127.0.0.1:{port}"}}, "127.0.0.1:9")
+    monkeypatch.setattr(pinning, "_connection", connection)
+    error = tf.errors.UnavailableError(
+        None, None, "remote target /job:worker/replica:0/task:0/device:CPU:0 while calling x"
+    )
+    hint = pinning.explain_remote_error(error, probe_timeout=1)
+    assert f"/job:worker/task:0 at 127.0.0.1:{port} is down (Connection refused" in hint
+    assert "--task=0" in hint and "tfshard.connect(...) again" in hint
+    assert pinning.explain_remote_error(ValueError("x")) is None
+
+
+@pytest.mark.parametrize(
+    "job, task, message",
+    [
+        (None, None, r"which task of job 'worker' is this\? pass --task=N \(N in \[0, 1\]\)"),
+        (None, 5, r"--task=5: job 'worker' has tasks \[0, 1\] \(0: 127.0.0.1:2222, 1: "),
+        ("ps", 0, r"job 'ps' is not in the cluster \(its jobs: worker\); pass --job"),
+    ],
+)
+def test_worker_names_a_bad_task_before_starting(monkeypatch, job, task, message):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ArgumentError, match=message):
+        worker.start_server("127.0.0.1:2222,127.0.0.1:2223", job, task)
+
+
+def test_worker_on_a_busy_port_says_which():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        with pytest.raises(ArgumentError, match=rf"port \d+ of this task's address '{address}' is"):
+            worker.start_server(address, None, 0)
+
+
+# ------------------------------------------------------------ two workers
+
+CLIENT = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    import tensorflow as tf
+    import tfshard
+    from tfshard import pinning
+
+    def say(**event):
+        print(json.dumps(event), flush=True)
+
+    def wait_for_go():
+        assert sys.stdin.readline().strip() == "go"
+
+    cluster = sys.argv[1]
+    wait_for_go()  # TF is imported; the workers are serving now.
+    remote = pinning.connect(cluster, timeout=20)
+    say(event="connected", remote=remote, devices=tfshard.list_devices(),
+        short=tfshard.resolve_device("worker1:cpu"),
+        full=tfshard.resolve_device("/job:worker/task:0/device:CPU:0"),
+        local=tfshard.resolve_device("cpu:0"), host=pinning.host_of("worker1:CPU:0"))
+
+    W = tf.constant(np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32))
+
+    def embed(sample):  # [6] -> [4], and the row itself to check order
+        return {"y": tf.tanh(tf.linalg.matvec(W, sample, transpose_a=True)), "row": sample}
+
+    devices = ["worker0:CPU:0", "cpu:0", "worker1:CPU:0"]
+    f = tfshard.parallelize(embed, devices=devices)
+    local = tfshard.parallelize(embed, devices=["cpu:0"])
+    count = tfshard.parallelize(lambda s: tf.ones([]), devices=devices, reduce="sum")
+
+    def check(n):
+        x = np.arange(n * 6, dtype=np.float32).reshape(n, 6) / 7.0
+        out, ref = f(x), local(x)
+        return {
+            "n": n,
+            "rows_in_order": bool(np.array_equal(out["row"].numpy(), x)),
+            "max_rel_err": float(np.max(np.abs(out["y"].numpy() - ref["y"].numpy())
+                                        / np.maximum(np.abs(ref["y"].numpy()), 1e-6),
+                                        initial=0.0)),
+            "count": float(count(x).numpy()),
+            "output_device": out["y"].device,
+        }
+
+    say(event="results", checks=[check(n) for n in (0, 1, 2, 7, 64)],
+        explain=f.explain(np.zeros((7, 6), np.float32)),
+        remote_flags=[pinning.is_remote(d) for d in f.devices],
+        trace_count=f.trace_count)
+
+    say(event="kill_worker", task=1)
+    wait_for_go()
+    start = time.monotonic()
+    try:
+        check(8)
+        say(event="dead_call", ok=True)
+    except Exception as error:  # noqa: BLE001
+        say(event="dead_call", ok=False, seconds=time.monotonic() - start,
+            type=type(error).__name__, tf_type=isinstance(error, tf.errors.OpError),
+            message=str(error)[:3000], hint=pinning.explain_remote_error(error))
+
+    say(event="restart_worker", task=1)
+    wait_for_go()
+    start = time.monotonic()
+    pinning.connect(cluster, timeout=20)
+    say(event="reconnected", seconds=time.monotonic() - start, results=check(9))
+    """
+)
+
+
+class _Child:
+    """A subprocess whose stdout lines are read in the background, with deadlines."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.process = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=CHILD_ENV,
+            cwd=ROOT,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: list[str] = []
+        pump = threading.Thread(target=self._pump, args=(self.process.stdout, self.lines))
+        pump.daemon = True
+        pump.start()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    @staticmethod
+    def _pump(stream, lines) -> None:
+        for line in stream:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    def _drain(self) -> None:
+        for line in self.process.stderr:
+            self.stderr.append(line)
+
+    def read_until(self, predicate, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                message = f"timed out after {timeout} s; stderr:\n{self.tail()}"
+                raise AssertionError(message) from None
+            if line is None:
+                raise AssertionError(f"exited with {self.process.wait()}; stderr:\n{self.tail()}")
+            if predicate(line):
+                return line
+
+    def send(self, line: str) -> None:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def tail(self) -> str:
+        return "".join(self.stderr[-30:])
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            stream.close()
+
+
+class _Workers:
+    """``python -m tfshard.worker`` processes on 127.0.0.1, one per task."""
+
+    def __init__(self, count: int) -> None:
+        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(count)]
+        self.cluster = ",".join(self.addresses)
+        self.children: dict[int, _Child] = {}
+
+    def start(self, task: int) -> None:
+        self.children[task] = _Child(
+            [sys.executable, "-m", "tfshard.worker", f"--cluster={self.cluster}", f"--task={task}"]
+        )
+
+    def wait_ready(self, task: int) -> str:
+        ready = self.children[task].read_until
+        return ready(lambda line: line.startswith(worker.READY), START_TIMEOUT)
+
+    def kill(self, task: int) -> None:
+        self.children.pop(task).kill()
+
+    def kill_all(self) -> None:
+        for task in list(self.children):
+            self.kill(task)
+
+
+@pytest.fixture
+def two_workers():
+    """Two worker servers on free loopback ports; every process killed at the end."""
+    workers = _Workers(2)
+    try:
+        for task in range(2):
+            workers.start(task)
+        yield workers
+    finally:
+        workers.kill_all()
+
+
+def _event(child: _Child, name: str, timeout: float = START_TIMEOUT) -> dict:
+    def wanted(line: str) -> bool:
+        return line.startswith("{") and json.loads(line)["event"] == name
+
+    return json.loads(child.read_until(wanted, timeout))
+
+
+def test_parallelize_across_two_workers_survives_a_worker_restart(two_workers):
+    client = _Child([sys.executable, "-c", CLIENT, two_workers.cluster])
+    try:
+        ready = [two_workers.wait_ready(task) for task in range(2)]
+        assert ready[1] == (
+            f"{worker.READY} /job:worker/replica:0/task:1 at {two_workers.addresses[1]}; "
+            f"connect with tfshard.connect({two_workers.cluster!r})"
+        )
+        client.send("go")
+
+        connected = _event(client, "connected")
+        remote = [f"/job:worker/replica:0/task:{t}/device:CPU:0" for t in range(2)]
+        assert connected["remote"] == remote
+        assert set(remote) < set(connected["devices"]) and "/device:CPU:0" in connected["devices"]
+        assert connected["short"] == remote[1] and connected["full"] == remote[0]
+        assert connected["local"] == "/device:CPU:0"
+        assert connected["host"] == two_workers.addresses[1]
+
+        results = _event(client, "results")
+        for check in results["checks"]:  # Order, exactly once, and the local result.
+            assert check["rows_in_order"], check
+            assert check["count"] == check["n"], check
+            assert check["max_rel_err"] < 1e-5, check
+            assert check["output_device"].endswith("/job:worker/replica:0/task:0/device:CPU:0")
+        assert results["remote_flags"] == [True, False, True]
+        assert results["trace_count"] == 1
+        explain = results["explain"]
+        assert "/job:worker/replica:0/task:1/device:CPU:0  [5:7)" in explain
+        assert f"(network: {two_workers.addresses[1]})" in explain
+        # The output lands on worker 0, so even the local shard's result crosses.
+        assert "3 of 3 shards cross the network" in explain
+
+        _event(client, "kill_worker")
+        two_workers.kill(1)
+        client.send("go")
+        dead = _event(client, "dead_call", timeout=60)
+        assert not dead["ok"]
+        assert dead["seconds"] < 30, dead  # Measured: milliseconds for a killed process.
+        assert dead["tf_type"] and dead["type"].endswith("UnavailableError"), dead
+        assert "task:1" in dead["message"], dead["message"]
+        assert f"/job:worker/task:1 at {two_workers.addresses[1]} is down" in dead["message"]
+        assert dead["hint"].startswith(
+            f"/job:worker/task:1 at {two_workers.addresses[1]} is down (Connection refused"
+        ), dead["hint"]
+        assert "then call tfshard.connect(...) again" in dead["hint"]
+
+        _event(client, "restart_worker")
+        two_workers.start(1)
+        two_workers.wait_ready(1)
+        client.send("go")
+        again = _event(client, "reconnected", timeout=60)
+        assert again["results"]["rows_in_order"] and again["results"]["max_rel_err"] < 1e-5
+        assert again["results"]["count"] == 9
+        assert client.process.wait(timeout=30) == 0, client.tail()
+    finally:
+        client.kill()
+
+
+# ---------------------------------------------------------------- example
+
+
+def test_cluster_map_example_runs_on_two_local_workers():
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "cluster_map.py"),
+        "--start_local_workers=2",
+        "--devices=worker0:CPU:0,cpu:0,worker1:cpu",
+        "--num_samples=37",
+    ]
+    # Its own session, so a timeout can kill the example and the workers it started.
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CHILD_ENV,
+        cwd=ROOT, start_new_session=True,
+    )
+    try:
+        out, err = child.communicate(timeout=START_TIMEOUT + 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+    assert child.returncode == 0, err[-3000:]
+    assert "2 of 3 shards cross the network" in out
+    assert "  1      /device:CPU:0                              [13:25)" in out
+    assert "OK: same embeddings, in the same order, as on one local device" in out
