@@ -1,0 +1,172 @@
+"""Tests of tfshard.processes: one worker process per device.
+
+Each worker is a spawned Python that imports TensorFlow (seconds each), so the
+cases that start workers are few and use two workers. The worker functions
+live at the top level of this module: the workers import it to find them.
+"""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from tfshard import processes
+from tfshard.errors import ArgumentError, DeviceError, TfshardError
+
+
+def _report(arg, *, scale):
+    return {
+        "value": arg * scale,
+        "pid": os.getpid(),
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def _fail_when_partner_sleeps(role, *, pid_dir):
+    """Worker "sleep" ignores SIGTERM and sleeps; worker "fail" raises once it sleeps."""
+    if role == "sleep":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        (pid_dir / "sleeper").write_text(str(os.getpid()))
+        time.sleep(600)
+        return "woke up"
+    deadline = time.monotonic() + 60
+    while not (pid_dir / "sleeper").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise ValueError(f"bad sample in shard {role}")
+
+
+def _sleep(arg):
+    time.sleep(600)
+
+
+def _exit_abruptly(arg):
+    if arg == "die":
+        os._exit(3)
+    time.sleep(600)
+
+
+@pytest.fixture
+def worker_pids(monkeypatch):
+    """The pids of the workers the test starts, recorded as they are spawned."""
+    pids = []
+    start = processes._start
+
+    def recording_start(process, placement, index):
+        start(process, placement, index)
+        pids.append(process.pid)
+
+    monkeypatch.setattr(processes, "_start", recording_start)
+    return pids
+
+
+def _assert_all_gone(pids):
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # Joined, so reaped: not even a zombie is left.
+
+
+def test_results_come_back_in_order_with_shared_arguments(worker_pids):
+    results = processes.run_per_device(
+        _report, [3, 5], shared={"scale": 10}, devices=["cpu", "cpu:0"], timeout=120
+    )
+    assert [r["value"] for r in results] == [30, 50]
+    # CPU workers are shown no GPU; each is its own process.
+    assert [r["visible"] for r in results] == ["", ""]
+    assert sorted(r["pid"] for r in results) == sorted(worker_pids)
+    assert os.getpid() not in worker_pids
+    _assert_all_gone(worker_pids)
+
+
+def test_failing_worker_reports_device_and_traceback_and_others_stop(
+    worker_pids, tmp_path, monkeypatch
+):
+    # The sleeper ignores SIGTERM, so stopping it takes the SIGKILL after the grace.
+    monkeypatch.setattr(processes, "_GRACE_S", 0.5)
+    expected = (
+        r"worker 0 of 2 on cpu \(CUDA_VISIBLE_DEVICES=''\) failed: ValueError: bad sample "
+        "in shard fail; the other workers were stopped"
+    )
+    with pytest.raises(processes.WorkerError, match=expected) as caught:
+        processes.run_per_device(
+            _fail_when_partner_sleeps,
+            ["fail", "sleep"],
+            shared={"pid_dir": tmp_path},
+            devices=["cpu", "cpu"],
+            timeout=120,
+        )
+    error = caught.value
+    assert isinstance(error, TfshardError)
+    assert (error.index, error.device) == (0, "cpu")
+    assert "in _fail_when_partner_sleeps" in error.traceback
+    assert "Worker traceback:" in str(error)
+    sleeper = int((tmp_path / "sleeper").read_text())
+    assert sleeper in worker_pids
+    _assert_all_gone(worker_pids)
+
+
+def test_workers_past_the_timeout_are_stopped(worker_pids):
+    start = time.monotonic()
+    with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=2 s"):
+        processes.run_per_device(_sleep, [0, 1], devices=["cpu", "cpu"], timeout=2)
+    assert time.monotonic() - start < 2 + 2 * processes._GRACE_S
+    assert len(worker_pids) == 2
+    _assert_all_gone(worker_pids)
+
+
+def test_worker_that_exits_without_a_result_is_reported(worker_pids):
+    with pytest.raises(
+        processes.WorkerError,
+        match=r"worker 1 of 2 on cpu \(CUDA_VISIBLE_DEVICES=''\) exited with code 3 before "
+        "reporting a result",
+    ):
+        processes.run_per_device(
+            _exit_abruptly, ["sleep", "die"], devices=["cpu", "cpu"], timeout=120
+        )
+    _assert_all_gone(worker_pids)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(devices=["cpu"]), ArgumentError, "devices has 1 entries but per_device_args has 2"),
+        (dict(devices=["gpu:99", "cpu"]), DeviceError, r"devices\[0\]='gpu:99': this process has"),
+        (dict(devices=["tpu:0", "cpu"]), DeviceError, "is not a local device for a worker"),
+        (dict(timeout=0), ArgumentError, "timeout=0"),
+    ],
+    ids=["devices_length_mismatch", "missing_gpu", "not_a_worker_device", "zero_timeout"],
+)
+def test_bad_arguments_fail_before_any_worker_starts(worker_pids, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        processes.run_per_device(_sleep, [0, 1], **kwargs)
+    assert worker_pids == []
+
+
+def test_unpicklable_function_fails_in_the_parent(worker_pids):
+    with pytest.raises(ArgumentError, match="must be picklable"):
+        processes.run_per_device(lambda arg: arg, [0, 1], devices=["cpu", "cpu"])
+    _assert_all_gone(worker_pids)
+
+
+def test_gpu_workers_see_only_their_gpu(monkeypatch):
+    # Placement only, no worker started: GPU i is entry i of the parent's list.
+    monkeypatch.setattr(processes.pinning, "num_gpus", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7")
+    placements = processes._placements(["gpu:1", "cuda3", 0, "cpu"], 4)
+    assert [p.visible for p in placements] == ["3", "7", "2", ""]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert [p.visible for p in processes._placements(None, 2)] == ["0", "1"]
+    with pytest.raises(DeviceError, match="5 workers but this process has 4 GPU"):
+        processes._placements(None, 5)
+
+
+def test_context_names_map_workers_to_devices(monkeypatch):
+    monkeypatch.setattr(processes.pinning, "num_gpus", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:0;dev1->gpu:1;dev2->gpu:5")
+    placements = processes._placements(["dev0", "dev1"], 2)
+    assert [p.visible for p in placements] == ["", "1"]
+    with pytest.raises(DeviceError, match=r"devices\[0\]='dev2': this process has 2 GPU"):
+        processes._placements(["dev2", "cpu"], 2)

@@ -1,0 +1,353 @@
+"""One worker process per device, for work that cannot live in one graph.
+
+`tfshard.parallelize` runs one traced graph across devices. Some work does not
+fit in one graph: independent models with their own optimizers, Python-side
+loops, libraries that hold a device for themselves. `run_per_device` runs such
+work in one process per device instead::
+
+    def train(seed, steps):             # runs in a fresh process; its GPU is GPU:0
+        ...
+        return final_loss
+
+    losses = tfshard.processes.run_per_device(
+        train, [0, 1, 2, 3], shared={"steps": 1000}, devices=["gpu:0", "gpu:1", "cpu", "cpu"]
+    )
+
+How it works, and why:
+
+- Workers start with the ``spawn`` method, never ``fork``: a forked copy of a
+  process that has imported TensorFlow inherits its threads' locks and its
+  CUDA state half-made, and hangs or crashes.
+- Each worker sees only its own GPU: ``CUDA_VISIBLE_DEVICES`` is set in the
+  worker's environment before it starts, so before it imports TensorFlow, and
+  its GPU is ``GPU:0`` inside the worker. A ``"cpu"`` worker gets
+  ``CUDA_VISIBLE_DEVICES=""`` and sees no GPU. (The variable is set in the
+  parent's environment for the moment each worker is spawned, under a lock.)
+- Each worker sends back its result, or its exception and traceback, through
+  its own pipe. The first failure, an exit without a result, or the timeout
+  stops every other worker (SIGTERM, then SIGKILL after a grace period) and
+  raises `WorkerError` naming the worker's device. No worker outlives the call,
+  whatever happens, also on KeyboardInterrupt.
+
+`fn`, the arguments and the results travel by pickle: `fn` must be a function
+defined at the top level of an importable module (or of the script being run,
+under ``if __name__ == "__main__":``), not a lambda or a nested function.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import re
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from tfshard import pinning
+from tfshard.errors import ArgumentError, DeviceError, WorkerError
+
+__all__ = ("WorkerError", "run_per_device")
+
+_log = logging.getLogger("tfshard")
+
+_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+# How long a stopped (SIGTERM) worker may take to exit before it is killed, and
+# how long a worker that reported its result may take to exit by itself.
+_GRACE_S = 5.0
+_GPU_RE = re.compile(r"^/?(?:device:)?(?:gpu|cuda)(?::?(?P<index>\d+))?$", re.IGNORECASE)
+_CPU_RE = re.compile(r"^/?(?:device:)?cpu(?::\d+)?$", re.IGNORECASE)
+# Workers are spawned one at a time while CUDA_VISIBLE_DEVICES is swapped.
+_spawn_lock = threading.Lock()
+
+
+class _Placement(NamedTuple):
+    label: str  # what the user gave, for messages
+    visible: str  # the worker's CUDA_VISIBLE_DEVICES
+
+
+def _placements(devices: Sequence[Any] | None, count: int) -> list[_Placement]:
+    gpus = pinning.num_gpus()
+    if devices is None:
+        if not gpus:
+            _log.info("no GPU: the %d worker(s) run on the CPU", count)
+            return [_Placement("cpu", "")] * count
+        if gpus < count:
+            raise DeviceError(
+                f"{count} workers but this process has {gpus} GPU(s); pass devices= with "
+                "one device per worker (a GPU may be named twice, or use 'cpu')"
+            )
+        devices = [f"gpu:{i}" for i in range(count)]
+    if isinstance(devices, str | int) or not isinstance(devices, Sequence):
+        raise ArgumentError(f"devices={devices!r}: pass a list with one device per worker")
+    if len(devices) != count:
+        raise ArgumentError(
+            f"devices has {len(devices)} entries but per_device_args has {count}; give "
+            "one device per worker"
+        )
+    parent_visible = os.environ.get(_VISIBLE_ENV)
+    visible_list = parent_visible.split(",") if parent_visible else None
+    contexts = pinning.active_contexts()
+    placements = []
+    for position, spec in enumerate(devices):
+        text = spec
+        if isinstance(spec, str) and contexts is not None and spec.strip() in contexts:
+            text = contexts[spec.strip()]
+        index = _gpu_index(text, position, spec)
+        if index is None:
+            placements.append(_Placement(str(spec), ""))
+            continue
+        if index >= gpus:
+            raise DeviceError(
+                f"devices[{position}]={spec!r}: this process has {gpus} GPU(s); use 'cpu' "
+                "for a worker on the CPU"
+            )
+        visible = visible_list[index] if visible_list else str(index)
+        placements.append(_Placement(str(spec), visible.strip()))
+    return placements
+
+
+def _gpu_index(text: Any, position: int, spec: Any) -> int | None:
+    """The GPU index a worker device names, or None for the CPU."""
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    if isinstance(text, str):
+        stripped = text.strip()
+        if _CPU_RE.match(stripped):
+            return None
+        match = _GPU_RE.match(stripped)
+        if match:
+            return int(match["index"] or 0)
+    raise DeviceError(
+        f"devices[{position}]={spec!r} is not a local device for a worker; use a GPU "
+        "('gpu:1', 'cuda1', 1), 'cpu', or a context name that maps to one"
+    )
+
+
+def _worker_main(
+    conn: multiprocessing.connection.Connection,
+    fn: Callable[..., Any],
+    arg: Any,
+    shared: Mapping[str, Any],
+) -> None:
+    """The body of a worker process: run, then send one pickled report."""
+    try:
+        report = pickle.dumps(("ok", fn(arg, **shared)))
+    except BaseException as error:  # noqa: BLE001 - every failure goes to the parent.
+        summary = f"{type(error).__name__}: {error}"
+        report = pickle.dumps(("error", summary, traceback.format_exc()))
+    conn.send_bytes(report)
+    conn.close()
+
+
+def run_per_device(
+    fn: Callable[..., Any],
+    per_device_args: Sequence[Any],
+    *,
+    shared: Mapping[str, Any] | None = None,
+    devices: Sequence[pinning.DeviceSpecLike] | None = None,
+    timeout: float | None = None,
+) -> list[Any]:
+    """Runs ``fn(per_device_args[i], **shared)`` in one new process per device.
+
+    Worker ``i`` runs on ``devices[i]``. It is a fresh Python process (``spawn``)
+    whose ``CUDA_VISIBLE_DEVICES`` shows it only its own GPU, which it sees as
+    ``GPU:0`` (``tfshard.try_gpu()`` returns it); a CPU worker sees no GPU.
+    The workers run at the same time and are independent: each imports
+    TensorFlow itself (seconds each) and builds its own models.
+
+    Args:
+      fn: a picklable function (defined at the top level of a module) of one
+        worker's argument and the shared keyword arguments. Its return value
+        must be picklable.
+      per_device_args: one argument per worker; their number is the number of
+        workers.
+      shared: keyword arguments passed to every worker.
+      devices: one device per worker: a GPU (``"gpu:1"``, ``"cuda1"``, ``1``,
+        or a context name mapped to one), or ``"cpu"``. A device may appear
+        more than once. Default: GPU ``i`` for worker ``i``, or the CPU for
+        every worker on a machine without GPUs.
+      timeout: seconds the whole run may take; None for no limit.
+
+    Returns:
+      The workers' return values, in `per_device_args` order.
+
+    Raises:
+      ArgumentError: bad arguments, or `fn` or the arguments cannot be pickled.
+      DeviceError: a device is not a local GPU or the CPU, or does not exist.
+      WorkerError: a worker raised (the message has its device and traceback),
+        exited without a result, or the timeout passed. Every other worker has
+        been stopped by then.
+    """
+    if not callable(fn):
+        raise ArgumentError(f"run_per_device(fn={fn!r}): fn must be callable")
+    if isinstance(per_device_args, str | bytes) or not isinstance(per_device_args, Sequence):
+        raise ArgumentError(
+            f"per_device_args={per_device_args!r}: pass a list with one argument per worker"
+        )
+    if not per_device_args:
+        raise ArgumentError("per_device_args is empty; give one argument per worker")
+    shared = dict(shared or {})
+    if any(not isinstance(k, str) for k in shared):
+        raise ArgumentError(f"shared={shared!r}: keys are keyword-argument names (str)")
+    if timeout is not None and not timeout > 0:
+        raise ArgumentError(f"timeout={timeout!r}: give seconds > 0, or None for no limit")
+    count = len(per_device_args)
+    placements = _placements(devices, count)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    context = multiprocessing.get_context("spawn")
+    processes: list[Any] = []
+    readers: list[multiprocessing.connection.Connection] = []
+    finished = False
+    try:
+        for i, (arg, placement) in enumerate(zip(per_device_args, placements)):
+            reader, writer = context.Pipe(duplex=False)
+            readers.append(reader)
+            process = context.Process(
+                target=_worker_main,
+                args=(writer, fn, arg, shared),
+                name=f"tfshard-worker-{i}",
+            )
+            processes.append(process)
+            try:
+                _start(process, placement, i)
+            finally:
+                writer.close()  # The worker holds the other end; EOF then means it died.
+        results = _collect(processes, readers, placements, deadline, timeout)
+        finished = True
+        return results
+    finally:
+        _stop(processes, wait=finished)
+        for reader in readers:
+            reader.close()
+
+
+def _start(process: Any, placement: _Placement, index: int) -> None:
+    with _spawn_lock:
+        saved = os.environ.get(_VISIBLE_ENV)
+        os.environ[_VISIBLE_ENV] = placement.visible
+        try:
+            process.start()
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise ArgumentError(
+                f"worker {index}: fn, its argument and shared= must be picklable (fn a "
+                f"function at the top level of a module, not a lambda or nested "
+                f"function): {error}"
+            ) from None
+        finally:
+            if saved is None:
+                del os.environ[_VISIBLE_ENV]
+            else:
+                os.environ[_VISIBLE_ENV] = saved
+
+
+def _where(i: int, count: int, placement: _Placement) -> str:
+    return f"worker {i} of {count} on {placement.label} ({_VISIBLE_ENV}={placement.visible!r})"
+
+
+def _collect(
+    processes: list[Any],
+    readers: list[multiprocessing.connection.Connection],
+    placements: list[_Placement],
+    deadline: float | None,
+    timeout: float | None,
+) -> list[Any]:
+    count = len(processes)
+    results: list[Any] = [None] * count
+    waiting = {id(reader): i for i, reader in enumerate(readers)}
+    alive = {processes[i].sentinel: i for i in range(count)}
+    while waiting:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            late = sorted(waiting.values())
+            names = ", ".join(f"{i} ({placements[i].label})" for i in late)
+            raise WorkerError(
+                f"worker(s) {names} of {count} did not finish within timeout={timeout} s; "
+                "all workers were stopped",
+                index=late[0],
+                device=placements[late[0]].label,
+            )
+        ready = multiprocessing.connection.wait(
+            [readers[i] for i in waiting.values()] + list(alive), timeout=remaining
+        )
+        for obj in ready:
+            if obj in alive:
+                i = alive.pop(obj)
+                if id(readers[i]) in waiting and not readers[i].poll():
+                    raise _died(processes[i], i, count, placements[i])
+                continue  # Its report is in the pipe; read below or on the next turn.
+            i = waiting.get(id(obj))
+            if i is None:
+                continue
+            try:
+                report = pickle.loads(readers[i].recv_bytes())
+            except EOFError:
+                raise _died(processes[i], i, count, placements[i]) from None
+            except Exception as error:  # noqa: BLE001 - unpickling runs user code.
+                raise WorkerError(
+                    f"{_where(i, count, placements[i])} returned a result this process "
+                    f"cannot unpickle: {type(error).__name__}: {error}",
+                    index=i,
+                    device=placements[i].label,
+                ) from None
+            del waiting[id(obj)]
+            if report[0] == "error":
+                _, summary, trace = report
+                raise WorkerError(
+                    f"{_where(i, count, placements[i])} failed: {summary}; the other "
+                    f"workers were stopped. Worker traceback:\n{trace}",
+                    index=i,
+                    device=placements[i].label,
+                    traceback=trace,
+                )
+            results[i] = report[1]
+    return results
+
+
+def _died(process: Any, i: int, count: int, placement: _Placement) -> WorkerError:
+    process.join(_GRACE_S)
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+        if code == -signal.SIGKILL:
+            how += " (out of memory?)"
+    else:
+        how = f"exited with code {code}"
+    return WorkerError(
+        f"{_where(i, count, placement)} {how} before reporting a result (its stderr, "
+        "above, may say why); the other workers were stopped",
+        index=i,
+        device=placement.label,
+    )
+
+
+def _stop(processes: list[Any], wait: bool) -> None:
+    """Ends every worker: those still running get SIGTERM, then SIGKILL.
+
+    With `wait` (every worker reported), they first get the grace period to
+    exit by themselves.
+    """
+    started = [p for p in processes if p.pid is not None]
+    if wait:
+        deadline = time.monotonic() + _GRACE_S
+        for process in started:
+            process.join(max(0.0, deadline - time.monotonic()))
+    for process in started:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for process in started:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in started:
+        if process.is_alive():
+            process.kill()
+            process.join()
+        process.close()
