@@ -32,6 +32,11 @@ CONTRACT = {
     "DeviceSetupError",
     "ShardError",
     "UtilizationError",
+    # Beyond one graph: clusters (issue 8) and one process per device.
+    "connect",
+    "processes",
+    "ClusterError",
+    "WorkerError",
 }
 
 
@@ -50,7 +55,7 @@ def test_errors_form_one_family():
     for name in ("ArgumentError", "ContextMapError", "DeviceError"):
         error = getattr(tfshard, name)
         assert issubclass(error, tfshard.TfshardError) and issubclass(error, ValueError)
-    for name in ("DeviceSetupError", "UtilizationError"):
+    for name in ("DeviceSetupError", "UtilizationError", "ClusterError", "WorkerError"):
         assert issubclass(getattr(tfshard, name), RuntimeError)
     assert issubclass(tfshard.ShardError, tfshard.TfshardError)
 

@@ -17,19 +17,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from tfshard.errors import ArgumentError as ArgumentError
+from tfshard.errors import ClusterError as ClusterError
 from tfshard.errors import ContextMapError as ContextMapError
 from tfshard.errors import DeviceError as DeviceError
 from tfshard.errors import DeviceSetupError as DeviceSetupError
 from tfshard.errors import ShardError as ShardError
 from tfshard.errors import TfshardError as TfshardError
 from tfshard.errors import UtilizationError as UtilizationError
+from tfshard.errors import WorkerError as WorkerError
 
 if TYPE_CHECKING:
+    from tfshard import processes as processes
     from tfshard import utilization as utilization
     from tfshard.parallel import ShardedFunction as ShardedFunction
     from tfshard.parallel import parallelize as parallelize
     from tfshard.pinning import ContextMap as ContextMap
     from tfshard.pinning import active_contexts as active_contexts
+    from tfshard.pinning import connect as connect
     from tfshard.pinning import cpu as cpu
     from tfshard.pinning import gpu as gpu
     from tfshard.pinning import list_devices as list_devices
@@ -51,6 +55,7 @@ _LAZY = {
     "parallelize": "tfshard.parallel",
     "ContextMap": "tfshard.pinning",
     "active_contexts": "tfshard.pinning",
+    "connect": "tfshard.pinning",
     "cpu": "tfshard.pinning",
     "gpu": "tfshard.pinning",
     "list_devices": "tfshard.pinning",
@@ -63,11 +68,13 @@ _LAZY = {
     "try_gpu": "tfshard.pinning",
     "use_contexts": "tfshard.pinning",
     "virtual_devices": "tfshard.pinning",
+    "processes": None,
     "utilization": None,
 }
 
 __all__ = (
     "ArgumentError",
+    "ClusterError",
     "ContextMap",
     "ContextMapError",
     "DeviceError",
@@ -76,13 +83,16 @@ __all__ = (
     "ShardedFunction",
     "TfshardError",
     "UtilizationError",
+    "WorkerError",
     "active_contexts",
+    "connect",
     "cpu",
     "gpu",
     "list_devices",
     "num_gpus",
     "parallelize",
     "pin",
+    "processes",
     "resolve_device",
     "set_contexts",
     "to_device",

@@ -224,7 +224,7 @@ def _split(t: Any, sizes: tf.Tensor, count: int) -> list[Any]:
 
 def _retype_error(error: tf.errors.OpError, message: str) -> tf.errors.OpError:
     """`error` with a new message, as a ShardError that is still its TF type."""
-    cls = _SHARD_ERROR_TYPES.get(type(error))
+    cls = type(error) if isinstance(error, ShardError) else _SHARD_ERROR_TYPES.get(type(error))
     if cls is None:
         cls = type(f"Shard{type(error).__name__}", (ShardError, type(error)), {})
         _SHARD_ERROR_TYPES[type(error)] = cls
@@ -380,14 +380,36 @@ class ShardedFunction:
             f"{self.__name__}: {call.rows} rows on {len(devices)} devices, {how}, "
             f"{result} on {output}"
         ]
-        width = max(len(d) for d in devices)
-        lines.append(f"  {'shard':<5}  {'device':<{width}}  {'rows':<14}  {'size':>4}  output")
-        start = 0
-        for k, (device, size) in enumerate(zip(devices, sizes)):
-            rows = f"[{start}:{start + size})"
-            lands = output if device == output else f"-> {output}"
-            lines.append(f"  {k:<5}  {device:<{width}}  {rows:<14}  {size:>4}  {lands}")
+        rows_cells, start = [], 0
+        for size in sizes:
+            rows_cells.append(f"[{start}:{start + size})")
             start += size
+        width = max(len(d) for d in devices)
+        rows_width = max(len("rows"), *(len(r) for r in rows_cells))
+        size_width = max(len("size"), *(len(str(n)) for n in sizes))
+        remote = [pinning.is_remote(d) for d in devices]
+        lines.append(
+            f"  {'shard':<5}  {'device':<{width}}  {'rows':<{rows_width}}  "
+            f"{'size':>{size_width}}  output"
+        )
+        for k, (device, size) in enumerate(zip(devices, sizes)):
+            lands = output if device == output else f"-> {output}"
+            if remote[k] or pinning.is_remote(output):
+                # Rows go out to the shard and results come back, once per call.
+                lands += f"  (network: {pinning.host_of(device) or pinning.host_of(output)})"
+            lines.append(
+                f"  {k:<5}  {device:<{width}}  {rows_cells[k]:<{rows_width}}  "
+                f"{size:>{size_width}}  {lands}"
+            )
+        crossing = sum(
+            r or (d != output and pinning.is_remote(output)) for r, d in zip(remote, devices)
+        )
+        if crossing:
+            lines.append(
+                f"  {crossing} of {len(devices)} shards cross the network: each call sends "
+                "each its rows and every broadcast argument, and its result comes back to "
+                f"{output}"
+            )
         return "\n".join(line.rstrip() for line in lines)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -410,7 +432,11 @@ class ShardedFunction:
             with tf.device(self._placement[1]):
                 return graph(*call.tensors)
         except tf.errors.OpError as error:
-            raise self._shard_error(error, call) from None
+            wrapped = self._shard_error(error, call)
+            hint = pinning.explain_remote_error(error)  # None unless a worker is down
+            if hint is not None:
+                wrapped = _retype_error(wrapped, f"{wrapped.message}\n{hint}")
+            raise wrapped from None
 
     def iterate(
         self,
