@@ -269,6 +269,19 @@ def test_environment_variable_supplies_the_map(monkeypatch):
         assert tfshard.resolve_device("dev1") == "/device:CPU:3"
 
 
+def test_environment_map_logs_its_mappings_once(monkeypatch, caplog):
+    monkeypatch.setattr(pinning, "_env_cache", {})
+    monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:1;dev1->GPU:9")
+    with caplog.at_level(logging.INFO, logger="tfshard"):
+        assert tfshard.resolve_device("dev0") == "/device:CPU:1"
+        assert tfshard.resolve_device("cpu:2") == "/device:CPU:2"
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("Mapped name dev0 to device /device:CPU:1") for m in messages) == 1
+    assert any(m.startswith("TFSHARD_CONTEXTS: context 'dev1' -> 'GPU:9'") for m in messages)
+    with pytest.raises(DeviceError, match="context 'dev1'"):
+        tfshard.resolve_device("dev1")
+
+
 def test_malformed_environment_variable_names_the_variable(monkeypatch):
     monkeypatch.setenv("TFSHARD_CONTEXTS", "gpu->cpu:1")
     with pytest.raises(ContextMapError, match=r"^TFSHARD_CONTEXTS: entry 0"):

@@ -530,7 +530,12 @@ def active_contexts() -> ContextMap | None:
         except ContextMapError as error:
             raise ContextMapError(f"{CONTEXTS_ENV}: {error}") from None
         _env_cache.clear()
-        _env_cache[text] = cached
+        _env_cache[text] = cached  # Before logging: logging resolves through here.
+        try:
+            cached.log_mappings()
+        except DeviceError as error:
+            # Raised only when that name is used, not on every unrelated lookup.
+            _log.warning("%s: %s", CONTEXTS_ENV, error)
     return cached
 
 
