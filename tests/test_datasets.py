@@ -239,3 +239,10 @@ def test_dataset_elsewhere_than_first():
     f = tfshard.parallelize(lambda x, d: x)
     with pytest.raises(ArgumentError, match="pass a dataset as the first positional argument"):
         f(np.zeros([2]), tf.data.Dataset.range(2))
+
+
+def test_batched_false_asks_for_a_batch_size():
+    f = tfshard.parallelize(lambda s: tf.reduce_sum(s))
+    ds = tf.data.Dataset.from_tensor_slices(np.arange(8.0).reshape(2, 4))
+    with pytest.raises(ArgumentError, match=r"batched=False: .*pass batch_size=N"):
+        f(ds, batched=False)

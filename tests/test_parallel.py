@@ -711,3 +711,70 @@ def test_plan_and_explain_validate():
         f.plan(-1)
     text = f.explain(np.zeros([3, 2]))
     assert "[0:2)" in text and "[2:3)" in text and "-> /device:CPU:0" in text
+
+
+# ------------------------------------------------- review regressions
+
+
+def test_broadcast_position_passed_by_keyword_still_broadcasts():
+    f = tfshard.parallelize(lambda x, w: tf.reduce_sum(x * w), broadcast=(1,), devices=CPUS)
+    x = np.ones([4, 4], np.float32)
+    w = np.arange(16, dtype=np.float32).reshape(4, 4)
+    assert f(x, w).numpy().tolist() == f(x, w=w).numpy().tolist() == [120.0] * 4
+
+
+def test_broadcast_position_out_of_range():
+    with pytest.raises(ArgumentError, match=r"broadcast=2: a position must be 0..1"):
+        tfshard.parallelize(lambda x, w: x, broadcast=(2,))
+
+
+def test_ragged_row_splits_dtype_is_part_of_the_signature():
+    f = tfshard.parallelize(lambda row: tf.reduce_sum(row), devices=CPUS[:2])
+    r64 = tf.ragged.constant([[1, 2], [3], [4, 5]])
+    r32 = r64.with_row_splits_dtype(tf.int32)
+    assert f(r64).numpy().tolist() == f(r32).numpy().tolist() == [3, 3, 9]
+
+
+def test_methods_trace_per_instance_without_keeping_it_alive():
+    import gc
+    import weakref
+
+    class Model:
+        def __init__(self, scale):
+            self.scale = scale
+
+        @tfshard.parallelize(devices=CPUS[:2])
+        def apply(self, sample):
+            return sample * self.scale
+
+    m = Model(2.0)
+    assert m.apply(np.ones([3], np.float32)).numpy().tolist() == [2, 2, 2]
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([5], np.float32))
+    assert m.apply(ds, batch_size=2).numpy().tolist() == [2.0] * 5
+    assert [r.shape[0] for r in m.apply.iterate(ds, batch_size=2)] == [2, 2, 1]
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
+
+
+def test_trace_errors_in_the_function_explain_per_sample():
+    W5 = tf.ones([3, 5])
+    f = tfshard.parallelize(lambda x: tf.matmul(x, W5))
+    with pytest.raises(ArgumentError, match=r"(?s)traced on one sample .*\(3,\).*per_sample=False"):
+        f(np.ones([8, 3], np.float32))
+
+
+def test_numpy_scalars_are_tensors_not_trace_constants():
+    f = tfshard.parallelize(lambda x, s: x * s, broadcast=("s",), devices=CPUS[:2])
+    for i in range(3):
+        assert f(np.ones([2], np.float32), np.float32(i)).numpy().tolist() == [i, i]
+    assert f.trace_count == 1
+
+
+def test_dict_outputs_keep_their_key_order():
+    f = tfshard.parallelize(lambda s: {"z": s, "a": s * 2}, devices=CPUS[:2])
+    out = f(np.ones([3]))
+    assert list(out) == ["z", "a"]
+    g = tfshard.parallelize(lambda d: d, devices=CPUS[:2])
+    assert list(g(collections.OrderedDict(b=np.ones(2), a=np.ones(2)))) == ["b", "a"]

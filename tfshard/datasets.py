@@ -89,6 +89,11 @@ def prepare(
                 "elements are batches already; pass one or the other"
             )
         dataset = dataset.batch(batch_size)
+    elif batched is False:
+        raise ArgumentError(
+            "batched=False: each element is one sample, so pass batch_size=N to let "
+            "tfshard batch them"
+        )
     elif batched is None:
         leaves = _path_names(dataset.element_spec)
         for where, spec in leaves:

@@ -18,12 +18,14 @@ threads and no Python in the per-shard path.
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import functools
 import inspect
 import math
 import re
 import threading
+import types
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -31,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import collect, datasets, pinning
-from tfshard.errors import ArgumentError, ShardError
+from tfshard.errors import ArgumentError, ShardError, TfshardError
 
 __all__ = ("ShardedFunction", "parallelize")
 
@@ -110,8 +112,10 @@ def _walk(value: Any, leaves: list[Any]) -> Hashable:
     leaf.
     """
     if isinstance(value, Mapping):
+        # Leaves in sorted key order (as tf.nest); the written order is kept to rebuild.
         keys = sorted(value)
-        return (type(value), tuple(keys), tuple(_walk(value[k], leaves) for k in keys))
+        children = tuple(_walk(value[k], leaves) for k in keys)
+        return (type(value), tuple(keys), children, tuple(value))
     if isinstance(value, list | tuple):
         return (type(value), tuple(_walk(v, leaves) for v in value))
     leaves.append(value)
@@ -124,8 +128,12 @@ def _build(key: Hashable, leaves: Iterator[Any]) -> Any:
         return next(leaves)
     kind = key[0]
     if issubclass(kind, Mapping):
-        items = [(k, _build(sub, leaves)) for k, sub in zip(key[1], key[2])]
-        return dict(items) if kind is not collections.OrderedDict else kind(items)
+        built = {k: _build(sub, leaves) for k, sub in zip(key[1], key[2])}
+        items = [(k, built[k]) for k in key[3]]
+        try:
+            return kind(items)
+        except TypeError:  # e.g. defaultdict: no (key, value) constructor
+            return dict(items)
     items = [_build(sub, leaves) for sub in key[1]]
     if hasattr(kind, "_fields"):
         return kind(*items)
@@ -179,21 +187,13 @@ def _as_tensor(value: Any, where: str) -> Any:
         return value
     if isinstance(value, tf.Variable):
         return tf.convert_to_tensor(value)
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray | np.generic):
         if value.dtype == object:
             raise ArgumentError(f"{where} is a NumPy array of Python objects; use a numeric dtype")
         return tf.convert_to_tensor(value)
     if isinstance(value, tf.SparseTensor):
         return value  # Broadcast whole; refused as a split argument.
     return None
-
-
-def _tensor_spec(t: Any, split: bool) -> Hashable:
-    shape = t.shape
-    if split:
-        shape = tf.TensorShape([None]).concatenate(shape[1:])
-    kind = t.ragged_rank if isinstance(t, tf.RaggedTensor) else type(t).__name__
-    return (t.dtype, tuple(shape.as_list()) if shape.rank is not None else None, kind)
 
 
 def _type_spec(t: Any, split: bool) -> tf.TypeSpec:
@@ -303,6 +303,12 @@ class ShardedFunction:
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         )
         self._check_broadcast_names()
+        # A position also names its parameter, so passing it by keyword still broadcasts.
+        self._broadcast |= {
+            self._positional[b]
+            for b in self._broadcast
+            if isinstance(b, int) and b < len(self._positional)
+        }
         self._device_specs = devices
         self._output_spec = output_device
         self._per_sample = bool(per_sample)
@@ -313,6 +319,7 @@ class ShardedFunction:
         self._placement: tuple[tuple[str, ...], str] | None = None
         self._graphs: dict[Hashable, Any] = {}
         self._twins: dict[str | None, ShardedFunction] = {}
+        self._bound: weakref.WeakKeyDictionary[Any, ShardedFunction] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._converted: Callable[..., Any] | None = None
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
@@ -495,29 +502,40 @@ class ShardedFunction:
         """This function with another reduction (cached: it traces its own graph)."""
         twin = self._twins.get(reduce)
         if twin is None:
-            twin = ShardedFunction(
-                self._fn,
-                devices=self._device_specs,
-                weights=self._weights,
-                per_sample=self._per_sample,
-                reduce=reduce,
-                output_device=self._output_spec,
-                broadcast=tuple(self._broadcast),
-                ragged=self._ragged,
-                jit_compile=self._jit_compile,
-                allow_duplicate_devices=self._allow_duplicates,
-            )
-            self._twins[reduce] = twin
+            twin = self._twins[reduce] = self._with(reduce=reduce)
         return twin
+
+    def _with(self, **changes: Any) -> ShardedFunction:
+        """A new ShardedFunction with these options changed (it traces its own graphs)."""
+        options = dict(
+            fn=self._fn,
+            devices=self._device_specs,
+            weights=self._weights,
+            per_sample=self._per_sample,
+            reduce=self._reduce,
+            output_device=self._output_spec,
+            # Names only: positions would shift in a bound method.
+            broadcast=tuple(b for b in self._broadcast if isinstance(b, str)),
+            ragged=self._ragged,
+            jit_compile=self._jit_compile,
+            allow_duplicate_devices=self._allow_duplicates,
+        )
+        options.update(changes)
+        return ShardedFunction(options.pop("fn"), **options)
 
     def __repr__(self) -> str:
         return f"<tfshard.ShardedFunction {self.__name__} on {self._device_specs or 'all devices'}>"
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
-        # Decorating a method: bind `self` as a static (broadcast) argument.
+        # Decorating a method: one ShardedFunction per instance, as tf.function
+        # does, holding the instance weakly so the cache does not keep it alive.
         if instance is None:
             return self
-        return functools.partial(self, instance)
+        bound = self._bound.get(instance)
+        if bound is None:
+            bound = self._with(fn=types.MethodType(self._fn, weakref.proxy(instance)))
+            self._bound[instance] = bound
+        return bound
 
     # ------------------------------------------------------------ devices
 
@@ -565,9 +583,14 @@ class ShardedFunction:
             return
         var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
         for name in self._broadcast:
-            if isinstance(name, int):
-                if name < 0:
-                    raise ArgumentError(f"broadcast={name!r}: positions are >= 0")
+            if isinstance(name, int) and not isinstance(name, bool):
+                var_pos = any(p.kind is p.VAR_POSITIONAL for p in params.values())
+                if name < 0 or (name >= len(self._positional) and not var_pos):
+                    raise ArgumentError(
+                        f"broadcast={name!r}: a position must be 0..{len(self._positional) - 1} "
+                        f"(the parameters of {getattr(self._fn, '__name__', 'fn')}: "
+                        f"{', '.join(params) or 'none'})"
+                    )
                 continue
             if not isinstance(name, str):
                 raise ArgumentError(
@@ -629,7 +652,7 @@ class ShardedFunction:
                 if is_broadcast:
                     leaf_kinds.append("broadcast")
                     shared.append(tensor)
-                    key_specs.append(("broadcast", _tensor_spec(tensor, False)))
+                    key_specs.append(("broadcast", _type_spec(tensor, False)))
                     continue
                 if isinstance(tensor, tf.SparseTensor):
                     where = _path(name, key, i)
@@ -659,7 +682,7 @@ class ShardedFunction:
                         )
                 leaf_kinds.append("split")
                 split.append(tensor)
-                key_specs.append(("split", _tensor_spec(tensor, True), _device_of(tensor)))
+                key_specs.append(("split", _type_spec(tensor, True), _device_of(tensor)))
             kinds.append(tuple(leaf_kinds))
             statics.append(tuple(leaf_statics))
         if not split:
@@ -713,12 +736,14 @@ class ShardedFunction:
         """The function with autograph applied, as `tf.function` would apply it."""
         if self._converted is None:
             fn = self._fn
-            if not hasattr(fn, "get_concrete_function"):
-                try:
-                    fn = tf.autograph.to_graph(fn)
-                except Exception:  # noqa: BLE001 - not convertible: call as written.
-                    fn = self._fn
-            self._converted = fn
+            # A bound method converts as its function, then binds again.
+            bound_to = fn.__self__ if isinstance(fn, types.MethodType) else None
+            plain = fn.__func__ if bound_to is not None else fn
+            if not hasattr(plain, "get_concrete_function"):
+                # Not convertible: call it as written.
+                with contextlib.suppress(Exception):
+                    plain = tf.autograph.to_graph(plain)
+            self._converted = plain if bound_to is None else types.MethodType(plain, bound_to)
         return self._converted
 
     def _trace(self, call: _Call) -> Any:
@@ -771,7 +796,20 @@ class ShardedFunction:
 
         def call(rows: Sequence[Any]) -> Any:
             args, kwargs = self._rebuild(template, rows, shared)
-            return _to_tensors(fn(*args, **kwargs), self.__name__)
+            try:
+                outputs = fn(*args, **kwargs)
+            except TfshardError:
+                raise
+            except (ValueError, TypeError) as error:
+                what = "one sample" if self._per_sample else "one shard"
+                shapes = ", ".join(str(r.shape) for r in rows)
+                raise ArgumentError(
+                    f"{self.__name__} failed while being traced on {what} (split "
+                    f"argument shapes {shapes}): {type(error).__name__}: {error}\nIf it "
+                    "expects a whole batch, pass per_sample=False; if an argument must "
+                    "reach every shard whole, name it in broadcast=(...)"
+                ) from error
+            return _to_tensors(outputs, self.__name__)
 
         if self._per_sample:
             signature = self._sample_signature(call, example)
