@@ -461,8 +461,13 @@ def test_cluster_map_example_runs_on_two_local_workers():
     ]
     # Its own session, so a timeout can kill the example and the workers it started.
     child = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CHILD_ENV,
-        cwd=ROOT, start_new_session=True,
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=CHILD_ENV,
+        cwd=ROOT,
+        start_new_session=True,
     )
     try:
         out, err = child.communicate(timeout=START_TIMEOUT + 60)
