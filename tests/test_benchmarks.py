@@ -1,0 +1,214 @@
+"""Smoke tests of benchmarks/: every case runs on tiny sizes and computes the same thing.
+
+Nothing here asserts a speed: timings on a shared machine prove nothing. The
+tests check that each case runs, that its JSON has the keys the report and
+the plot read, and that every method's output equals the one-device output.
+"""
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfshard
+
+# MirroredStrategy's dataset code warns about tf.data internals it uses itself.
+pytestmark = pytest.mark.filterwarnings("ignore:To make it possible to preserve:UserWarning")
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+TINY = {
+    "compute": dict(batch=64, width=16, depth=2),
+    "small_batch": dict(batch=8, width=16, depth=2, inner=2),
+    "per_sample": dict(samples=32, width=8, depth=2),
+    "dataset": dict(samples=96, batch=32, width=16, depth=2),
+    "scaling": dict(batch=48, batch_sizes=(5, 16), width=16, depth=2),
+}
+REPEATS = 2
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """The benchmark modules, imported the way the scripts import each other."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        yield {name: importlib.import_module(name) for name in ("_harness", "cases", "report")}
+
+
+@pytest.fixture(scope="module")
+def two_devices():
+    return tfshard.list_devices("CPU")[:2]
+
+
+@pytest.fixture(scope="module")
+def results(bench, two_devices):
+    """Every case, run once on tiny sizes (the scaling sweep on all four devices)."""
+    out = {}
+    for name, case in bench["cases"].CASES.items():
+        devices = tfshard.list_devices("CPU") if name == "scaling" else two_devices
+        out[name] = case(devices, repeats=REPEATS, warmup=1, **TINY[name])
+    return out
+
+
+def test_every_case_has_a_tiny_setting(bench):
+    assert set(TINY) == set(bench["cases"].CASES)
+
+
+def _check_comparison(comparison, rtol):
+    methods = comparison["methods"]
+    assert "one_device" in methods and "tfshard" in methods
+    for name, m in methods.items():
+        assert len(m["times_s"]) == REPEATS
+        assert all(t > 0 for t in m["times_s"])
+        assert m["median_s"] == pytest.approx(float(np.median(m["times_s"])))
+        assert m["relative_error"] < rtol, name
+    assert set(comparison["speedup_vs_one_device"]) == set(methods)
+    assert comparison["speedup_vs_one_device"]["one_device"] == pytest.approx(1.0)
+    assert set(comparison["tfshard_vs"]) == set(methods) - {"tfshard"}
+    for name, (low, high) in comparison["tfshard_vs_quartiles"].items():
+        assert low <= comparison["tfshard_vs"][name] <= high, name
+    assert comparison["other_processes_cores"] is None or comparison["other_processes_cores"] >= 0
+
+
+@pytest.mark.parametrize("name", ["compute", "small_batch", "per_sample", "dataset"])
+def test_case_reports_medians_ratios_and_targets(bench, results, two_devices, name):
+    result = results[name]
+    assert {"description", "params", "devices", "comparisons", "targets", "notes"} <= set(result)
+    assert result["devices"] == two_devices
+    assert len(result["comparisons"]) == 1
+    for comparison in result["comparisons"].values():
+        _check_comparison(comparison, bench["_harness"].RTOL)
+    # Two devices: the targets of issues 3 and 7 apply and each carries a verdict.
+    assert result["targets"]
+    for t in result["targets"]:
+        assert {"name", "value", "op", "threshold", "unit", "met"} == set(t)
+        assert t["met"] == (
+            t["value"] >= t["threshold"] if t["op"] == ">=" else t["value"] <= t["threshold"]
+        )
+    json.dumps(result)
+
+
+def test_per_sample_case_includes_map_fn(results):
+    assert "map_fn" in results["per_sample"]["comparisons"]["per-sample"]["methods"]
+
+
+def test_scaling_case_sweeps_devices_and_batch_sizes(bench, results):
+    result = results["scaling"]
+    ks = result["sweeps"]["devices"]["points"]
+    assert [p["devices"] for p in ks] == [1, 2, 3, 4]
+    assert [p["batch"] for p in result["sweeps"]["batch"]["points"]] == [5, 16]
+    for point in ks + result["sweeps"]["batch"]["points"]:
+        _check_comparison(point["comparison"], bench["_harness"].RTOL)
+    assert any("cores" in note for note in result["notes"])
+
+
+def _close(got, want, name):
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=name
+    )
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 33])
+def test_per_batch_methods_equal_one_device(bench, two_devices, rows):
+    cases = bench["cases"]
+    fn = cases.matmul_tanh_chain(16, 3, seed=1, device=two_devices[0])
+    x = tf.random.normal([rows, 16], seed=2)
+    methods = cases.per_batch_methods(fn, two_devices)
+    want = methods["one_device"](x)
+    assert want.shape == (rows, 16)
+    for name, method in methods.items():
+        _close(method(x), want, name)
+
+
+def test_per_sample_methods_equal_one_device(bench, two_devices):
+    cases = bench["cases"]
+    sample_fn = cases.per_sample_mlp(8, 2, seed=1, device=two_devices[0])
+    x = tf.random.normal([9, 8], seed=3)
+    methods = cases.per_sample_methods(sample_fn, two_devices)
+    want = tf.stack([sample_fn(row) for row in x])  # one sample at a time, eagerly
+    for name, method in methods.items():
+        _close(method(x), want, name)
+
+
+def test_check_outputs_rejects_a_method_that_computes_something_else(bench):
+    x = tf.random.normal([4, 3])
+    methods = {"one_device": tf.identity, "off": lambda v: v * 1.001}
+    with pytest.raises(AssertionError, match="off differs from one_device"):
+        bench["_harness"].check_outputs(methods, "one_device", x)
+
+
+def test_inputs_are_random_and_distinct(bench):
+    xs = bench["_harness"].random_inputs([16, 4], 3, seed=0, device="/device:CPU:0")
+    assert all(np.count_nonzero(x.numpy()) == x.shape.num_elements() for x in xs)
+    assert not np.array_equal(xs[0].numpy(), xs[1].numpy())
+
+
+def test_report_writes_the_tables_between_the_markers(bench, results):
+    harness, report = bench["_harness"], bench["report"]
+    full = {
+        "environment": harness.environment(tfshard.list_devices("CPU")),
+        "settings": {"repeats": REPEATS, "warmup": 1, "devices": 2},
+        "cases": results,
+    }
+    full["environment"]["load_average_end"] = None
+    section = report.results_section(json.loads(json.dumps(full)))
+    assert "### Targets" in section and "| tfshard |" in section
+    for name in results:
+        assert f"### `{name}`" in section
+    by_hand = f"# Benchmarks\n\nMethod, by hand.\n\n{report.START}\nold\n{report.END}\n\nAfter.\n"
+    updated = report.update(by_hand, section)
+    assert updated.startswith("# Benchmarks\n\nMethod, by hand.\n")
+    assert updated.endswith(f"{report.END}\n\nAfter.\n")
+    assert "old" not in updated and section in updated
+    assert report.update("", section).count(report.START) == 1
+    assert "== compute" in harness.format_report(full)
+
+
+def test_plot_draws_speedup_against_devices(bench, results, tmp_path):
+    pytest.importorskip("matplotlib")
+    full = {"environment": {"cores": 2}, "cases": {"scaling": results["scaling"]}}
+    assert bench["_harness"].plot(tmp_path / "scaling.png", full)
+    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert not bench["_harness"].plot(tmp_path / "none.png", {"cases": {}})
+
+
+def test_script_runs_end_to_end(tmp_path):
+    """scaling.py as a user runs it: its own process, its own devices, JSON out."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "scaling.py"),
+            "--case=compute",
+            "--case=scaling",
+            "--repeats=1",
+            "--warmup=0",
+            "--batch=32",
+            "--width=8",
+            "--depth=1",
+            "--batch_sizes=4",
+            "--max_devices=3",
+            f"--json={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== compute" in proc.stdout and "== scaling" in proc.stdout
+    report = json.loads(out.read_text())
+    assert set(report["cases"]) == {"compute", "scaling"}
+    env = report["environment"]
+    assert env["logical_devices"] == [f"/device:CPU:{i}" for i in range(3)]
+    assert env["intra_op_threads"] == 1 and env["cores"] >= 1 and env["tensorflow"]
+    assert [p["devices"] for p in report["cases"]["scaling"]["sweeps"]["devices"]["points"]] == [
+        1,
+        2,
+        3,
+    ]
