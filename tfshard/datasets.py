@@ -36,20 +36,22 @@ DATASET_OPTIONS = ("batch_size", "batched", "progress")
 
 def _path_names(spec: Any) -> list[tuple[str, tf.TypeSpec]]:
     """(path, spec) for each leaf of an element spec, e.g. ("element['image']", ...)."""
-    paths = []
-
-    def visit(value: Any, where: str) -> None:
-        if isinstance(value, dict):
-            for key in sorted(value):
-                visit(value[key], f"{where}[{key!r}]")
-        elif isinstance(value, list | tuple):
-            for i, item in enumerate(value):
-                visit(item, f"{where}[{i}]")
-        else:
-            paths.append((where, value))
-
-    visit(spec, "element")
+    paths: list[tuple[str, Any]] = []
+    _visit(spec, "element", paths)
     return paths
+
+
+def _visit(value: Any, where: str, paths: list[tuple[str, Any]]) -> None:
+    # Not a closure: a recursive closure is a reference cycle, and _inner_shapes
+    # passes whole batches through here, which the cycle would keep alive until gc.
+    if isinstance(value, dict):
+        for key in sorted(value):
+            _visit(value[key], f"{where}[{key!r}]", paths)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _visit(item, f"{where}[{i}]", paths)
+    else:
+        paths.append((where, value))
 
 
 def prepare(

@@ -148,19 +148,20 @@ def _path(prefix: str, key: Hashable, index: int) -> str:
 def _paths(prefix: str, key: Hashable) -> list[str]:
     """The readable paths of every leaf under `key`, in leaf order."""
     paths: list[str] = []
-
-    def visit(sub: Hashable, where: str) -> None:
-        if sub is _LEAF:
-            paths.append(where)
-        elif issubclass(sub[0], Mapping):
-            for k, s in zip(sub[1], sub[2]):
-                visit(s, f"{where}[{k!r}]")
-        else:
-            for i, s in enumerate(sub[1]):
-                visit(s, f"{where}[{i}]")
-
-    visit(key, prefix)
+    _visit_key(key, prefix, paths)
     return paths
+
+
+def _visit_key(sub: Hashable, where: str, paths: list[str]) -> None:
+    # Not a recursive closure, which would be a reference cycle on every call.
+    if sub is _LEAF:
+        paths.append(where)
+    elif issubclass(sub[0], Mapping):
+        for k, s in zip(sub[1], sub[2]):
+            _visit_key(s, f"{where}[{k!r}]", paths)
+    else:
+        for i, s in enumerate(sub[1]):
+            _visit_key(s, f"{where}[{i}]", paths)
 
 
 class _Call(NamedTuple):
