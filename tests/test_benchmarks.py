@@ -65,7 +65,8 @@ def _check_comparison(comparison, rtol):
     for name, m in methods.items():
         assert len(m["times_s"]) == REPEATS
         assert all(t > 0 for t in m["times_s"])
-        assert m["median_s"] == pytest.approx(float(np.median(m["times_s"])))
+        # times_s are rounded for the JSON; median_s is taken before rounding.
+        assert m["median_s"] == pytest.approx(float(np.median(m["times_s"])), rel=1e-4)
         assert m["relative_error"] < rtol, name
     assert set(comparison["speedup_vs_one_device"]) == set(methods)
     assert comparison["speedup_vs_one_device"]["one_device"] == pytest.approx(1.0)
