@@ -451,8 +451,9 @@ def scaling_case(
 def dataset_case(
     devices: Sequence[str],
     *,
-    samples: int = 16384,
-    batch: int = 2048,
+    samples: int = 32768,
+    batch: int = 4096,
+    batch_sizes: Sequence[int] = (1024, 2048, 8192),
     width: int = 256,
     depth: int = 8,
     repeats: int = 11,
@@ -465,19 +466,23 @@ def dataset_case(
     `samples` rows and returns all outputs in order. tfshard reads the dataset
     three ways: ``f(dataset)`` on a dataset of batches, ``f(dataset,
     batch_size=B)`` on a dataset of samples, and ``f.iterate(dataset)``
-    (results per batch, concatenated here); ``tfshard_batches_in_memory``
-    loops `f` over the same batches already in memory, the floor of any
-    per-batch stream. The baselines loop over the same batches (prefetched, as
-    a user would) with a one-device `tf.function`, the hand-written graph and
-    the `mirrored` method, and iterate
+    (results per batch, concatenated here). ``tfshard_sliced_batches`` streams
+    a dataset that slices whole batches out of the tensor, whose pipeline costs
+    almost nothing, and ``tfshard_batches_in_memory`` loops `f` over the same
+    batches already in memory: the two show what the batching itself costs,
+    apart from the pipeline. The baselines loop over the same batches
+    (prefetched, as a user would) with a one-device `tf.function`, the
+    hand-written graph and the `mirrored` method, and iterate
     `MirroredStrategy.experimental_distribute_dataset` in one `tf.function`.
     Iterating the dataset alone, with no computing, is timed too
     (``pipeline_alone_median_s``): that work shares the cores with the shards.
+    A sweep then compares ``f(dataset)`` with ``f(tensor)`` at other batch sizes.
 
     Args:
       devices: the devices to shard over.
       samples: rows in the dataset.
       batch: the global batch size of the stream.
+      batch_sizes: further global batch sizes for the sweep.
       width: as in `compute_case`.
       depth: as in `compute_case`.
       repeats: timed rounds.
@@ -517,8 +522,10 @@ def dataset_case(
         with tf.device(devices[0]):
             return tf.concat(outputs, axis=0)
 
-    # The sizes Dataset.batch makes: full batches, then the remainder.
-    batch_sizes = [batch] * (samples // batch) + ([samples % batch] if samples % batch else [])
+    def sliced(x: tf.Tensor, size: int) -> tf.data.Dataset:
+        # Whole batches sliced out of x: the same batches, almost no pipeline work.
+        starts = tf.data.Dataset.range(0, samples, size)
+        return starts.map(lambda start: x[start : start + size])
 
     def make_input(x: tf.Tensor) -> dict[str, Any]:
         rows = tf.data.Dataset.from_tensor_slices(x)
@@ -527,7 +534,8 @@ def dataset_case(
         prefetched = batches.prefetch(tf.data.AUTOTUNE)
         return {
             "tensor": x,
-            "in_memory_batches": tf.split(x, batch_sizes),
+            "in_memory_batches": list(sliced(x, batch)),
+            "sliced": sliced(x, batch),
             "rows": rows,
             "batches": batches,
             "prefetched": prefetched,
@@ -537,11 +545,11 @@ def dataset_case(
     methods: dict[str, Fn] = {
         "one_device": lambda i: one(i["tensor"]),
         "tfshard": lambda i: f(i["tensor"]),
-        # The same batches already in memory: the floor of any per-batch stream.
-        "tfshard_batches_in_memory": lambda i: stream(f, i["in_memory_batches"]),
         "tfshard_dataset": lambda i: f(i["batches"]),
         "tfshard_batch_size": lambda i: f(i["rows"], batch_size=batch),
         "tfshard_iterate": lambda i: stream(lambda r: r, f.iterate(i["batches"])),
+        "tfshard_sliced_batches": lambda i: f(i["sliced"]),
+        "tfshard_batches_in_memory": lambda i: stream(f, i["in_memory_batches"]),
         "one_device_stream": lambda i: stream(one, i["prefetched"]),
         "hand_graph_stream": lambda i: stream(hand, i["prefetched"]),
         "mirrored_stream": lambda i: stream(mirror, i["prefetched"]),
@@ -549,7 +557,8 @@ def dataset_case(
         # The pipeline by itself, no computing: what streaming adds to the cores' work.
         "pipeline_alone": lambda i: stream(lambda b: b, i["prefetched"]),
     }
-    inputs = [make_input(x) for x in _inputs([samples, width], repeats, seed + 1, devices[0])]
+    tensors = _inputs([samples, width], repeats, seed + 1, devices[0])
+    inputs = [make_input(x) for x in tensors]
     pipeline = methods.pop("pipeline_alone")
     comparison = _compare(methods, inputs, repeats=repeats, warmup=warmup)
     pipeline_times = _harness.time_rounds(
@@ -557,6 +566,25 @@ def dataset_case(
     )["pipeline_alone"]
     comparison["pipeline_alone_median_s"] = _harness.median(pipeline_times)
     result["comparisons"]["stream"] = comparison
+    points, ratios = [], []
+    for size in sorted({*batch_sizes, batch}):
+        sized = [{"tensor": x, "batches": tf.data.Dataset.from_tensor_slices(x).batch(size)}
+                 for x in tensors]
+        point = _compare(
+            {
+                "one_device": lambda i: one(i["tensor"]),
+                "tfshard": lambda i: f(i["tensor"]),
+                "tfshard_dataset": lambda i: f(i["batches"]),
+            },
+            sized,
+            repeats=repeats,
+            warmup=warmup,
+        )
+        points.append({"batch": size, "comparison": point})
+        ratios.append(f"{size}: {1.0 / point['tfshard_vs']['tfshard_dataset']:.2f}x")
+    result["sweeps"] = {
+        "batch": {"variable": "batch", "title": f"{samples} samples", "points": points}
+    }
     result["notes"].append(
         "tfshard and one_device take the samples as one in-memory tensor; *_stream loop in "
         "Python over the prefetched batches; mirrored_stream hands each replica its shard "
@@ -564,6 +592,9 @@ def dataset_case(
         "iterates strategy.experimental_distribute_dataset inside one tf.function; "
         f"iterating the prefetched dataset alone takes "
         f"{comparison['pipeline_alone_median_s'] * 1e3:.2f} ms"
+    )
+    result["notes"].append(
+        "f(dataset) throughput over f(tensor) by global batch size: " + ", ".join(ratios)
     )
     if len(devices) == TARGET_DEVICES:
         versus = comparison["tfshard_vs"]

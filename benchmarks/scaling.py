@@ -52,8 +52,11 @@ _INNER = flags.DEFINE_integer(
 _SAMPLES = flags.DEFINE_integer("samples", 8192, "Rows per call: per_sample case.")
 _SAMPLE_WIDTH = flags.DEFINE_integer("sample_width", 128, "Sample size: per_sample case.")
 _SAMPLE_DEPTH = flags.DEFINE_integer("sample_depth", 4, "Layers: per_sample case.")
-_STREAM_SAMPLES = flags.DEFINE_integer("stream_samples", 16384, "Rows in the dataset case.")
-_STREAM_BATCH = flags.DEFINE_integer("stream_batch", 2048, "Global batch of the dataset case.")
+_STREAM_SAMPLES = flags.DEFINE_integer("stream_samples", 32768, "Rows in the dataset case.")
+_STREAM_BATCH = flags.DEFINE_integer("stream_batch", 4096, "Global batch of the dataset case.")
+_STREAM_BATCHES = flags.DEFINE_list(
+    "stream_batch_sizes", ["1024", "2048", "8192"], "More global batches: dataset case sweep."
+)
 _BATCH_SIZES = flags.DEFINE_list(
     "batch_sizes", ["64", "256", "1024", "4096", "16384"], "Batch sizes of the batch sweep."
 )
@@ -89,7 +92,11 @@ def case_arguments(name: str) -> dict[str, object]:
             **common,
         ),
         "dataset": dict(
-            samples=_STREAM_SAMPLES.value, batch=_STREAM_BATCH.value, **matmul, **common
+            samples=_STREAM_SAMPLES.value,
+            batch=_STREAM_BATCH.value,
+            batch_sizes=[int(b) for b in _STREAM_BATCHES.value],
+            **matmul,
+            **common,
         ),
         "scaling": dict(
             batch=_BATCH.value, batch_sizes=[int(b) for b in _BATCH_SIZES.value], **matmul,

@@ -26,7 +26,7 @@ TINY = {
     "compute": dict(batch=64, width=16, depth=2),
     "small_batch": dict(batch=8, width=16, depth=2, inner=2),
     "per_sample": dict(samples=32, width=8, depth=2),
-    "dataset": dict(samples=96, batch=32, width=16, depth=2),
+    "dataset": dict(samples=96, batch=32, batch_sizes=(40,), width=16, depth=2),
     "scaling": dict(batch=48, batch_sizes=(5, 16), width=16, depth=2),
 }
 REPEATS = 2
@@ -92,6 +92,14 @@ def test_case_reports_medians_ratios_and_targets(bench, results, two_devices, na
             t["value"] >= t["threshold"] if t["op"] == ">=" else t["value"] <= t["threshold"]
         )
     json.dumps(result)
+
+
+def test_dataset_case_sweeps_the_stream_batch(results):
+    points = results["dataset"]["sweeps"]["batch"]["points"]
+    assert [p["batch"] for p in points] == [32, 40]
+    for point in points:
+        assert set(point["comparison"]["methods"]) == {"one_device", "tfshard", "tfshard_dataset"}
+    assert any("by global batch size: 32: " in note for note in results["dataset"]["notes"])
 
 
 def test_per_sample_case_includes_map_fn(results):

@@ -246,3 +246,103 @@ def test_batched_false_asks_for_a_batch_size():
     ds = tf.data.Dataset.from_tensor_slices(np.arange(8.0).reshape(2, 4))
     with pytest.raises(ArgumentError, match=r"batched=False: .*pass batch_size=N"):
         f(ds, batched=False)
+
+
+def test_an_infinite_dataset_asks_for_iterate():
+    f = tfshard.parallelize(lambda s: s)
+    with pytest.raises(ArgumentError, match=r"infinite.*\.iterate\(dataset\).*take"):
+        f(tf.data.Dataset.range(3).repeat(), batch_size=2)
+
+
+# ------------------------------------------------- the two loops of f(dataset)
+
+
+def test_unknown_per_sample_shapes_take_the_python_loop_with_the_same_result():
+    # A generator's spec leaves the row length unknown, so f(dataset) checks
+    # every batch from Python; a fixed spec runs the traced loop. Same rows.
+    x = rng.normal(size=[10, 4]).astype(np.float32)
+    batches = [x[:4], x[4:8], x[8:]]
+    loose = tf.data.Dataset.from_generator(
+        lambda: iter(batches), output_signature=tf.TensorSpec([None, None], tf.float32)
+    )
+    fixed = tf.data.Dataset.from_tensor_slices(x).batch(4)
+    f = tfshard.parallelize(lambda s: s * 2.0 + 1.0, devices=CPUS[:3])
+    np.testing.assert_allclose(f(loose).numpy(), x * 2 + 1, rtol=1e-6)
+    np.testing.assert_allclose(f(fixed).numpy(), x * 2 + 1, rtol=1e-6)
+
+
+def test_the_traced_loop_runs_each_sample_once():
+    # Side effects count the rows each shard computed: no batch runs twice,
+    # none is skipped (the loop traces the function more than once, but runs
+    # it once per shard per batch).
+    seen = tf.Variable(0, dtype=tf.int64)
+
+    def count(block):
+        seen.assign_add(tf.shape(block, out_type=tf.int64)[0])
+        return block + 1
+
+    f = tfshard.parallelize(count, per_sample=False, devices=CPUS[:2])
+    out = f(tf.data.Dataset.range(11).batch(3))
+    assert out.numpy().tolist() == list(range(1, 12))
+    assert int(seen.numpy()) == 11
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    batch=st.integers(1, 12),
+    op=st.sampled_from(["sum", "mean", "max", "min"]),
+    per_sample=st.booleans(),
+)
+def test_reductions_over_batches_equal_numpy(n, batch, op, per_sample):
+    x = np.random.default_rng(n * 100 + batch).normal(size=[n, 2]).astype(np.float32)
+    f = _REDUCERS[(op, per_sample)]
+    out = f(tf.data.Dataset.from_tensor_slices(x).batch(batch))
+    expected = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op](x, axis=0)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _shard_value(op):
+    # per_sample=False: the shard's own reduction over its rows.
+    reduce = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max}.get(
+        op, tf.reduce_min
+    )
+    return lambda block: reduce(block, axis=0)
+
+
+_REDUCERS = {
+    (op, per_sample): tfshard.parallelize(
+        (lambda s: s) if per_sample else _shard_value(op),
+        per_sample=per_sample,
+        reduce=op,
+        devices=CPUS[:3],
+    )
+    for op in ("sum", "mean", "max", "min")
+    for per_sample in (True, False)
+}
+
+
+def test_a_failing_shard_in_a_stream_names_its_device():
+    def log_minus_5(block):  # NaN for the rows below 5: the first shard of each batch of 10
+        return tf.debugging.check_numerics(tf.math.log(block - 5.0), "log of a negative")
+
+    f = tfshard.parallelize(log_minus_5, per_sample=False, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(10).map(lambda n: tf.cast(n, tf.float32))
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"(?s)shard 0 on /device:CPU:0 \(its slice of the batch\) failed.*log of a negative",
+    ) as raised:
+        f(ds, batch_size=10)
+    assert isinstance(raised.value, tfshard.TfshardError)
+
+
+def test_autotuning_is_off_on_host_cpus_unless_the_dataset_says_so():
+    from tfshard import datasets
+
+    ds = tf.data.Dataset.range(4).batch(2)
+    assert datasets.prepare(ds, None, None, cpu_only=True).options().autotune.enabled is False
+    assert datasets.prepare(ds, None, None).options().autotune.enabled is None
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    kept = datasets.prepare(ds.with_options(options), None, None, cpu_only=True)
+    assert kept.options().autotune.enabled is True

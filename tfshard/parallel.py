@@ -319,6 +319,7 @@ class ShardedFunction:
         self._allow_duplicates = bool(allow_duplicate_devices)
         self._placement: tuple[tuple[str, ...], str] | None = None
         self._graphs: dict[Hashable, Any] = {}
+        self._loops: dict[Hashable, Any] = {}  # traced loops over datasets (tfshard.datasets)
         self._twins: dict[str | None, ShardedFunction] = {}
         self._bound: weakref.WeakKeyDictionary[Any, ShardedFunction] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
@@ -340,8 +341,8 @@ class ShardedFunction:
 
     @property
     def trace_count(self) -> int:
-        """How many graphs have been traced so far."""
-        return len(self._graphs)
+        """How many graphs have been traced so far (loops over datasets included)."""
+        return len(self._graphs) + len(self._loops)
 
     def plan(self, n: int) -> list[int]:
         """The shard sizes for a batch of `n` rows, one per device, summing to `n`.
@@ -440,11 +441,7 @@ class ShardedFunction:
             with tf.device(self._placement[1]):
                 return graph(*call.tensors)
         except tf.errors.OpError as error:
-            wrapped = self._shard_error(error, call)
-            hint = pinning.explain_remote_error(error)  # None unless a worker is down
-            if hint is not None:
-                wrapped = _retype_error(wrapped, f"{wrapped.message}\n{hint}")
-            raise wrapped from None
+            raise self._call_error(error, call) from None
 
     def iterate(
         self,
@@ -771,7 +768,14 @@ class ShardedFunction:
         split_devices: Sequence[str],
         devices: tuple[str, ...],
         output: str,
+        gather: bool = True,
     ) -> Any:
+        """The traced body: split, one shard per device, then collect.
+
+        With `gather` False, the shards' outputs are returned as they are, one
+        structure per shard (checked alike), for a caller that collects them
+        itself (the dataset loop, which gathers every batch's shards at once).
+        """
         count = len(devices)
         split, shared = tensors[: template.split_count], tensors[template.split_count :]
         total = _rows(split[0])
@@ -786,6 +790,9 @@ class ShardedFunction:
         for k, device in enumerate(devices):
             with tf.name_scope(f"{_SHARD_SCOPE}{k}"), tf.device(device):
                 outputs.append(shard([p[k] for p in pieces]))
+        if not gather:
+            self._check_outputs(outputs, devices)
+            return outputs
         with tf.name_scope("tfshard_collect"), tf.device(output):
             return self._collect(outputs, sizes, total, devices)
 
@@ -867,6 +874,35 @@ class ShardedFunction:
     def _collect(
         self, outputs: list[Any], sizes: tf.Tensor, total: tf.Tensor, devices: tuple[str, ...]
     ) -> Any:
+        reference, flat = self._check_outputs(outputs, devices)
+        results = []
+        for i in range(len(flat[0])):
+            path = _path("outputs", reference, i)
+            per_shard = [leaves[i] for leaves in flat]
+            if self._reduce is not None:
+                collect.check_reducible(per_shard[0], self._reduce, path)
+                partials = []
+                for k, device in enumerate(devices):
+                    # Each shard reduces its own rows where they are.
+                    with tf.device(device):
+                        partials.append(
+                            collect.shard_partial(
+                                per_shard[k], sizes[k], self._reduce, self._per_sample
+                            )
+                        )
+                results.append(collect.combine(partials, total, self._reduce))
+                continue
+            results.append(collect.gather(per_shard))
+        return _build(reference, iter(results))
+
+    def _check_outputs(
+        self, outputs: list[Any], devices: tuple[str, ...]
+    ) -> tuple[Hashable, list[list[Any]]]:
+        """Checks that every shard returned the same structure, ranks and dtypes.
+
+        Returns:
+          The structure key and each shard's flat output leaves.
+        """
         reference_leaves: list[Any] = []
         reference = _walk(outputs[0], reference_leaves)
         flat = [reference_leaves]
@@ -892,33 +928,26 @@ class ShardedFunction:
                         "every shard must return the same ranks and dtypes"
                     )
             flat.append(leaves)
-        results = []
-        for i in range(len(reference_leaves)):
-            path = _path("outputs", reference, i)
-            per_shard = [leaves[i] for leaves in flat]
-            if self._reduce is not None:
-                collect.check_reducible(per_shard[0], self._reduce, path)
-                partials = []
-                for k, device in enumerate(devices):
-                    # Each shard reduces its own rows where they are.
-                    with tf.device(device):
-                        partials.append(
-                            collect.shard_partial(
-                                per_shard[k], sizes[k], self._reduce, self._per_sample
-                            )
-                        )
-                results.append(collect.combine(partials, total, self._reduce))
-                continue
-            if per_shard[0].shape.rank == 0:
-                raise ArgumentError(
-                    f"{path} is a scalar per shard; with per_sample=False outputs are "
-                    "concatenated along axis 0, so return a [rows, ...] tensor, or pass "
-                    "reduce='sum'/'mean'/'max'/'min' to combine the shards' values"
-                )
-            results.append(collect.gather(per_shard))
-        return _build(reference, iter(results))
+        if self._reduce is None:
+            for i, leaf in enumerate(reference_leaves):
+                if leaf.shape.rank == 0:
+                    raise ArgumentError(
+                        f"{_path('outputs', reference, i)} is a scalar per shard; with "
+                        "per_sample=False outputs are concatenated along axis 0, so return a "
+                        "[rows, ...] tensor, or pass reduce='sum'/'mean'/'max'/'min' to "
+                        "combine the shards' values"
+                    )
+        return reference, flat
 
     # ------------------------------------------------------------- errors
+
+    def _call_error(self, error: tf.errors.OpError, call: _Call) -> tf.errors.OpError:
+        """A failed call's error, naming the shard and, for a dead worker, the remedy."""
+        wrapped = self._shard_error(error, call)
+        hint = pinning.explain_remote_error(error)  # None unless a worker is down
+        if hint is not None:
+            wrapped = _retype_error(wrapped, f"{wrapped.message}\n{hint}")
+        return wrapped
 
     def _shard_error(self, error: tf.errors.OpError, call: _Call) -> tf.errors.OpError:
         match = _SHARD_NODE_RE.search(error.message)
