@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import _common
+import _mlp
 import numpy as np
 import tensorflow as tf
 from absl import app, flags
@@ -142,24 +143,13 @@ def default_devices(remote: Sequence[str]) -> list[str]:
 
 def make_params(seed: int = 0) -> dict[str, np.ndarray]:
     """Random weights of the embedding MLP, ``FEATURES -> HIDDEN -> DIM``."""
-    rng = np.random.default_rng(seed)
-    return {
-        "w1": (rng.standard_normal((FEATURES, HIDDEN)) / np.sqrt(FEATURES)).astype(np.float32),
-        "b1": (0.1 * rng.standard_normal(HIDDEN)).astype(np.float32),
-        "w2": (rng.standard_normal((HIDDEN, DIM)) / np.sqrt(HIDDEN)).astype(np.float32),
-    }
-
-
-def embed(sample: tf.Tensor, params: dict[str, tf.Tensor]) -> tf.Tensor:
-    """The unit-length embedding of one sample: [FEATURES] -> [DIM]."""
-    hidden = tf.nn.relu(tf.linalg.matvec(params["w1"], sample, transpose_a=True) + params["b1"])
-    return tf.math.l2_normalize(tf.linalg.matvec(params["w2"], hidden, transpose_a=True))
+    return _mlp.make_params(FEATURES, HIDDEN, DIM, seed)
 
 
 def build(devices: Sequence[str], output_device: str = "cpu:0") -> tfshard.ShardedFunction:
     """`embed` on `devices`, results gathered on this machine (`output_device`)."""
     return tfshard.parallelize(
-        embed, devices=devices, broadcast=("params",), output_device=output_device
+        _mlp.embed, devices=devices, broadcast=("params",), output_device=output_device
     )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import _common
+import _mlp
 import numpy as np
 import tensorflow as tf
 from absl import app, flags
@@ -71,12 +72,7 @@ flags.register_multi_flags_validator(
 
 def make_params(seed: int = 0) -> dict[str, np.ndarray]:
     """Random weights of the embedding MLP, ``FEATURES -> HIDDEN -> DIM``."""
-    rng = np.random.default_rng(seed)
-    return {
-        "w1": (rng.standard_normal((FEATURES, HIDDEN)) / np.sqrt(FEATURES)).astype(np.float32),
-        "b1": (0.1 * rng.standard_normal(HIDDEN)).astype(np.float32),
-        "w2": (rng.standard_normal((HIDDEN, DIM)) / np.sqrt(HIDDEN)).astype(np.float32),
-    }
+    return _mlp.make_params(FEATURES, HIDDEN, DIM, seed)
 
 
 def make_samples(n: int, seed: int = 1) -> np.ndarray:
@@ -84,18 +80,11 @@ def make_samples(n: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, FEATURES), dtype=np.float32)
 
 
-def embed(sample: tf.Tensor, params: dict[str, tf.Tensor]) -> tf.Tensor:
-    """The unit-length embedding of one sample: [FEATURES] -> [DIM]."""
-    hidden = tf.nn.relu(tf.linalg.matvec(params["w1"], sample, transpose_a=True) + params["b1"])
-    out = tf.linalg.matvec(params["w2"], hidden, transpose_a=True)
-    return tf.math.l2_normalize(out)
-
-
 def build(
     devices: Sequence[str], weights: Sequence[float] | None = None
 ) -> tfshard.ShardedFunction:
     """`embed` on `devices`, its weights copied whole to each device."""
-    return tfshard.parallelize(embed, devices=devices, weights=weights, broadcast=("params",))
+    return tfshard.parallelize(_mlp.embed, devices=devices, weights=weights, broadcast=("params",))
 
 
 class Measurement(NamedTuple):
