@@ -41,7 +41,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import re
 import signal
 import threading
 import time
@@ -60,8 +59,6 @@ _VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 # How long a stopped (SIGTERM) worker may take to exit before it is killed, and
 # how long a worker that reported its result may take to exit by itself.
 _GRACE_S = 5.0
-_GPU_RE = re.compile(r"^/?(?:device:)?(?:gpu|cuda)(?::?(?P<index>\d+))?$", re.IGNORECASE)
-_CPU_RE = re.compile(r"^/?(?:device:)?cpu(?::\d+)?$", re.IGNORECASE)
 # Workers are spawned one at a time while CUDA_VISIBLE_DEVICES is swapped.
 _spawn_lock = threading.Lock()
 
@@ -117,12 +114,13 @@ def _gpu_index(text: Any, position: int, spec: Any) -> int | None:
     if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
         return text
     if isinstance(text, str):
-        stripped = text.strip()
-        if _CPU_RE.match(stripped):
-            return None
-        match = _GPU_RE.match(stripped)
-        if match:
-            return int(match["index"] or 0)
+        # Read as resolve_device reads it, but only the local spellings.
+        parsed = pinning._parse_spec(text.strip())
+        if parsed is not None and parsed.job in (None, "localhost"):
+            if parsed.device_type == "CPU":
+                return None
+            if parsed.device_type == "GPU":
+                return parsed.device_index
     raise DeviceError(
         f"devices[{position}]={spec!r} is not a local device for a worker; use a GPU "
         "('gpu:1', 'cuda1', 1), 'cpu', or a context name that maps to one"
