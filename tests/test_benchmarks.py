@@ -7,6 +7,7 @@ the plot read, and that every method's output equals the one-device output.
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,3 +222,26 @@ def test_script_runs_end_to_end(tmp_path):
         2,
         3,
     ]
+
+
+def test_cores_script_measures_the_machines_own_ceiling(tmp_path):
+    """cores.py: workers in their own processes, alone and together, and the ratio."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "cores.py"),
+            "--rounds=2",
+            "--calls=2",
+            "--batch=16",
+            "--width=8",
+            "--depth=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = re.search(r"2 workers get through (\d+\.\d+)x the work of one", proc.stdout)
+    assert match, proc.stdout
+    assert 0.0 < float(match.group(1)) < 4.0

@@ -346,3 +346,16 @@ def test_autotuning_is_off_on_host_cpus_unless_the_dataset_says_so():
     options.autotune.enabled = True
     kept = datasets.prepare(ds.with_options(options), None, None, cpu_only=True)
     assert kept.options().autotune.enabled is True
+
+
+@pytest.mark.parametrize("spec", [[None, 2], [None, None]], ids=["traced_loop", "python_loop"])
+def test_an_empty_batch_in_the_stream_does_not_spoil_a_mean(spec):
+    batches = [np.ones([3, 2], np.float32), np.zeros([0, 2], np.float32), 3 * np.ones([1, 2])]
+    ds = tf.data.Dataset.from_generator(
+        lambda: (b.astype(np.float32) for b in batches),
+        output_signature=tf.TensorSpec(spec, tf.float32),
+    )
+    f = tfshard.parallelize(
+        lambda b: tf.reduce_mean(b, 0), per_sample=False, reduce="mean", devices=CPUS[:2]
+    )
+    assert f(ds).numpy().tolist() == [1.5, 1.5]

@@ -493,7 +493,8 @@ def _write(
     per_sample: bool,
 ) -> list[tf.TensorArray]:
     if op == "mean" and not per_sample:
-        value = value * tf.cast(rows, value.dtype)  # a batch's mean counts rows times
+        # A batch's mean counts rows times; an empty batch's (NaN) counts not at all.
+        value = tf.where(rows > 0, value * tf.cast(rows, value.dtype), tf.zeros_like(value))
     if isinstance(value, tf.RaggedTensor):
         parts = [value.flat_values, *value.nested_row_lengths()]
     else:
@@ -545,6 +546,8 @@ def _python_loop(
         if op is None:
             pieces.append(result)
             continue
+        if rows == 0:
+            continue  # nothing to reduce (a per-shard mean of no rows is NaN)
         if op == "mean" and not fn._per_sample:
             result = tf.nest.map_structure(lambda v, n=rows: v * tf.cast(n, v.dtype), result)
         accumulated = (
