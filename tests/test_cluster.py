@@ -268,6 +268,16 @@ CLIENT = textwrap.dedent(
         remote_flags=[pinning.is_remote(d) for d in f.devices],
         trace_count=f.trace_count)
 
+    # Datasets: gathered on a worker (one call per batch), and here (the traced loop).
+    here = tfshard.parallelize(embed, devices=devices, output_device="cpu:0")
+    streams = []
+    for n in (0, 7, 23):
+        x = np.arange(n * 6, dtype=np.float32).reshape(n, 6) / 7.0
+        ds = tf.data.Dataset.from_tensor_slices(x).batch(5)
+        streams.append({"n": n, "on_worker": bool(np.array_equal(f(ds)["row"].numpy(), x)),
+                        "here": bool(np.array_equal(here(ds)["row"].numpy(), x))})
+    say(event="datasets", streams=streams)
+
     say(event="kill_worker", task=1)
     wait_for_go()
     start = time.monotonic()
@@ -421,6 +431,9 @@ def test_parallelize_across_two_workers_survives_a_worker_restart(two_workers):
         assert f"(network: {two_workers.addresses[1]})" in explain
         # The output lands on worker 0, so even the local shard's result crosses.
         assert "3 of 3 shards cross the network" in explain
+
+        streams = _event(client, "datasets")["streams"]
+        assert all(s["on_worker"] and s["here"] for s in streams), streams
 
         _event(client, "kill_worker")
         two_workers.kill(1)

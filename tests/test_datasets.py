@@ -359,3 +359,137 @@ def test_an_empty_batch_in_the_stream_does_not_spoil_a_mean(spec):
         lambda b: tf.reduce_mean(b, 0), per_sample=False, reduce="mean", devices=CPUS[:2]
     )
     assert f(ds).numpy().tolist() == [1.5, 1.5]
+
+
+def test_fields_with_different_rows_in_one_element_are_an_error():
+    f = tfshard.parallelize(lambda u, v: u + v, devices=CPUS[:2])
+    ds = tf.data.Dataset.zip(
+        (
+            tf.data.Dataset.from_tensor_slices(np.arange(9.0)).batch(3),
+            tf.data.Dataset.from_tensor_slices(np.arange(12.0)).batch(4),
+        )
+    )
+    with pytest.raises(ArgumentError, match=r"element\[0\], element\[1\]\); every field"):
+        f(ds)
+    g = tfshard.parallelize(lambda u, v: u + tf.reduce_sum(v), devices=CPUS[:2])
+    rt = tf.ragged.constant([[float(i)] for i in range(12)])
+    ragged = tf.data.Dataset.zip(
+        (
+            tf.data.Dataset.from_tensor_slices(np.arange(9, dtype=np.float32)).batch(3),
+            tf.data.Dataset.from_tensor_slices(rt).ragged_batch(4),
+        )
+    )
+    with pytest.raises(ArgumentError, match="different numbers of rows"):
+        g(ragged)
+
+
+def test_ragged_elements_with_int32_row_splits():
+    rt = tf.ragged.constant([[1.0, 2], [3], [4, 5, 6]], row_splits_dtype=tf.int32)
+    f = tfshard.parallelize(tf.reduce_sum, devices=CPUS[:3])
+    ds = tf.data.Dataset.from_tensor_slices(rt).ragged_batch(2, row_splits_dtype=tf.int32)
+    assert f(ds).numpy().tolist() == [3.0, 3.0, 15.0] == f(rt).numpy().tolist()
+
+
+@pytest.mark.parametrize("reduce", [None, "sum"])
+def test_outputs_of_unknown_rank(reduce):
+    # A py_function's output has no static shape. Per shard: the rows doubled, or their sum.
+    def twice(block):
+        if reduce is None:
+            return tf.py_function(lambda t: t * 2, [block], tf.float32)
+        return tf.py_function(lambda t: tf.reduce_sum(t, 0) * 2, [block], tf.float32)
+
+    f = tfshard.parallelize(twice, per_sample=False, reduce=reduce, devices=CPUS[:2])
+    x = np.arange(20, dtype=np.float32).reshape(10, 2)
+    out = f(tf.data.Dataset.from_tensor_slices(x).batch(4))
+    np.testing.assert_allclose(out.numpy(), x * 2 if reduce is None else 2 * x.sum(0))
+
+
+def test_a_further_argument_to_split_with_every_batch():
+    g = tfshard.parallelize(lambda s, b: s + b, devices=CPUS[:2])
+    bias = np.arange(4, dtype=np.float32).reshape(2, 2)
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([6, 2], np.float32))
+    out = g(ds.batch(2, drop_remainder=True), bias, batched=True)
+    assert out.numpy().tolist() == np.tile(1 + bias, [3, 1]).tolist()
+
+
+def test_one_trace_for_every_batch_size_and_for_the_mean_twin():
+    f = tfshard.parallelize(lambda s: s * 2.0, reduce="mean", devices=CPUS[:2])
+    rows = tf.data.Dataset.from_tensor_slices(np.arange(24, dtype=np.float32))
+    for size in (3, 4, 6):
+        assert f(rows.batch(size, drop_remainder=True), batched=True).numpy() == 23.0
+    assert f.trace_count == 1
+
+
+def test_broadcast_positions_reach_the_mean_twin():
+    def scaled(sample, *extra):
+        return sample * extra[0]
+
+    f = tfshard.parallelize(scaled, reduce="mean", broadcast=(1,), devices=CPUS[:2])
+    ds = tf.data.Dataset.from_tensor_slices(np.arange(4, dtype=np.float32)).batch(3)
+    assert f(ds, tf.constant([2.0, 4.0])).numpy().tolist() == [3.0, 6.0]
+
+
+@pytest.fixture
+def one_batch_per_call(monkeypatch):
+    """Every call of the traced loop runs one batch: state crosses every boundary."""
+    from tfshard import datasets
+
+    monkeypatch.setattr(datasets, "_CHUNK_SECONDS", 0.0)
+
+
+@pytest.mark.parametrize("reduce", [None, "sum", "mean", "max"])
+def test_results_cross_call_boundaries_of_the_loop(one_batch_per_call, reduce):
+    f = tfshard.parallelize(lambda s: {"y": s * 2, "r": tf.range(s)}, devices=CPUS[:3])
+    if reduce is not None:
+        f = tfshard.parallelize(lambda s: s * 2, reduce=reduce, devices=CPUS[:3])
+    ds = tf.data.Dataset.range(10).batch(3)
+    out = f(ds)
+    if reduce is None:
+        assert out["y"].numpy().tolist() == [2 * n for n in range(10)]
+        assert out["r"].to_list() == [list(range(n)) for n in range(10)]
+    else:
+        expected = {"sum": 90, "mean": 9, "max": 18}[reduce]
+        assert out.numpy() == expected
+
+
+INTERRUPTED_STREAM = """
+import sys, time
+import numpy as np
+import tfshard
+tfshard.virtual_devices(2)
+import tensorflow as tf
+
+def slow(block):  # 20 ms a shard: the whole stream would take ~20 s
+    return tf.py_function(lambda t: (time.sleep(0.02), t)[1], [block], tf.float32)
+
+f = tfshard.parallelize(slow, per_sample=False, devices=["cpu:0", "cpu:1"])
+ds = tf.data.Dataset.from_tensor_slices(np.zeros([2000, 1], np.float32)).batch(2)
+print("started", flush=True)
+start = time.monotonic()
+try:
+    f(ds)
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - start:.1f} s", flush=True)
+"""
+
+
+def test_ctrl_c_stops_a_long_stream_promptly():
+    # The traced loop gives Python control back every half second or so.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED_STREAM], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "started"
+        time.sleep(2.0)
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=15)
+    finally:
+        child.kill()
+    assert out.startswith("interrupted after"), out
+    assert float(out.split()[2]) < 6.0, out

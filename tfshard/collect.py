@@ -75,7 +75,7 @@ def check_reducible(value: tf.Tensor, op: str, path: str) -> None:
         raise ArgumentError(f"{path} is complex; reduce={op!r} needs an ordered dtype")
 
 
-def _identity(dtype: tf.DType, op: str) -> tf.Tensor:
+def identity(dtype: tf.DType, op: str) -> tf.Tensor:
     """The value that leaves `op` unchanged: 0 for sum/mean, -inf/+inf for max/min."""
     if op in ("sum", "mean"):
         return tf.zeros([], dtype)
@@ -105,10 +105,10 @@ def shard_partial(value: tf.Tensor, size: tf.Tensor, op: str, per_sample: bool) 
         if op in ("sum", "mean"):
             return tf.reduce_sum(value, axis=0)
         return (tf.reduce_max if op == "max" else tf.reduce_min)(value, axis=0)
-    identity = tf.broadcast_to(_identity(value.dtype, op), tf.shape(value))
+    neutral = tf.broadcast_to(identity(value.dtype, op), tf.shape(value))
     if op == "mean":
         value = value * tf.cast(size, value.dtype)
-    return tf.where(size > 0, value, identity)
+    return tf.where(size > 0, value, neutral)
 
 
 def combine(partials: Sequence[tf.Tensor], total: tf.Tensor, op: str) -> tf.Tensor:

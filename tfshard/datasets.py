@@ -8,18 +8,21 @@ positional parameters, anything else is the first argument.
 Two loops run the batches, chosen by measurement (``python benchmarks/scaling.py
 --case=dataset``, on 2 logical CPU devices: BENCHMARKS.md has the numbers):
 
-- ``f(dataset)`` runs one traced `tf.function` holding a `tf.while_loop` over
+- ``f(dataset)`` runs a traced `tf.function` holding a `tf.while_loop` over
   the dataset's iterator (`_Loop`). Each iteration fetches the next batch
   before computing the current one, so tf.data prepares it while the devices
   work, splits the batch and runs one shard per device as a call on a tensor
   would, and writes each shard's outputs into TensorArrays that are
-  concatenated (or reduced) once after the last batch. There is no Python
-  per batch and each output row is copied once. It reached 0.87-0.90x of the
-  in-memory call where the Python loop below reached 0.73-0.79x, on the same
-  dataset in the same runs. It applies when the element spec fixes every
-  per-sample shape (a `Dataset.batch` of fixed-shape samples, ragged batches);
-  otherwise (e.g. `padded_batch`, whose per-sample shape may change from batch
-  to batch) ``f(dataset)`` uses the Python loop, which checks every batch.
+  concatenated (or reduced) once after the last batch: no Python per batch,
+  and each output row is copied once. Each call of the function runs as many
+  batches as take about half a second, so Ctrl-C and progress reach Python
+  that often. It reached 0.86-0.90x of the in-memory call where the Python
+  loop below reached 0.73-0.79x, on the same dataset in the same runs. It
+  applies when the element spec fixes every per-sample shape (a
+  `Dataset.batch` of fixed-shape samples, ragged batches) and results land on
+  this machine; otherwise (e.g. `padded_batch`, whose per-sample shape may
+  change from batch to batch, or an output device on another machine)
+  ``f(dataset)`` uses the Python loop, which checks every batch.
 - `ShardedFunction.iterate` must hand back each batch's result as it comes,
   so it is a Python loop over ``dataset.prefetch(AUTOTUNE)``: one call of the
   traced graph per batch, while tf.data prepares the next on its own threads.
@@ -34,7 +37,6 @@ parallelism and buffers. On GPUs it stays on.
 
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 from collections.abc import Iterator
@@ -168,8 +170,8 @@ class _Progress:
         self._batches = 0
         self.samples = 0
 
-    def update(self, rows: int) -> None:
-        self._batches += 1
+    def update(self, rows: int, batches: int = 1) -> None:
+        self._batches += batches
         self.samples += rows
         now = time.perf_counter()
         if now - self._last >= 0.5 or self._batches == self._total:
@@ -322,42 +324,66 @@ def _graph_loop(
     op: str | None,
     progress: bool | TextIO,
 ) -> tuple[Any, int] | None:
-    """The whole dataset in one call of a traced loop; None where it does not apply.
+    """The whole dataset through a traced loop; None where it does not apply.
 
     It applies when the element spec fixes every per-sample shape (so no batch
-    can change one, and outputs of all batches concatenate) and the element
-    is exactly the split arguments (further arguments are broadcast or
-    constants). Returns the result and the number of rows.
+    can change one, and outputs of all batches concatenate), the element is
+    exactly the split arguments (further arguments are broadcast or
+    constants), and results land on this machine. Returns the result and the
+    number of rows.
     """
     spec = batches.element_spec
-    if not _static_inner_shapes(spec):
+    if not _static_inner_shapes(spec) or pinning.is_remote(fn.output_device):
         return None
-    with tf.device("/device:CPU:0"):  # where the iterator leaves each batch: split there
+    with tf.device(_HOST):  # where the iterator leaves each batch: split there
         element = _split_element(_zeros(spec))
-    # Rows vary by batch: None, so an error names the shard's slice, not rows of 0.
-    call = fn._classify((*element, *args), kwargs)._replace(rows=None)
+    try:
+        call = fn._classify((*element, *args), kwargs)
+    except ArgumentError:
+        return None  # e.g. a further argument to split: the Python loop says what is wrong
+    # Rows vary by batch: None, so an error names the shard's slice.
+    call = call._replace(rows=None)
     count = len(tf.nest.flatten(spec))
     element_kinds = [kind for kinds in call.template.kinds[: len(element)] for kind in kinds]
     if call.template.split_count != count or element_kinds != ["split"] * count:
         return None
-    key = (tf.data.DatasetSpec(spec), call.key, bool(progress))
+    relaxed = tf.nest.map_structure(_any_rows, spec)  # one loop for every batch size
+    key = (tf.data.DatasetSpec(relaxed), call.key)
     loop = fn._loops.get(key)
     if loop is None:
-        loop = fn._loops.setdefault(key, _Loop(fn, spec, call, op, bool(progress)))
+        loop = fn._loops.setdefault(key, _Loop(fn, relaxed, call, op))
     meter = _meter(fn, batches, progress)
-    token = loop.register(meter)
     try:
-        with tf.device(fn.output_device):
-            result, total = loop.function(
-                batches, tf.constant(token, tf.int64), *call.tensors[count:]
-            )
+        result, total = loop.run(batches, call.tensors[count:], meter)
+    except tf.errors.InvalidArgumentError as error:
+        if _ROWS_DIFFER in error.message:
+            raise ArgumentError(
+                f"{fn.__name__}: the fields of one dataset element have different numbers "
+                f"of rows ({', '.join(path for path, _ in _path_names(spec))}); every field "
+                "is split along its first dimension, so they must match (batch zipped "
+                "datasets alike)"
+            ) from None
+        raise fn._call_error(error, call) from None
     except tf.errors.OpError as error:
         raise fn._call_error(error, call) from None
-    finally:
-        loop.meters.pop(token, None)
     if meter:
         meter.close()
-    return result, int(total)
+    return result, total
+
+
+# The host's CPU: where datasets iterate. Also in the message of a failed row check.
+_HOST = "/device:CPU:0"
+_ROWS_DIFFER = "tfshard: the fields of one element differ in rows"
+# How long one call of a loop runs before Python gets control back (Ctrl-C, progress).
+_CHUNK_SECONDS = 0.5
+
+
+def _any_rows(leaf: tf.TypeSpec) -> tf.TypeSpec:
+    """`leaf` with its batch dimension unknown."""
+    shape = tf.TensorShape([None]).concatenate(leaf.shape[1:])
+    if isinstance(leaf, tf.RaggedTensorSpec):
+        return tf.RaggedTensorSpec(shape, leaf.dtype, leaf.ragged_rank, leaf.row_splits_dtype)
+    return tf.TensorSpec(shape, leaf.dtype)
 
 
 def _static_inner_shapes(spec: Any) -> bool:
@@ -375,36 +401,33 @@ def _static_inner_shapes(spec: Any) -> bool:
 
 
 class _Loop:
-    """A traced loop over every batch of a dataset with one element spec.
+    """Traced loops over the batches of datasets with one element spec.
 
-    One `tf.function` holds a `tf.while_loop` over the dataset's iterator. Each
-    iteration runs the ShardedFunction's body on one batch (split, one shard
-    per device) and writes each shard's outputs straight into TensorArrays,
-    which are concatenated once after the last batch: the rows are copied
-    once, not once per batch and again at the end. With a reduction, each
-    batch is reduced as a call would be and the partials are combined at the
-    end. The next batch is fetched before the current one is computed, so
-    tf.data prepares it, and the executor can start on it, while the current
-    batch runs.
+    `run` iterates the dataset in calls of a traced `tf.function` (`chunk`),
+    each a `tf.while_loop` over up to ``limit`` batches, sized so a call lasts
+    about half a second: Python gets control back that often, for Ctrl-C and
+    progress, while the batches themselves run with no Python between them.
+    Each iteration fetches the next batch before computing the current one,
+    so tf.data prepares it, and the executor can start on it, while the
+    current batch runs; the batch is split and runs one shard per device as a
+    call on a tensor would.
+
+    Without a reduction, each shard's outputs are written straight into
+    TensorArrays that stay in TensorFlow between calls (their TensorList
+    handles are the calls' inputs and outputs) and are concatenated once
+    after the last batch (`finish`): every output row is copied once. With
+    a reduction, each batch is reduced as a call would be, and a running
+    sum (or max, or min) is carried from batch to batch.
     """
 
-    def __init__(
-        self, fn: ShardedFunction, spec: Any, call: Any, op: str | None, progress: bool
-    ) -> None:
-        self.meters: dict[int, _Progress | None] = {}
-        self._tokens = itertools.count()
+    def __init__(self, fn: ShardedFunction, spec: Any, call: Any, op: str | None) -> None:
         template = call.template
         count = template.split_count
         shared = [parallel._type_spec(t, False) for t in call.tensors[count:]]
         split_devices = [key[2] for key in call.key[3] if key[0] == "split"]
         devices, output = fn.devices, fn.output_device
         per_sample = fn._per_sample
-        meters = self.meters
-
-        def report(token: tf.Tensor, rows: tf.Tensor) -> None:
-            meter = meters.get(int(token))
-            if meter is not None:
-                meter.update(int(rows))
+        paths = [path for path, _ in _path_names(spec)]
 
         def run_batch(tensors: list[Any], broadcast: tuple) -> tuple[list[Any], Any]:
             """One batch: a list of output leaves per shard (or one, reduced), and the structure."""
@@ -420,113 +443,200 @@ class _Loop:
         probe = tf.function(
             lambda *t: run_batch(list(t[:count]), t[count:]), autograph=False
         ).get_concrete_function(*specs, *shared)
-        per_shard_leaves, structure = probe.structured_outputs
-        leaves = per_shard_leaves[0]
-        slots = len(per_shard_leaves)  # array entries per batch: one per shard, or one partial
+        per_shard_leaves, self._structure = probe.structured_outputs
+        leaves = self._leaves = per_shard_leaves[0]
+        slots = len(per_shard_leaves)  # entries per batch: one per shard, or one partial
+        self._op = op
+        self._output = output
 
-        def loop(dataset: tf.data.Dataset, token: tf.Tensor, *broadcast: Any) -> Any:
-            iterator = iter(dataset)
-            arrays = [_new_arrays(leaf, op) for leaf in leaves]
+        def checked(tensors: list[Any]) -> list[Any]:
+            """The batch's fields, once their row counts are checked equal."""
+            if len(tensors) == 1:
+                return tensors
+            rows = [tf.cast(parallel._rows(t), tf.int64) for t in tensors]
+            checks = [
+                tf.debugging.assert_equal(
+                    r, rows[0], message=f"{_ROWS_DIFFER}: {paths[i]} and {paths[0]}"
+                )
+                for i, r in enumerate(rows[1:], start=1)
+            ]
+            with tf.control_dependencies(checks):
+                return [
+                    tf.nest.map_structure(tf.identity, t, expand_composites=True) for t in tensors
+                ]
 
-            def body(i: tf.Tensor, total: tf.Tensor, current: Any, arrays: list) -> tuple:
-                following = iterator.get_next_as_optional()  # prepared while this one runs
-                tensors = tf.nest.flatten(current.get_value())
-                rows = parallel._rows(tensors[0])
-                per_shard, _ = run_batch(tensors, broadcast)
-                for k, values in enumerate(per_shard):
-                    arrays = [
-                        _write(a, i * slots + k, value, rows, op, per_sample)
-                        for a, value in zip(arrays, values)
-                    ]
-                if progress:
-                    tf.py_function(report, [token, rows], [])
-                return i + 1, total + rows, following, arrays
+        def chunk(
+            iterator: Any,
+            current: Any,
+            i: tf.Tensor,
+            limit: tf.Tensor,
+            state: list,
+            broadcast: list,
+        ) -> tuple:
+            """Up to `limit` batches; `state` holds the TensorList handles or the accumulators."""
 
-            _, total, _, arrays = tf.while_loop(
-                lambda i, total, current, arrays: current.has_value(),
+            def body(i, n, rows, current, state):  # noqa: ANN001, ANN202
+                with tf.device(_HOST):
+                    following = iterator.get_next_as_optional()  # prepared while this one runs
+                tensors = checked(tf.nest.flatten(current.get_value()))
+                batch_rows = tf.cast(parallel._rows(tensors[0]), tf.int64)
+                per_shard, _ = run_batch(tensors, tuple(broadcast))
+                with tf.device(output):
+                    if op is None:
+                        state = _write_shards(state, leaves, i * slots, per_shard)
+                    else:
+                        state = [
+                            _accumulate(acc, _partial(value, batch_rows, op, per_sample), op)
+                            for acc, value in zip(state, per_shard[0])
+                        ]
+                return i + 1, n + 1, rows + batch_rows, following, state
+
+            # The accumulators come in with unknown shapes: nothing to hold invariant.
+            i, n, rows, current, state = tf.while_loop(
+                lambda i, n, rows, current, state: tf.logical_and(n < limit, current.has_value()),
                 body,
-                (tf.constant(0), tf.constant(0, tf.int64), iterator.get_next_as_optional(), arrays),
+                (i, tf.constant(0), tf.constant(0, tf.int64), current, list(state)),
             )
-            with tf.device(output):
-                results = [_finish(a, leaf, total, op) for a, leaf in zip(arrays, leaves)]
-            return tf.nest.pack_sequence_as(structure, results), total
+            return current, i, n, rows, state
 
-        self.function = tf.function(loop, autograph=False).get_concrete_function(
-            tf.data.DatasetSpec(spec), tf.TensorSpec([], tf.int64), *shared
+        state_specs = (
+            [tf.TensorSpec([], tf.variant)] * sum(_parts(leaf) for leaf in leaves)
+            if op is None
+            else [tf.TensorSpec(None, leaf.dtype) for leaf in leaves]
         )
+        self._chunk = tf.function(chunk, autograph=False).get_concrete_function(
+            tf.data.IteratorSpec(spec),
+            tf.OptionalSpec(spec),
+            tf.TensorSpec([], tf.int32),
+            tf.TensorSpec([], tf.int32),
+            state_specs,
+            shared,
+        )
+        if op is None:
+            with tf.device(output):
+                self._start = tf.function(
+                    lambda: [a.flow for leaf in leaves for a in _new_arrays(leaf)],
+                    autograph=False,
+                ).get_concrete_function()
+                self._finish = tf.function(
+                    lambda handles: _concat_all(handles, leaves), autograph=False
+                ).get_concrete_function(state_specs)
 
-    def register(self, meter: _Progress | None) -> int:
-        token = next(self._tokens)
-        self.meters[token] = meter
-        return token
+    def run(
+        self, batches: tf.data.Dataset, broadcast: list[Any], meter: _Progress | None
+    ) -> tuple[Any, int]:
+        """All of `batches` through the loop: the result, and how many rows."""
+        with tf.device(_HOST):
+            iterator = iter(batches)
+            current = iterator.get_next_as_optional()
+        if self._op is None:
+            state = self._start()
+        else:
+            with tf.device(self._output):
+                state = [collect.identity(leaf.dtype, self._op) for leaf in self._leaves]
+        i, total, limit = tf.constant(0), 0, 1
+        while True:
+            began = time.perf_counter()
+            with tf.device(_HOST):
+                current, i, n, rows, state = self._chunk(
+                    iterator, current, i, tf.constant(limit), state, broadcast
+                )
+            n, rows = int(n), int(rows)
+            total += rows
+            if meter and n:
+                meter.update(rows, n)
+            if n < limit:
+                break
+            # The next call runs about _CHUNK_SECONDS, by this one's time per batch.
+            per_batch = (time.perf_counter() - began) / n
+            limit = int(min(max(_CHUNK_SECONDS / max(per_batch, 1e-9), 1), 2**30))
+        if total == 0:
+            return None, 0
+        with tf.device(self._output):
+            if self._op is None:
+                results = self._finish(state)
+            elif self._op == "mean":
+                count = tf.constant(total, tf.int64)
+                results = [collect.combine([acc], count, "mean") for acc in state]
+            else:
+                results = state
+        return tf.nest.pack_sequence_as(self._structure, list(results)), total
 
 
-def _array(dtype: tf.DType, inner: tf.TensorShape) -> tf.TensorArray:
-    # One entry per batch: [rows_b, *inner]; batches differ in rows.
-    return tf.TensorArray(
-        dtype,
-        size=0,
-        dynamic_size=True,
-        infer_shape=False,
-        element_shape=tf.TensorShape([None]).concatenate(inner),
-    )
+def _parts(leaf: Any) -> int:
+    """TensorArrays per output leaf: its flat values, and row lengths per ragged dimension."""
+    return 1 + leaf.ragged_rank if isinstance(leaf, tf.RaggedTensor) else 1
 
 
-def _new_arrays(leaf: Any, op: str | None) -> list[tf.TensorArray]:
-    """The TensorArrays that collect one output leaf over the batches."""
-    if op is not None:  # One partial per batch, all of one shape.
-        return [tf.TensorArray(leaf.dtype, size=0, dynamic_size=True, element_shape=leaf.shape)]
-    if isinstance(leaf, tf.RaggedTensor):
-        # Its flat values and one row-lengths vector per ragged dimension.
-        return [_array(leaf.flat_values.dtype, leaf.flat_values.shape[1:])] + [
-            _array(leaf.row_splits.dtype, tf.TensorShape([])) for _ in range(leaf.ragged_rank)
-        ]
-    return [_array(leaf.dtype, leaf.shape[1:])]
-
-
-def _write(
-    arrays: list[tf.TensorArray],
-    i: tf.Tensor,
-    value: Any,
-    rows: tf.Tensor,
-    op: str | None,
-    per_sample: bool,
-) -> list[tf.TensorArray]:
+def _partial(value: tf.Tensor, rows: tf.Tensor, op: str, per_sample: bool) -> tf.Tensor:
+    """A batch's reduced value as it enters the running total."""
     if op == "mean" and not per_sample:
         # A batch's mean counts rows times; an empty batch's (NaN) counts not at all.
-        value = tf.where(rows > 0, value * tf.cast(rows, value.dtype), tf.zeros_like(value))
-    if isinstance(value, tf.RaggedTensor):
-        parts = [value.flat_values, *value.nested_row_lengths()]
-    else:
-        parts = [value]
-    return [a.write(i, part) for a, part in zip(arrays, parts)]
+        return tf.where(rows > 0, value * tf.cast(rows, value.dtype), tf.zeros_like(value))
+    return value
 
 
-def _finish(arrays: list[tf.TensorArray], leaf: Any, total: tf.Tensor, op: str | None) -> Any:
-    """One output leaf over all batches: concatenated, or reduced."""
-    if op is not None:
-        # [batches, ...] -> [...]; per-sample means arrive as sums.
-        return collect.combine_stacked(_read(arrays[0], stack=True), total, op)
-    parts = [_read(a, stack=False) for a in arrays]
+def _write_shards(handles: list, leaves: list, first: tf.Tensor, per_shard: list) -> list:
+    """Writes each shard's output leaves at entries first, first + 1, ..."""
+    handles = list(handles)
+    for k, values in enumerate(per_shard):
+        at = 0
+        for leaf, value in zip(leaves, values):
+            parts = (
+                [value.flat_values, *value.nested_row_lengths()]
+                if isinstance(leaf, tf.RaggedTensor)
+                else [value]
+            )
+            for part in parts:
+                array = tf.TensorArray(
+                    part.dtype, dynamic_size=True, infer_shape=False, flow=handles[at]
+                )
+                handles[at] = array.write(first + k, part).flow
+                at += 1
+    return handles
+
+
+def _concat_all(handles: list, leaves: list) -> list:
+    """Each output leaf over all batches, concatenated in order."""
+    results, at = [], 0
+    for leaf in leaves:
+        parts = []
+        for dtype, inner in _part_shapes(leaf):
+            array = tf.TensorArray(dtype, dynamic_size=True, infer_shape=False, flow=handles[at])
+            at += 1
+            empty = [0, *(0 if d is None else d for d in inner)] if inner.rank is not None else [0]
+            parts.append(
+                tf.cond(array.size() > 0, array.concat, lambda e=empty, d=dtype: tf.zeros(e, d))
+            )
+        if isinstance(leaf, tf.RaggedTensor):
+            results.append(
+                tf.RaggedTensor.from_nested_row_lengths(parts[0], parts[1:], validate=False)
+            )
+        else:
+            results.append(parts[0])
+    return results
+
+
+def _part_shapes(leaf: Any) -> list[tuple[tf.DType, tf.TensorShape]]:
+    """(dtype, per-row shape) of each TensorArray that collects `leaf`."""
     if isinstance(leaf, tf.RaggedTensor):
-        return tf.RaggedTensor.from_nested_row_lengths(parts[0], parts[1:], validate=False)
-    return parts[0]
+        lengths = [(leaf.row_splits.dtype, tf.TensorShape([]))] * leaf.ragged_rank
+        return [(leaf.flat_values.dtype, leaf.flat_values.shape[1:]), *lengths]
+    return [(leaf.dtype, leaf.shape[1:])]
 
 
-def _read(array: tf.TensorArray, stack: bool) -> tf.Tensor:
-    """`array` stacked or concatenated; with no entries (no batches), zeros of that shape.
-
-    An empty TensorArray can only be read when its shape is fully known, and
-    the caller answers an empty dataset with `_empty` anyway.
-    """
-    shape = array.element_shape
-    empty = [0, *(0 if d is None else d for d in shape)] if stack else [0, *shape[1:]]
-    empty = [0 if d is None else d for d in empty]
-    return tf.cond(
-        array.size() > 0,
-        lambda: array.stack() if stack else array.concat(),
-        lambda: tf.zeros(empty, array.dtype),
-    )
+def _new_arrays(leaf: Any) -> list[tf.TensorArray]:
+    """Empty TensorArrays to collect one output leaf, one entry per shard and batch."""
+    return [
+        tf.TensorArray(
+            dtype,
+            size=0,
+            dynamic_size=True,
+            infer_shape=False,
+            element_shape=tf.TensorShape([None]).concatenate(inner),
+        )
+        for dtype, inner in _part_shapes(leaf)
+    ]
 
 
 def _python_loop(

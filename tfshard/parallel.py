@@ -355,7 +355,8 @@ class ShardedFunction:
     @property
     def trace_count(self) -> int:
         """How many graphs have been traced so far (loops over datasets included)."""
-        return len(self._graphs) + len(self._loops)
+        twins = sum(twin.trace_count for twin in self._twins.values())
+        return len(self._graphs) + len(self._loops) + twins
 
     def plan(self, n: int) -> list[int]:
         """The shard sizes for a batch of `n` rows, one per device, summing to `n`.
@@ -525,8 +526,10 @@ class ShardedFunction:
             per_sample=self._per_sample,
             reduce=self._reduce,
             output_device=self._output_spec,
-            # Names only: positions would shift in a bound method.
-            broadcast=tuple(b for b in self._broadcast if isinstance(b, str)),
+            # Positions would shift in a bound method: names only there.
+            broadcast=tuple(
+                b for b in self._broadcast if "fn" not in changes or isinstance(b, str)
+            ),
             ragged=self._ragged,
             jit_compile=self._jit_compile,
             allow_duplicate_devices=self._allow_duplicates,
