@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfshard
+from tfshard import datasets
 
 Fn = Callable[[Any], Any]
 
@@ -466,7 +467,9 @@ def dataset_case(
     `samples` rows and returns all outputs in order. tfshard reads the dataset
     three ways: ``f(dataset)`` on a dataset of batches, ``f(dataset,
     batch_size=B)`` on a dataset of samples, and ``f.iterate(dataset)``
-    (results per batch, concatenated here). ``tfshard_sliced_batches`` streams
+    (results per batch, concatenated here); ``tfshard_python_loop`` is the
+    Python loop over the batches that ``f(dataset)`` falls back to where it
+    cannot trace its loop. ``tfshard_sliced_batches`` streams
     a dataset that slices whole batches out of the tensor, whose pipeline costs
     almost nothing, and ``tfshard_batches_in_memory`` loops `f` over the same
     batches already in memory: the two show what the batching itself costs,
@@ -522,6 +525,10 @@ def dataset_case(
         with tf.device(devices[0]):
             return tf.concat(outputs, axis=0)
 
+    def python_loop(dataset: tf.data.Dataset) -> Any:
+        batches = datasets.prepare(dataset, None, None, cpu_only=True)
+        return datasets._python_loop(f, batches, (), {}, None, False)[0]
+
     def sliced(x: tf.Tensor, size: int) -> tf.data.Dataset:
         # Whole batches sliced out of x: the same batches, almost no pipeline work.
         starts = tf.data.Dataset.range(0, samples, size)
@@ -548,6 +555,8 @@ def dataset_case(
         "tfshard_dataset": lambda i: f(i["batches"]),
         "tfshard_batch_size": lambda i: f(i["rows"], batch_size=batch),
         "tfshard_iterate": lambda i: stream(lambda r: r, f.iterate(i["batches"])),
+        # What f(dataset) falls back to when it cannot trace its loop: the other choice.
+        "tfshard_python_loop": lambda i: python_loop(i["batches"]),
         "tfshard_sliced_batches": lambda i: f(i["sliced"]),
         "tfshard_batches_in_memory": lambda i: stream(f, i["in_memory_batches"]),
         "one_device_stream": lambda i: stream(one, i["prefetched"]),
