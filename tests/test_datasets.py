@@ -493,3 +493,52 @@ def test_ctrl_c_stops_a_long_stream_promptly():
         child.kill()
     assert out.startswith("interrupted after"), out
     assert float(out.split()[2]) < 6.0, out
+
+
+def test_reduced_results_land_on_the_output_device():
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([6, 2], np.float32)).batch(2)
+    loose = tf.data.Dataset.from_generator(  # per-sample shape unknown: the Python loop
+        lambda: iter([np.ones([2, 2], np.float32)] * 3),
+        output_signature=tf.TensorSpec([None, None], tf.float32),
+    )
+    for reduce in ("sum", "max", "mean"):
+        f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[1:3], reduce=reduce)
+        assert f(ds).device.endswith("/device:CPU:1")
+        assert f(loose).device.endswith("/device:CPU:1")
+
+
+def test_a_reduction_error_names_the_reduction_asked_for():
+    f = tfshard.parallelize(lambda s: s > 3, devices=CPUS[:2], reduce="mean")
+    with pytest.raises(ArgumentError, match="reduce='mean' cannot combine"):
+        f(tf.data.Dataset.range(6).batch(4))
+
+
+def test_elements_that_are_not_tensors_are_an_error():
+    f = tfshard.parallelize(lambda s: s)
+    with pytest.raises(ArgumentError, match=r"element is a DatasetSpec.*flat_map"):
+        f(tf.data.Dataset.range(6).window(3))
+
+
+def test_a_call_of_the_loop_grows_at_most_twofold(monkeypatch):
+    # Batches that turn slow after fast ones must not make one long, uninterruptible call.
+    from tfshard import datasets
+
+    limits = []
+    original = datasets._Loop.run
+
+    def run(self, batches, broadcast, meter):
+        chunk = self._chunk
+        self._chunk = lambda it, cur, i, limit, *rest: (
+            limits.append(int(limit)),
+            chunk(it, cur, i, limit, *rest),
+        )[1]
+        try:
+            return original(self, batches, broadcast, meter)
+        finally:
+            self._chunk = chunk
+
+    monkeypatch.setattr(datasets._Loop, "run", run)
+    f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
+    assert f(tf.data.Dataset.range(300), batch_size=2).numpy().tolist() == list(range(1, 301))
+    assert limits[0] == 1
+    assert all(b <= 2 * a for a, b in zip(limits, limits[1:])), limits

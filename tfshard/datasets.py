@@ -110,6 +110,13 @@ def prepare(
             f"expected a tf.data.Dataset, got {type(dataset).__name__}; for tensors and "
             "arrays call the function itself, f(x)"
         )
+    for where, spec in _path_names(dataset.element_spec):
+        if not isinstance(spec, tf.TensorSpec | tf.RaggedTensorSpec):
+            raise ArgumentError(
+                f"{where} is a {type(spec).__name__}; tfshard splits tensors and ragged "
+                "tensors along their first dimension (for windows, flat_map each window "
+                "into a batch first: ds.flat_map(lambda w: w.batch(n)))"
+            )
     if batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ArgumentError(
@@ -552,7 +559,8 @@ class _Loop:
                 break
             # The next call runs about _CHUNK_SECONDS, by this one's time per batch.
             per_batch = (time.perf_counter() - began) / n
-            limit = int(min(max(_CHUNK_SECONDS / max(per_batch, 1e-9), 1), 2**30))
+            # At most double it: batches can get slower, and a call cannot be stopped.
+            limit = int(min(max(_CHUNK_SECONDS / max(per_batch, 1e-9), 1), 2 * limit))
         if total == 0:
             return None, 0
         with tf.device(self._output):
@@ -562,7 +570,7 @@ class _Loop:
                 count = tf.constant(total, tf.int64)
                 results = [collect.combine([acc], count, "mean") for acc in state]
             else:
-                results = state
+                results = [tf.identity(acc) for acc in state]  # the loop left them on the host
         return tf.nest.pack_sequence_as(self._structure, list(results)), total
 
 
@@ -663,11 +671,12 @@ def _python_loop(
             continue  # nothing to reduce (a per-shard mean of no rows is NaN)
         if op == "mean" and not fn._per_sample:
             result = tf.nest.map_structure(lambda v, n=rows: v * tf.cast(n, v.dtype), result)
-        accumulated = (
-            result
-            if accumulated is None
-            else tf.nest.map_structure(lambda a, b: _accumulate(a, b, op), accumulated, result)
-        )
+        with tf.device(fn.output_device):
+            accumulated = (
+                result
+                if accumulated is None
+                else tf.nest.map_structure(lambda a, b: _accumulate(a, b, op), accumulated, result)
+            )
     if total == 0:
         return None, 0
     with tf.device(fn.output_device):

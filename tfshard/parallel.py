@@ -326,6 +326,7 @@ class ShardedFunction:
         self._output_spec = output_device
         self._per_sample = bool(per_sample)
         self._reduce = reduce
+        self._reduce_asked = reduce  # what the user wrote; a twin may reduce otherwise
         self._ragged = bool(ragged)
         self._jit_compile = bool(jit_compile)
         self._allow_duplicates = bool(allow_duplicate_devices)
@@ -514,7 +515,9 @@ class ShardedFunction:
         """This function with another reduction (cached: it traces its own graph)."""
         twin = self._twins.get(reduce)
         if twin is None:
-            twin = self._twins[reduce] = self._with(reduce=reduce)
+            twin = self._with(reduce=reduce)
+            twin._reduce_asked = self._reduce_asked
+            self._twins[reduce] = twin
         return twin
 
     def _with(self, **changes: Any) -> ShardedFunction:
@@ -899,7 +902,7 @@ class ShardedFunction:
             path = _path("outputs", reference, i)
             per_shard = [leaves[i] for leaves in flat]
             if self._reduce is not None:
-                collect.check_reducible(per_shard[0], self._reduce, path)
+                collect.check_reducible(per_shard[0], self._reduce_asked, path)
                 partials = []
                 for k, device in enumerate(devices):
                     # Each shard reduces its own rows where they are.
