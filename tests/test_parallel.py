@@ -778,3 +778,27 @@ def test_dict_outputs_keep_their_key_order():
     assert list(out) == ["z", "a"]
     g = tfshard.parallelize(lambda d: d, devices=CPUS[:2])
     assert list(g(collections.OrderedDict(b=np.ones(2), a=np.ones(2)))) == ["b", "a"]
+
+
+# ------------------------------------------------- shards that get no rows
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7])
+def test_ragged_outputs_with_inner_dims_when_shards_are_empty(n):
+    # Per-sample outputs [s, 3]: stacked ragged, and empty shards keep the inner 3.
+    f = tfshard.parallelize(lambda s: tf.fill([s, 3], s), devices=CPUS[:3])
+    x = np.arange(n, dtype=np.int32) % 4
+    out = f(x)
+    assert out.shape.as_list() == [n, None, 3]
+    assert out.to_list() == [[[int(s)] * 3] * int(s) for s in x]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5])
+def test_outputs_of_unknown_rank_when_shards_are_empty(n):
+    # A numpy_function has no static shape and vectorized_map falls back to a loop.
+    f = tfshard.parallelize(
+        lambda s: tf.numpy_function(lambda v: v * 2, [s], tf.float32), devices=CPUS[:3]
+    )
+    x = np.arange(2 * n, dtype=np.float32).reshape(n, 2)
+    out = f(x).numpy()
+    assert out.tolist() == (x * 2).tolist() or (n == 0 and out.shape == (0,))

@@ -44,6 +44,8 @@ def gather(values: Sequence[tf.Tensor | tf.RaggedTensor]) -> tf.Tensor | tf.Ragg
 
 def _concat(values: list[tf.Tensor]) -> tf.Tensor:
     # [n_k, *inner] x K -> [sum n_k, *inner]
+    if any(value.shape.rank is None for value in values):
+        return _concat_unknown_rank(values)
     inner = values[0].shape[1:]
     for value in values[1:]:
         inner = inner.most_specific_compatible_shape(value.shape[1:])
@@ -56,6 +58,45 @@ def _concat(values: list[tf.Tensor]) -> tf.Tensor:
     for k, value in enumerate(values):
         array = array.write(k, value)
     return array.concat()
+
+
+def _concat_unknown_rank(values: list[tf.Tensor]) -> tf.Tensor:
+    """`_concat` of outputs whose rank is not known until they run (a py_function's).
+
+    An empty shard's output then cannot be told the others' shape (`empty`
+    gives ``[0]``), so only shards with rows are written; with none, ``[0]``.
+    """
+    array = tf.TensorArray(values[0].dtype, size=0, dynamic_size=True, infer_shape=False)
+    at = tf.constant(0)
+    for value in values:
+        has_rows = tf.shape(value)[0] > 0
+        array = tf.cond(has_rows, lambda a=array, v=value, i=at: a.write(i, v), lambda a=array: a)
+        at += tf.cast(has_rows, tf.int32)
+    return tf.cond(array.size() > 0, array.concat, lambda: tf.zeros([0], values[0].dtype))
+
+
+def empty(signature: object) -> object:
+    """Outputs of zero samples for per-sample outputs of these specs (a nested structure).
+
+    A dense leaf ``[...]`` gives ``[0, ...]``; a ragged one an empty ragged tensor
+    with its inner shape; a leaf of unknown rank gives ``[0]``, as nothing says
+    more.
+    """
+
+    def zeros(spec: tf.TypeSpec) -> tf.Tensor | tf.RaggedTensor:
+        if spec.shape.rank is None:
+            return tf.zeros([0], spec.dtype)
+        if isinstance(spec, tf.RaggedTensorSpec):
+            # A sample [d_1, ...] stacks to [0, d_1, ...] with ragged_rank + 1 ragged
+            # dimensions; the flat values keep the sample's dimensions after those.
+            inner = [0 if d is None else d for d in spec.shape[spec.ragged_rank + 1 :]]
+            lengths = [tf.zeros([0], spec.row_splits_dtype)] * (spec.ragged_rank + 1)
+            return tf.RaggedTensor.from_nested_row_lengths(
+                tf.zeros([0, *inner], spec.dtype), lengths, validate=False
+            )
+        return tf.zeros([0, *spec.shape], spec.dtype)
+
+    return tf.nest.map_structure(zeros, signature)
 
 
 def check_reducible(value: tf.Tensor, op: str, path: str) -> None:

@@ -850,12 +850,25 @@ class ShardedFunction:
                 or any(isinstance(s, tf.RaggedTensorSpec) for s in tf.nest.flatten(signature))
             )
 
-            def per_shard(rows: Sequence[Any]) -> Any:
+            def each(rows: Sequence[Any]) -> Any:
                 if ragged:
                     return tf.map_fn(
                         call, tuple(rows), fn_output_signature=signature, name="per_sample"
                     )
                 return tf.vectorized_map(call, tuple(rows), fallback_to_while_loop=True)
+
+            # A shard with no rows must give empty outputs of the signature's shapes,
+            # but map_fn over nothing loses a ragged output's inner shape, and
+            # vectorized_map's while-loop fallback cannot stack nothing of unknown
+            # shape. Only those need the guard (a cond costs a few percent here).
+            guarded = ragged or any(spec.shape.rank is None for spec in tf.nest.flatten(signature))
+
+            def per_shard(rows: Sequence[Any]) -> Any:
+                if not guarded:
+                    return each(rows)
+                return tf.cond(
+                    _rows(rows[0]) > 0, lambda: each(rows), lambda: collect.empty(signature)
+                )
 
         else:
 
