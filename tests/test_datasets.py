@@ -542,3 +542,8 @@ def test_a_call_of_the_loop_grows_at_most_twofold(monkeypatch):
     assert f(tf.data.Dataset.range(300), batch_size=2).numpy().tolist() == list(range(1, 301))
     assert limits[0] == 1
     assert all(b <= 2 * a for a, b in zip(limits, limits[1:])), limits
+    # The next run starts from half of where this one got to.
+    grown = limits[-1]  # the size the last call was given
+    limits.clear()
+    f(tf.data.Dataset.range(300), batch_size=2)
+    assert limits[0] == max(grown // 2, 1)

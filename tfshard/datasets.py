@@ -458,6 +458,7 @@ class _Loop:
         slots = len(per_shard_leaves)  # entries per batch: one per shard, or one partial
         self._op = op
         self._output = output
+        self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
 
         def checked(tensors: list[Any]) -> list[Any]:
             """The batch's fields, once their row counts are checked equal."""
@@ -544,7 +545,8 @@ class _Loop:
         else:
             with tf.device(self._output):
                 state = [collect.identity(leaf.dtype, self._op) for leaf in self._leaves]
-        i, total, limit = tf.constant(0), 0, 1
+        # Start from half the last run's size (one batch at first), then adapt.
+        i, total, limit = tf.constant(0), 0, max(self._last_limit // 2, 1)
         while True:
             began = time.perf_counter()
             with tf.device(_HOST):
@@ -561,6 +563,7 @@ class _Loop:
             per_batch = (time.perf_counter() - began) / n
             # At most double it: batches can get slower, and a call cannot be stopped.
             limit = int(min(max(_CHUNK_SECONDS / max(per_batch, 1e-9), 1), 2 * limit))
+            self._last_limit = limit
         if total == 0:
             return None, 0
         with tf.device(self._output):
