@@ -166,11 +166,7 @@ def combine(partials: Sequence[tf.Tensor], total: tf.Tensor, op: str) -> tf.Tens
       means. With N == 0 a float mean is NaN (as `tf.reduce_mean` gives) and
       an integer mean is 0.
     """
-    return combine_stacked(tf.stack(list(partials)), total, op)  # K x [...] -> [K, ...]
-
-
-def combine_stacked(stacked: tf.Tensor, total: tf.Tensor, op: str) -> tf.Tensor:
-    """`combine` of partials stacked along axis 0 (``[K, ...]``, K may be unknown)."""
+    stacked = tf.stack(list(partials))  # K x [...] -> [K, ...]
     if op == "max":
         return tf.reduce_max(stacked, axis=0)
     if op == "min":
