@@ -547,3 +547,16 @@ def test_a_call_of_the_loop_grows_at_most_twofold(monkeypatch):
     limits.clear()
     f(tf.data.Dataset.range(300), batch_size=2)
     assert limits[0] == max(grown // 2, 1)
+
+
+@pytest.mark.parametrize(
+    "spec, inner", [([None, None], (0,)), (None, ())], ids=["unknown_dims", "unknown_rank"]
+)
+def test_an_empty_stream_of_loose_specs(spec, inner):
+    # Nothing in the spec fixes the per-sample shape: unknown dimensions count as 0.
+    ds = tf.data.Dataset.from_generator(
+        lambda: iter([]), output_signature=tf.TensorSpec(spec, tf.float32)
+    )
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
+    out = f(ds, batched=True)
+    assert out.shape == (0, *inner) and out.dtype == tf.float32

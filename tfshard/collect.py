@@ -78,9 +78,9 @@ def _concat_unknown_rank(values: list[tf.Tensor]) -> tf.Tensor:
 def empty(signature: object) -> object:
     """Outputs of zero samples for per-sample outputs of these specs (a nested structure).
 
-    A dense leaf ``[...]`` gives ``[0, ...]``; a ragged one an empty ragged tensor
-    with its inner shape; a leaf of unknown rank gives ``[0]``, as nothing says
-    more.
+    A dense leaf ``[...]`` gives ``[0, ...]`` (unknown dimensions 0); a ragged one
+    an empty ragged tensor with its inner shape; a leaf of unknown rank gives
+    ``[0]``, as nothing says more.
     """
 
     def zeros(spec: tf.TypeSpec) -> tf.Tensor | tf.RaggedTensor:
@@ -94,7 +94,7 @@ def empty(signature: object) -> object:
             return tf.RaggedTensor.from_nested_row_lengths(
                 tf.zeros([0, *inner], spec.dtype), lengths, validate=False
             )
-        return tf.zeros([0, *spec.shape], spec.dtype)
+        return tf.zeros([0, *(0 if d is None else d for d in spec.shape)], spec.dtype)
 
     return tf.nest.map_structure(zeros, signature)
 

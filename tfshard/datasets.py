@@ -112,10 +112,14 @@ def prepare(
         )
     for where, spec in _path_names(dataset.element_spec):
         if not isinstance(spec, tf.TensorSpec | tf.RaggedTensorSpec):
+            fix = (
+                "flat_map each window into a batch first: ds.flat_map(lambda w: w.batch(n))"
+                if isinstance(spec, tf.data.DatasetSpec)
+                else "map it to a tensor first (e.g. tf.sparse.to_dense)"
+            )
             raise ArgumentError(
                 f"{where} is a {type(spec).__name__}; tfshard splits tensors and ragged "
-                "tensors along their first dimension (for windows, flat_map each window "
-                "into a batch first: ds.flat_map(lambda w: w.batch(n)))"
+                f"tensors along their first dimension: {fix}"
             )
     if batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -250,7 +254,7 @@ def iterate(
     batched: bool | None = None,
     progress: bool | TextIO = False,
 ) -> Iterator[tuple[Any, int]]:
-    """Yields ``(result, rows)`` for each global batch, in order."""
+    """``(result, rows)`` for each global batch, in order, as they are computed."""
     _check_specs(fn, dataset, args, kwargs)
     batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(fn))
     return _batches(fn, batches, args, kwargs, progress)
@@ -381,8 +385,9 @@ def _graph_loop(
     return result, total
 
 
-# The host's CPU: where datasets iterate. Also in the message of a failed row check.
+# The host's CPU: where datasets iterate, and where the loop splits each batch.
 _HOST = "/device:CPU:0"
+# Marks the in-graph check of an element's row counts, to turn it into an ArgumentError.
 _ROWS_DIFFER = "tfshard: the fields of one element differ in rows"
 # How long one call of a loop runs before Python gets control back (Ctrl-C, progress).
 _CHUNK_SECONDS = 0.5
@@ -397,15 +402,15 @@ def _any_rows(leaf: tf.TypeSpec) -> tf.TypeSpec:
 
 
 def _static_inner_shapes(spec: Any) -> bool:
-    """Whether every leaf of an element spec fixes its per-sample (dense) shape."""
+    """Whether every leaf of an element spec fixes its per-sample (dense) shape.
+
+    The leaves are TensorSpecs and RaggedTensorSpecs (`prepare` refuses others).
+    """
     for leaf in tf.nest.flatten(spec):
-        if isinstance(leaf, tf.RaggedTensorSpec):
-            inner = leaf.shape[leaf.ragged_rank + 1 :]
-        elif isinstance(leaf, tf.TensorSpec):
-            inner = leaf.shape[1:]
-        else:
+        if not leaf.shape.rank:  # unknown, or a scalar with no rows
             return False
-        if leaf.shape.rank is None or leaf.shape.rank == 0 or not inner.is_fully_defined():
+        ragged = leaf.ragged_rank if isinstance(leaf, tf.RaggedTensorSpec) else 0
+        if not leaf.shape[ragged + 1 :].is_fully_defined():
             return False
     return True
 
@@ -569,11 +574,8 @@ class _Loop:
         with tf.device(self._output):
             if self._op is None:
                 results = self._finish(state)
-            elif self._op == "mean":
-                count = tf.constant(total, tf.int64)
-                results = [collect.combine([acc], count, "mean") for acc in state]
-            else:
-                results = [tf.identity(acc) for acc in state]  # the loop left them on the host
+            else:  # The loop left the totals on the host.
+                results = _reduced([tf.identity(acc) for acc in state], total, self._op)
         return tf.nest.pack_sequence_as(self._structure, list(results)), total
 
 
@@ -582,7 +584,7 @@ def _parts(leaf: Any) -> int:
     return 1 + leaf.ragged_rank if isinstance(leaf, tf.RaggedTensor) else 1
 
 
-def _partial(value: tf.Tensor, rows: tf.Tensor, op: str, per_sample: bool) -> tf.Tensor:
+def _partial(value: tf.Tensor, rows: tf.Tensor | int, op: str, per_sample: bool) -> tf.Tensor:
     """A batch's reduced value as it enters the running total."""
     if op == "mean" and not per_sample:
         # A batch's mean counts rows times; an empty batch's (NaN) counts not at all.
@@ -670,10 +672,7 @@ def _python_loop(
         if op is None:
             pieces.append(result)
             continue
-        if rows == 0:
-            continue  # nothing to reduce (a per-shard mean of no rows is NaN)
-        if op == "mean" and not fn._per_sample:
-            result = tf.nest.map_structure(lambda v, n=rows: v * tf.cast(n, v.dtype), result)
+        result = tf.nest.map_structure(lambda v, n=rows: _partial(v, n, op, fn._per_sample), result)
         with tf.device(fn.output_device):
             accumulated = (
                 result
@@ -685,12 +684,15 @@ def _python_loop(
     with tf.device(fn.output_device):
         if op is None:
             return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *pieces), total
-        if op != "mean":
-            return accumulated, total
-        count = tf.constant(total, tf.int64)
-        return tf.nest.map_structure(
-            lambda value: collect.combine([value], count, "mean"), accumulated
-        ), total
+        return _reduced(accumulated, total, op), total
+
+
+def _reduced(totals: Any, rows: int, op: str) -> Any:
+    """The running totals of a reduction over `rows` rows as its result: a mean divides."""
+    if op != "mean":
+        return totals
+    count = tf.constant(rows, tf.int64)
+    return tf.nest.map_structure(lambda total: collect.combine([total], count, "mean"), totals)
 
 
 def _accumulate(a: tf.Tensor, b: tf.Tensor, op: str) -> tf.Tensor:
@@ -703,17 +705,18 @@ def _accumulate(a: tf.Tensor, b: tf.Tensor, op: str) -> tf.Tensor:
 
 def _zeros(spec: Any) -> Any:
     """An element of zero rows that fits `spec`; unknown inner dimensions are 0."""
+    return collect.empty(tf.nest.map_structure(_sample_spec, spec))
 
-    def zeros(leaf: tf.TypeSpec) -> Any:
-        inner = [d if d is not None else 0 for d in leaf.shape[1:]]
-        if isinstance(leaf, tf.RaggedTensorSpec):
-            values = tf.zeros([0, *inner[leaf.ragged_rank :]], leaf.dtype)
-            return tf.RaggedTensor.from_nested_row_lengths(
-                values, [tf.zeros([0], leaf.row_splits_dtype)] * leaf.ragged_rank
-            )
-        return tf.zeros([0, *inner], leaf.dtype)
 
-    return tf.nest.map_structure(zeros, spec)
+def _sample_spec(leaf: tf.TypeSpec) -> tf.TypeSpec:
+    """The spec of one row of a batch of `leaf`."""
+    if leaf.shape.rank is None:
+        return leaf
+    if isinstance(leaf, tf.RaggedTensorSpec):
+        return tf.RaggedTensorSpec(
+            leaf.shape[1:], leaf.dtype, leaf.ragged_rank - 1, leaf.row_splits_dtype
+        )
+    return tf.TensorSpec(leaf.shape[1:], leaf.dtype)
 
 
 def _empty(
