@@ -7,14 +7,21 @@ device scope, the output device. Reductions are two-level: each shard reduces
 its own rows on its own device (`shard_partial`), and only the small partials
 cross to the output device (`combine`), so a ``reduce="sum"`` over a million
 rows moves K values, not a million.
+
+Streams (`tfshard.datasets`) collect over many batches: `new_arrays` /
+`write_shards` / `concat_all` keep each output leaf in TensorArrays whose
+handles live from call to call and concatenate once at the end; reductions
+carry a running total (`batch_partial`, `accumulate`, `finish_reduction`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
+from tfshard import _trees
 from tfshard.errors import ArgumentError
 
 REDUCTIONS = ("sum", "mean", "max", "min")
@@ -75,7 +82,7 @@ def _concat_unknown_rank(values: list[tf.Tensor]) -> tf.Tensor:
     return tf.cond(array.size() > 0, array.concat, lambda: tf.zeros([0], values[0].dtype))
 
 
-def empty(signature: object) -> object:
+def empty(signature: Any) -> Any:
     """Outputs of zero samples for per-sample outputs of these specs (a nested structure).
 
     A dense leaf ``[...]`` gives ``[0, ...]`` (unknown dimensions 0); a ragged one
@@ -96,7 +103,23 @@ def empty(signature: object) -> object:
             )
         return tf.zeros([0, *(0 if d is None else d for d in spec.shape)], spec.dtype)
 
-    return tf.nest.map_structure(zeros, signature)
+    return _trees.map_leaves(zeros, signature)
+
+
+def stacked_spec(batch: tf.TypeSpec) -> tf.TypeSpec:
+    """The per-sample spec that `empty` stacks into a batch of `batch`'s spec.
+
+    Unlike the row a function sees (`_arguments.row_spec`), a row of a ragged
+    batch stays ragged here (one ragged rank less), so its empty batch is
+    ragged as the batch is.
+    """
+    if batch.shape.rank is None:
+        return batch
+    if isinstance(batch, tf.RaggedTensorSpec):
+        return tf.RaggedTensorSpec(
+            batch.shape[1:], batch.dtype, batch.ragged_rank - 1, batch.row_splits_dtype
+        )
+    return tf.TensorSpec(batch.shape[1:], batch.dtype)
 
 
 def check_reducible(value: tf.Tensor, op: str, path: str) -> None:
@@ -179,3 +202,109 @@ def combine(partials: Sequence[tf.Tensor], total: tf.Tensor, op: str) -> tf.Tens
         # tf.reduce_mean truncates integer means toward zero; so do we.
         return tf.truncatediv(summed, tf.maximum(count, 1))
     return summed / count
+
+
+# ------------------------------------------------------------------ streams
+
+
+def _part_shapes(leaf: Any) -> list[tuple[tf.DType, tf.TensorShape]]:
+    """(dtype, per-row shape) of each TensorArray that collects `leaf`.
+
+    A ragged leaf is its flat values plus one row-lengths vector per ragged
+    dimension, each collected in its own array.
+    """
+    if isinstance(leaf, tf.RaggedTensor):
+        lengths = [(leaf.row_splits.dtype, tf.TensorShape([]))] * leaf.ragged_rank
+        return [(leaf.flat_values.dtype, leaf.flat_values.shape[1:]), *lengths]
+    return [(leaf.dtype, leaf.shape[1:])]
+
+
+def array_count(leaves: Sequence[Any]) -> int:
+    """How many TensorArrays collect these output leaves (see `new_arrays`)."""
+    return sum(len(_part_shapes(leaf)) for leaf in leaves)
+
+
+def new_arrays(leaves: Sequence[Any]) -> list[tf.Tensor]:
+    """The flows of empty TensorArrays that collect these output leaves, one entry per write."""
+    return [
+        tf.TensorArray(
+            dtype,
+            size=0,
+            dynamic_size=True,
+            infer_shape=False,
+            element_shape=tf.TensorShape([None]).concatenate(inner),
+        ).flow
+        for leaf in leaves
+        for dtype, inner in _part_shapes(leaf)
+    ]
+
+
+def write_shards(
+    flows: Sequence[tf.Tensor], leaves: Sequence[Any], first: tf.Tensor, per_shard: Sequence[Any]
+) -> list[tf.Tensor]:
+    """Writes each shard's output leaves at entries first, first + 1, ...; the new flows."""
+    flows = list(flows)
+    for k, values in enumerate(per_shard):
+        at = 0
+        for leaf, value in zip(leaves, values):
+            parts = (
+                [value.flat_values, *value.nested_row_lengths()]
+                if isinstance(leaf, tf.RaggedTensor)
+                else [value]
+            )
+            for part in parts:
+                array = tf.TensorArray(
+                    part.dtype, dynamic_size=True, infer_shape=False, flow=flows[at]
+                )
+                flows[at] = array.write(first + k, part).flow
+                at += 1
+    return flows
+
+
+def concat_all(flows: Sequence[tf.Tensor], leaves: Sequence[Any]) -> list[Any]:
+    """Each output leaf over all writes, concatenated in order (zero rows if none)."""
+    results, at = [], 0
+    for leaf in leaves:
+        parts = []
+        for dtype, inner in _part_shapes(leaf):
+            array = tf.TensorArray(dtype, dynamic_size=True, infer_shape=False, flow=flows[at])
+            at += 1
+            zero = [0, *(0 if d is None else d for d in inner)] if inner.rank is not None else [0]
+            parts.append(
+                tf.cond(array.size() > 0, array.concat, lambda e=zero, d=dtype: tf.zeros(e, d))
+            )
+        if isinstance(leaf, tf.RaggedTensor):
+            results.append(
+                tf.RaggedTensor.from_nested_row_lengths(parts[0], parts[1:], validate=False)
+            )
+        else:
+            results.append(parts[0])
+    return results
+
+
+def batch_partial(value: tf.Tensor, rows: tf.Tensor | int, op: str, per_sample: bool) -> tf.Tensor:
+    """A batch's reduced value as it enters a running total.
+
+    A per-sample mean is run as a sum (divided once at the end); a per-shard
+    mean counts ``rows`` times, and an empty batch's (NaN) counts not at all.
+    """
+    if op == "mean" and not per_sample:
+        return tf.where(rows > 0, value * tf.cast(rows, value.dtype), tf.zeros_like(value))
+    return value
+
+
+def accumulate(total: tf.Tensor, value: tf.Tensor, op: str) -> tf.Tensor:
+    """A running total with one more batch's partial."""
+    if op == "max":
+        return tf.maximum(total, value)
+    if op == "min":
+        return tf.minimum(total, value)
+    return total + value
+
+
+def finish_reduction(totals: Any, rows: int, op: str) -> Any:
+    """The running totals of a reduction over `rows` rows as its result: a mean divides."""
+    if op != "mean":
+        return totals
+    count = tf.constant(rows, tf.int64)
+    return _trees.map_leaves(lambda total: combine([total], count, "mean"), totals)

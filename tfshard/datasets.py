@@ -43,38 +43,29 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import tensorflow as tf
 
-from tfshard import collect, parallel, pinning
+from tfshard import _trees, collect, pinning
+from tfshard._arguments import Arguments, Call, type_spec
+from tfshard._sharding import Engine, rows
 from tfshard.errors import ArgumentError
-
-if TYPE_CHECKING:
-    from tfshard.parallel import ShardedFunction
 
 # Keywords that belong to tfshard, not to the function, in a call on a dataset.
 DATASET_OPTIONS = ("batch_size", "batched", "progress")
+# The host's CPU: where datasets iterate, and where the loop splits each batch.
+HOST = "/device:CPU:0"
+# Marks the in-graph check of an element's row counts, to turn it into an ArgumentError.
+_ROWS_DIFFER = "tfshard: the fields of one element differ in rows"
+# How long one call of a loop runs before Python gets control back (Ctrl-C, progress).
+_CHUNK_SECONDS = 0.5
 
 
-def _path_names(spec: Any) -> list[tuple[str, tf.TypeSpec]]:
-    """(path, spec) for each leaf of an element spec, e.g. ("element['image']", ...)."""
-    paths: list[tuple[str, Any]] = []
-    _visit(spec, "element", paths)
-    return paths
-
-
-def _visit(value: Any, where: str, paths: list[tuple[str, Any]]) -> None:
-    # Not a closure: a recursive closure is a reference cycle, and _inner_shapes
-    # passes whole batches through here, which the cycle would keep alive until gc.
-    if isinstance(value, dict):
-        for key in sorted(value):
-            _visit(value[key], f"{where}[{key!r}]", paths)
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            _visit(item, f"{where}[{i}]", paths)
-    else:
-        paths.append((where, value))
+def _leaf_paths(spec: Any) -> list[tuple[str, Any]]:
+    """(path, leaf) for each leaf of an element or its spec, e.g. ("element['image']", ...)."""
+    leaves, key = _trees.flatten(spec, "element")
+    return list(zip(_trees.paths("element", key), leaves))
 
 
 def prepare(
@@ -110,7 +101,7 @@ def prepare(
             f"expected a tf.data.Dataset, got {type(dataset).__name__}; for tensors and "
             "arrays call the function itself, f(x)"
         )
-    for where, spec in _path_names(dataset.element_spec):
+    for where, spec in _leaf_paths(dataset.element_spec):
         if not isinstance(spec, tf.TensorSpec | tf.RaggedTensorSpec):
             fix = (
                 "flat_map each window into a batch first: ds.flat_map(lambda w: w.batch(n))"
@@ -138,7 +129,7 @@ def prepare(
             "tfshard batch them"
         )
     elif batched is None:
-        leaves = _path_names(dataset.element_spec)
+        leaves = _leaf_paths(dataset.element_spec)
         for where, spec in leaves:
             if spec.shape.rank == 0:
                 raise ArgumentError(
@@ -159,17 +150,17 @@ def prepare(
     return dataset.prefetch(tf.data.AUTOTUNE)
 
 
-def _on_host_cpus(fn: ShardedFunction) -> bool:
-    """Whether every device of `fn` is a CPU device of this process."""
+def _on_host_cpus(engine: Engine) -> bool:
+    """Whether every shard runs on a CPU device of this process."""
     return all(
         tf.DeviceSpec.from_string(d).device_type == "CPU" and not pinning.is_remote(d)
-        for d in fn.devices
+        for d in engine.devices
     )
 
 
-def _rows(element: Any) -> int:
-    leaf = tf.nest.flatten(element)[0]
-    return int(leaf.nrows() if isinstance(leaf, tf.RaggedTensor) else leaf.shape[0])
+def _batch_rows(element: Any) -> int:
+    """The rows of an eager batch."""
+    return int(rows(_trees.flatten(element)[0][0]))
 
 
 class _Progress:
@@ -220,9 +211,9 @@ def _split_element(element: Any) -> tuple[Any, ...]:
     return element if type(element) is tuple else (element,)
 
 
-def _check_specs(fn: ShardedFunction, dataset: tf.data.Dataset, args: tuple, kwargs: dict) -> None:
+def _check_specs(arguments: Arguments, dataset: tf.data.Dataset, args: tuple, kwargs: dict) -> None:
     """Fails early when the element structure does not fit the function."""
-    params = fn._params
+    params = arguments.signature
     if params is None:
         return
     element = _split_element(dataset.element_spec)
@@ -230,9 +221,9 @@ def _check_specs(fn: ShardedFunction, dataset: tf.data.Dataset, args: tuple, kwa
         params.bind(*element, *args, **kwargs)
     except TypeError as error:
         raise ArgumentError(
-            f"{fn.__name__}: dataset elements are {dataset.element_spec}, passed as "
+            f"{arguments.name}: dataset elements are {dataset.element_spec}, passed as "
             f"{len(element)} positional argument(s) (a tuple element is spread over the "
-            f"parameters, as Dataset.map does), which does not fit {fn.__name__}{params}: "
+            f"parameters, as Dataset.map does), which does not fit {arguments.name}{params}: "
             f"{error}"
         ) from None
 
@@ -240,12 +231,13 @@ def _check_specs(fn: ShardedFunction, dataset: tf.data.Dataset, args: tuple, kwa
 def _inner_shapes(element: Any) -> list[tuple[str, Any]]:
     return [
         (where, None if isinstance(t, tf.RaggedTensor) else tuple(t.shape[1:]))
-        for (where, _), t in zip(_path_names(element), tf.nest.flatten(element))
+        for where, t in _leaf_paths(element)
     ]
 
 
 def iterate(
-    fn: ShardedFunction,
+    engine: Engine,
+    arguments: Arguments,
     dataset: tf.data.Dataset,
     args: tuple,
     kwargs: dict,
@@ -255,20 +247,21 @@ def iterate(
     progress: bool | TextIO = False,
 ) -> Iterator[tuple[Any, int]]:
     """``(result, rows)`` for each global batch, in order, as they are computed."""
-    _check_specs(fn, dataset, args, kwargs)
-    batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(fn))
-    return _batches(fn, batches, args, kwargs, progress)
+    _check_specs(arguments, dataset, args, kwargs)
+    batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
+    return _batches(engine, arguments, batches, args, kwargs, progress)
 
 
 def _batches(
-    fn: ShardedFunction,
+    engine: Engine,
+    arguments: Arguments,
     batches: tf.data.Dataset,
     args: tuple,
     kwargs: dict,
     progress: bool | TextIO,
 ) -> Iterator[tuple[Any, int]]:
-    """The Python loop: one call of `fn` per batch, checking per-sample shapes."""
-    meter = _meter(fn, batches, progress)
+    """The Python loop: one call of the traced graph per batch, checking per-sample shapes."""
+    meter = _meter(engine.name, batches, progress)
     first: list[tuple[str, Any]] | None = None
     for element in batches:
         shapes = _inner_shapes(element)
@@ -282,23 +275,24 @@ def _batches(
                         f"{list(before)} in the first; every batch must keep its per-sample "
                         "shapes (pad to one length, or use ragged tensors)"
                     )
-        rows = _rows(element)
-        result = fn(*_split_element(element), *args, **kwargs)
+        batch_rows = _batch_rows(element)
+        result = engine.call(arguments.classify((*_split_element(element), *args), kwargs))
         if meter:
-            meter.update(rows)
-        yield result, rows
+            meter.update(batch_rows)
+        yield result, batch_rows
     if meter:
         meter.close()
 
 
-def _meter(fn: ShardedFunction, batches: tf.data.Dataset, progress: bool | TextIO) -> Any:
+def _meter(name: str, batches: tf.data.Dataset, progress: bool | TextIO) -> _Progress | None:
     if not progress:
         return None
-    return _Progress(fn.__name__, _cardinality(batches), None if progress is True else progress)
+    return _Progress(name, _cardinality(batches), None if progress is True else progress)
 
 
 def run(
-    fn: ShardedFunction,
+    engine: Engine,
+    arguments: Arguments,
     dataset: tf.data.Dataset,
     args: tuple,
     kwargs: dict,
@@ -307,31 +301,40 @@ def run(
     batched: bool | None = None,
     progress: bool | TextIO = False,
 ) -> Any:
-    """All of the dataset through `fn`: outputs concatenated in order, or reduced."""
-    _check_specs(fn, dataset, args, kwargs)
+    """All of the dataset through the engine: outputs concatenated in order, or reduced."""
+    _check_specs(arguments, dataset, args, kwargs)
     if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
         raise ArgumentError(
-            f"{fn.__name__}(dataset): the dataset is infinite (it repeats), so its results "
-            f"would never be complete; stream them with {fn.__name__}.iterate(dataset), or "
+            f"{engine.name}(dataset): the dataset is infinite (it repeats), so its results "
+            f"would never be complete; stream them with {engine.name}.iterate(dataset), or "
             "take a finite part first (dataset.take(n))"
         )
-    batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(fn))
-    op = fn._reduce
+    batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
+    op = engine.reduce
     # A per-sample mean over batches is the sum over all samples / N, so run the
     # batches with a sum and divide once; a per-shard mean is weighted by rows.
-    batch_fn = fn._with_reduce("sum") if op == "mean" and fn._per_sample else fn
-    loop = _graph_loop(batch_fn, batches, args, kwargs, op, progress)
+    batch_engine = engine.with_reduce("sum") if op == "mean" and engine.per_sample else engine
+    loop = _graph_loop(batch_engine, arguments, batches, args, kwargs, op, progress)
     if loop is not None:
         result, total = loop
     else:
-        result, total = _python_loop(batch_fn, batches, args, kwargs, op, progress)
+        result, total = _python_loop(batch_engine, arguments, batches, args, kwargs, op, progress)
     if total == 0:
-        return _empty(fn, dataset, args, kwargs, batch_size)
+        # No elements: the function on a batch of zero rows (unknown dimensions 0).
+        spec = dataset.batch(1).element_spec if batch_size is not None else dataset.element_spec
+        element = _split_element(_zeros(spec))
+        return engine.call(arguments.classify((*element, *args), kwargs))
     return result
 
 
+def _zeros(spec: Any) -> Any:
+    """An element of zero rows that fits `spec`; unknown inner dimensions are 0."""
+    return collect.empty(_trees.map_leaves(collect.stacked_spec, spec))
+
+
 def _graph_loop(
-    fn: ShardedFunction,
+    engine: Engine,
+    arguments: Arguments,
     batches: tf.data.Dataset,
     args: tuple,
     kwargs: dict,
@@ -347,50 +350,43 @@ def _graph_loop(
     number of rows.
     """
     spec = batches.element_spec
-    if not _static_inner_shapes(spec) or pinning.is_remote(fn.output_device):
+    if not _static_inner_shapes(spec) or pinning.is_remote(engine.output):
         return None
-    with tf.device(_HOST):  # where the iterator leaves each batch: split there
+    with tf.device(HOST):  # where the iterator leaves each batch: split there
         element = _split_element(_zeros(spec))
     try:
-        call = fn._classify((*element, *args), kwargs)
+        call = arguments.classify((*element, *args), kwargs)
     except ArgumentError:
         return None  # e.g. a further argument to split: the Python loop says what is wrong
     # Rows vary by batch: None, so an error names the shard's slice.
     call = call._replace(rows=None)
-    count = len(tf.nest.flatten(spec))
-    element_kinds = [kind for kinds in call.template.kinds[: len(element)] for kind in kinds]
-    if call.template.split_count != count or element_kinds != ["split"] * count:
+    count = len(_trees.flatten(spec)[0])
+    kinds = call.template.element_kinds(len(element))
+    if call.template.split_count != count or kinds != ["split"] * count:
         return None
-    relaxed = tf.nest.map_structure(_any_rows, spec)  # one loop for every batch size
+    relaxed = _trees.map_leaves(_any_rows, spec)  # one loop for every batch size
     key = (tf.data.DatasetSpec(relaxed), call.key)
-    loop = fn._loops.get(key)
-    if loop is None:
-        loop = fn._loops.setdefault(key, _Loop(fn, relaxed, call, op))
-    meter = _meter(fn, batches, progress)
+    with engine.lock:  # concurrent first calls trace one loop
+        loop = engine.loops.get(key)
+        if loop is None:
+            loop = engine.loops[key] = _Loop(engine, relaxed, call, op)
+    meter = _meter(engine.name, batches, progress)
     try:
         result, total = loop.run(batches, call.tensors[count:], meter)
     except tf.errors.InvalidArgumentError as error:
         if _ROWS_DIFFER in error.message:
             raise ArgumentError(
-                f"{fn.__name__}: the fields of one dataset element have different numbers "
-                f"of rows ({', '.join(path for path, _ in _path_names(spec))}); every field "
+                f"{engine.name}: the fields of one dataset element have different numbers "
+                f"of rows ({', '.join(path for path, _ in _leaf_paths(spec))}); every field "
                 "is split along its first dimension, so they must match (batch zipped "
                 "datasets alike)"
             ) from None
-        raise fn._call_error(error, call) from None
+        raise engine.call_error(error, None) from None
     except tf.errors.OpError as error:
-        raise fn._call_error(error, call) from None
+        raise engine.call_error(error, None) from None
     if meter:
         meter.close()
     return result, total
-
-
-# The host's CPU: where datasets iterate, and where the loop splits each batch.
-_HOST = "/device:CPU:0"
-# Marks the in-graph check of an element's row counts, to turn it into an ArgumentError.
-_ROWS_DIFFER = "tfshard: the fields of one element differ in rows"
-# How long one call of a loop runs before Python gets control back (Ctrl-C, progress).
-_CHUNK_SECONDS = 0.5
 
 
 def _any_rows(leaf: tf.TypeSpec) -> tf.TypeSpec:
@@ -406,7 +402,7 @@ def _static_inner_shapes(spec: Any) -> bool:
 
     The leaves are TensorSpecs and RaggedTensorSpecs (`prepare` refuses others).
     """
-    for leaf in tf.nest.flatten(spec):
+    for leaf in _trees.flatten(spec)[0]:
         if not leaf.shape.rank:  # unknown, or a scalar with no rows
             return False
         ragged = leaf.ragged_rank if isinstance(leaf, tf.RaggedTensorSpec) else 0
@@ -418,7 +414,7 @@ def _static_inner_shapes(spec: Any) -> bool:
 class _Loop:
     """Traced loops over the batches of datasets with one element spec.
 
-    `run` iterates the dataset in calls of a traced `tf.function` (`chunk`),
+    `run` iterates the dataset in calls of a traced `tf.function` (`_chunk`),
     each a `tf.while_loop` over up to ``limit`` batches, sized so a call lasts
     about half a second: Python gets control back that often, for Ctrl-C and
     progress, while the batches themselves run with no Python between them.
@@ -430,138 +426,131 @@ class _Loop:
     Without a reduction, each shard's outputs are written straight into
     TensorArrays that stay in TensorFlow between calls (their TensorList
     handles are the calls' inputs and outputs) and are concatenated once
-    after the last batch (`finish`): every output row is copied once. With
-    a reduction, each batch is reduced as a call would be, and a running
-    sum (or max, or min) is carried from batch to batch.
+    after the last batch (`collect.concat_all`): every output row is copied
+    once. With a reduction, each batch is reduced as a call would be, and a
+    running sum (or max, or min) is carried from batch to batch.
     """
 
-    def __init__(self, fn: ShardedFunction, spec: Any, call: Any, op: str | None) -> None:
-        template = call.template
-        count = template.split_count
-        shared = [parallel._type_spec(t, False) for t in call.tensors[count:]]
-        split_devices = [key[2] for key in call.key[3] if key[0] == "split"]
-        devices, output = fn.devices, fn.output_device
-        per_sample = fn._per_sample
-        paths = [path for path, _ in _path_names(spec)]
-
-        def run_batch(tensors: list[Any], broadcast: tuple) -> tuple[list[Any], Any]:
-            """One batch: a list of output leaves per shard (or one, reduced), and the structure."""
-            tensors = [*tensors, *broadcast]
-            result = fn._graph(
-                template, tensors, split_devices, devices, output, gather=op is not None
-            )
-            per_shard = result if op is None else [result]
-            return [tf.nest.flatten(r) for r in per_shard], per_shard[0]
-
-        # The outputs' structure, dtypes and shapes, from a trace of one batch on its own.
-        specs = [parallel._type_spec(t, True) for t in call.tensors[:count]]
-        probe = tf.function(
-            lambda *t: run_batch(list(t[:count]), t[count:]), autograph=False
-        ).get_concrete_function(*specs, *shared)
-        per_shard_leaves, self._structure = probe.structured_outputs
-        leaves = self._leaves = per_shard_leaves[0]
-        slots = len(per_shard_leaves)  # entries per batch: one per shard, or one partial
+    def __init__(self, engine: Engine, spec: Any, call: Call, op: str | None) -> None:
+        self._engine = engine
         self._op = op
-        self._output = output
+        self._template = call.template
+        self._split_devices = call.key.split_devices
+        self._paths = [path for path, _ in _leaf_paths(spec)]
         self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
-
-        def checked(tensors: list[Any]) -> list[Any]:
-            """The batch's fields, once their row counts are checked equal."""
-            if len(tensors) == 1:
-                return tensors
-            rows = [tf.cast(parallel._rows(t), tf.int64) for t in tensors]
-            checks = [
-                tf.debugging.assert_equal(
-                    r, rows[0], message=f"{_ROWS_DIFFER}: {paths[i]} and {paths[0]}"
-                )
-                for i, r in enumerate(rows[1:], start=1)
-            ]
-            with tf.control_dependencies(checks):
-                return [
-                    tf.nest.map_structure(tf.identity, t, expand_composites=True) for t in tensors
-                ]
-
-        def chunk(
-            iterator: Any,
-            current: Any,
-            i: tf.Tensor,
-            limit: tf.Tensor,
-            state: list,
-            broadcast: list,
-        ) -> tuple:
-            """Up to `limit` batches; `state` holds the TensorList handles or the accumulators."""
-
-            def body(i, n, rows, current, state):  # noqa: ANN001, ANN202
-                with tf.device(_HOST):
-                    following = iterator.get_next_as_optional()  # prepared while this one runs
-                tensors = checked(tf.nest.flatten(current.get_value()))
-                batch_rows = tf.cast(parallel._rows(tensors[0]), tf.int64)
-                per_shard, _ = run_batch(tensors, tuple(broadcast))
-                with tf.device(output):
-                    if op is None:
-                        state = _write_shards(state, leaves, i * slots, per_shard)
-                    else:
-                        state = [
-                            _accumulate(acc, _partial(value, batch_rows, op, per_sample), op)
-                            for acc, value in zip(state, per_shard[0])
-                        ]
-                return i + 1, n + 1, rows + batch_rows, following, state
-
-            # The accumulators come in with unknown shapes: nothing to hold invariant.
-            i, n, rows, current, state = tf.while_loop(
-                lambda i, n, rows, current, state: tf.logical_and(n < limit, current.has_value()),
-                body,
-                (i, tf.constant(0), tf.constant(0, tf.int64), current, list(state)),
-            )
-            return current, i, n, rows, state
-
-        state_specs = (
-            [tf.TensorSpec([], tf.variant)] * sum(_parts(leaf) for leaf in leaves)
+        count = call.template.split_count
+        split_specs = [type_spec(t, split=True) for t in call.tensors[:count]]
+        shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
+        # The outputs' structure, dtypes and shapes, from a trace of one batch on its own.
+        probe = tf.function(
+            lambda *t: self._run_batch(list(t[:count]), t[count:]), autograph=False
+        ).get_concrete_function(*split_specs, *shared_specs)
+        self._leaves = probe.structured_outputs[0]  # one shard's (or the reduced) output leaves
+        self._slots = len(probe.structured_outputs)  # entries per batch: shards, or 1 partial
+        self._state_specs = (
+            [tf.TensorSpec([], tf.variant)] * collect.array_count(self._leaves)
             if op is None
-            else [tf.TensorSpec(None, leaf.dtype) for leaf in leaves]
+            else [tf.TensorSpec(None, leaf.dtype) for leaf in self._leaves]
         )
-        self._chunk = tf.function(chunk, autograph=False).get_concrete_function(
+        self._chunk = tf.function(self._run_chunk, autograph=False).get_concrete_function(
             tf.data.IteratorSpec(spec),
             tf.OptionalSpec(spec),
             tf.TensorSpec([], tf.int32),
             tf.TensorSpec([], tf.int32),
-            state_specs,
-            shared,
+            self._state_specs,
+            shared_specs,
         )
         if op is None:
-            with tf.device(output):
+            with tf.device(engine.output):
+                leaves = self._leaves
                 self._start = tf.function(
-                    lambda: [a.flow for leaf in leaves for a in _new_arrays(leaf)],
-                    autograph=False,
+                    lambda: collect.new_arrays(leaves), autograph=False
                 ).get_concrete_function()
                 self._finish = tf.function(
-                    lambda handles: _concat_all(handles, leaves), autograph=False
-                ).get_concrete_function(state_specs)
+                    lambda flows: collect.concat_all(flows, leaves), autograph=False
+                ).get_concrete_function(self._state_specs)
+
+    def _run_batch(self, tensors: list[Any], broadcast: tuple) -> list[list[Any]]:
+        """One batch: a list of output leaves per shard (or one list, reduced)."""
+        gather = self._op is not None
+        result = self._engine.body(
+            self._template, [*tensors, *broadcast], self._split_devices, gather=gather
+        )
+        per_shard = [result] if gather else result
+        flat = [_trees.flatten(r, "outputs") for r in per_shard]
+        self._structure = flat[0][1]
+        return [leaves for leaves, _ in flat]
+
+    def _checked(self, tensors: list[Any]) -> list[Any]:
+        """The batch's fields, once their row counts are checked equal."""
+        if len(tensors) == 1:
+            return tensors
+        counts = [tf.cast(rows(t), tf.int64) for t in tensors]
+        checks = [
+            tf.debugging.assert_equal(
+                r, counts[0], message=f"{_ROWS_DIFFER}: {self._paths[i]} and {self._paths[0]}"
+            )
+            for i, r in enumerate(counts[1:], start=1)
+        ]
+        with tf.control_dependencies(checks):
+            return [tf.nest.map_structure(tf.identity, t, expand_composites=True) for t in tensors]
+
+    def _run_chunk(
+        self, iterator: Any, current: Any, i: tf.Tensor, limit: tf.Tensor, state: list, shared: list
+    ) -> tuple:
+        """Up to `limit` batches; `state` holds the TensorList flows or the running totals."""
+        op, output, per_sample = self._op, self._engine.output, self._engine.per_sample
+
+        def body(i, n, total, current, state):  # noqa: ANN001, ANN202
+            with tf.device(HOST):
+                following = iterator.get_next_as_optional()  # prepared while this one runs
+            tensors = self._checked(_trees.flatten(current.get_value())[0])
+            batch_rows = tf.cast(rows(tensors[0]), tf.int64)
+            per_shard = self._run_batch(tensors, tuple(shared))
+            with tf.device(output):
+                if op is None:
+                    state = collect.write_shards(state, self._leaves, i * self._slots, per_shard)
+                else:
+                    state = [
+                        collect.accumulate(
+                            acc, collect.batch_partial(value, batch_rows, op, per_sample), op
+                        )
+                        for acc, value in zip(state, per_shard[0])
+                    ]
+            return i + 1, n + 1, total + batch_rows, following, state
+
+        # The accumulators come in with unknown shapes: nothing to hold invariant.
+        i, n, total, current, state = tf.while_loop(
+            lambda i, n, total, current, state: tf.logical_and(n < limit, current.has_value()),
+            body,
+            (i, tf.constant(0), tf.constant(0, tf.int64), current, list(state)),
+        )
+        return current, i, n, total, state
 
     def run(
         self, batches: tf.data.Dataset, broadcast: list[Any], meter: _Progress | None
     ) -> tuple[Any, int]:
         """All of `batches` through the loop: the result, and how many rows."""
-        with tf.device(_HOST):
+        with tf.device(HOST):
             iterator = iter(batches)
             current = iterator.get_next_as_optional()
         if self._op is None:
             state = self._start()
         else:
-            with tf.device(self._output):
+            with tf.device(self._engine.output):
                 state = [collect.identity(leaf.dtype, self._op) for leaf in self._leaves]
         # Start from half the last run's size (one batch at first), then adapt.
         i, total, limit = tf.constant(0), 0, max(self._last_limit // 2, 1)
         while True:
             began = time.perf_counter()
-            with tf.device(_HOST):
-                current, i, n, rows, state = self._chunk(
+            with tf.device(HOST):
+                current, i, n, batch_rows, state = self._chunk(
                     iterator, current, i, tf.constant(limit), state, broadcast
                 )
-            n, rows = int(n), int(rows)
-            total += rows
+            n, batch_rows = int(n), int(batch_rows)
+            total += batch_rows
             if meter and n:
-                meter.update(rows, n)
+                meter.update(batch_rows, n)
             if n < limit:
                 break
             # The next call runs about _CHUNK_SECONDS, by this one's time per batch.
@@ -571,92 +560,18 @@ class _Loop:
             self._last_limit = limit
         if total == 0:
             return None, 0
-        with tf.device(self._output):
+        with tf.device(self._engine.output):
             if self._op is None:
                 results = self._finish(state)
             else:  # The loop left the totals on the host.
-                results = _reduced([tf.identity(acc) for acc in state], total, self._op)
-        return tf.nest.pack_sequence_as(self._structure, list(results)), total
-
-
-def _parts(leaf: Any) -> int:
-    """TensorArrays per output leaf: its flat values, and row lengths per ragged dimension."""
-    return 1 + leaf.ragged_rank if isinstance(leaf, tf.RaggedTensor) else 1
-
-
-def _partial(value: tf.Tensor, rows: tf.Tensor | int, op: str, per_sample: bool) -> tf.Tensor:
-    """A batch's reduced value as it enters the running total."""
-    if op == "mean" and not per_sample:
-        # A batch's mean counts rows times; an empty batch's (NaN) counts not at all.
-        return tf.where(rows > 0, value * tf.cast(rows, value.dtype), tf.zeros_like(value))
-    return value
-
-
-def _write_shards(handles: list, leaves: list, first: tf.Tensor, per_shard: list) -> list:
-    """Writes each shard's output leaves at entries first, first + 1, ..."""
-    handles = list(handles)
-    for k, values in enumerate(per_shard):
-        at = 0
-        for leaf, value in zip(leaves, values):
-            parts = (
-                [value.flat_values, *value.nested_row_lengths()]
-                if isinstance(leaf, tf.RaggedTensor)
-                else [value]
-            )
-            for part in parts:
-                array = tf.TensorArray(
-                    part.dtype, dynamic_size=True, infer_shape=False, flow=handles[at]
-                )
-                handles[at] = array.write(first + k, part).flow
-                at += 1
-    return handles
-
-
-def _concat_all(handles: list, leaves: list) -> list:
-    """Each output leaf over all batches, concatenated in order."""
-    results, at = [], 0
-    for leaf in leaves:
-        parts = []
-        for dtype, inner in _part_shapes(leaf):
-            array = tf.TensorArray(dtype, dynamic_size=True, infer_shape=False, flow=handles[at])
-            at += 1
-            empty = [0, *(0 if d is None else d for d in inner)] if inner.rank is not None else [0]
-            parts.append(
-                tf.cond(array.size() > 0, array.concat, lambda e=empty, d=dtype: tf.zeros(e, d))
-            )
-        if isinstance(leaf, tf.RaggedTensor):
-            results.append(
-                tf.RaggedTensor.from_nested_row_lengths(parts[0], parts[1:], validate=False)
-            )
-        else:
-            results.append(parts[0])
-    return results
-
-
-def _part_shapes(leaf: Any) -> list[tuple[tf.DType, tf.TensorShape]]:
-    """(dtype, per-row shape) of each TensorArray that collects `leaf`."""
-    if isinstance(leaf, tf.RaggedTensor):
-        lengths = [(leaf.row_splits.dtype, tf.TensorShape([]))] * leaf.ragged_rank
-        return [(leaf.flat_values.dtype, leaf.flat_values.shape[1:]), *lengths]
-    return [(leaf.dtype, leaf.shape[1:])]
-
-
-def _new_arrays(leaf: Any) -> list[tf.TensorArray]:
-    """Empty TensorArrays to collect one output leaf, one entry per shard and batch."""
-    return [
-        tf.TensorArray(
-            dtype,
-            size=0,
-            dynamic_size=True,
-            infer_shape=False,
-            element_shape=tf.TensorShape([None]).concatenate(inner),
-        )
-        for dtype, inner in _part_shapes(leaf)
-    ]
+                totals = [tf.identity(acc) for acc in state]
+                results = collect.finish_reduction(totals, total, self._op)
+        return _trees.build(self._structure, iter(results)), total
 
 
 def _python_loop(
-    fn: ShardedFunction,
+    engine: Engine,
+    arguments: Arguments,
     batches: tf.data.Dataset,
     args: tuple,
     kwargs: dict,
@@ -667,68 +582,29 @@ def _python_loop(
     total = 0
     accumulated: Any = None
     pieces: list[Any] = []
-    for result, rows in _batches(fn, batches, args, kwargs, progress):
-        total += rows
+    for result, batch_rows in _batches(engine, arguments, batches, args, kwargs, progress):
+        total += batch_rows
         if op is None:
-            pieces.append(result)
+            pieces.append(_trees.flatten(result))
             continue
-        result = tf.nest.map_structure(lambda v, n=rows: _partial(v, n, op, fn._per_sample), result)
-        with tf.device(fn.output_device):
-            accumulated = (
-                result
-                if accumulated is None
-                else tf.nest.map_structure(lambda a, b: _accumulate(a, b, op), accumulated, result)
-            )
+        result = _trees.map_leaves(
+            lambda v, n=batch_rows: collect.batch_partial(v, n, op, engine.per_sample), result
+        )
+        with tf.device(engine.output):
+            if accumulated is None:
+                accumulated = _trees.flatten(result)
+            else:
+                leaves, structure = _trees.flatten(result)
+                accumulated = (
+                    [collect.accumulate(a, b, op) for a, b in zip(accumulated[0], leaves)],
+                    structure,
+                )
     if total == 0:
         return None, 0
-    with tf.device(fn.output_device):
+    with tf.device(engine.output):
         if op is None:
-            return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *pieces), total
-        return _reduced(accumulated, total, op), total
-
-
-def _reduced(totals: Any, rows: int, op: str) -> Any:
-    """The running totals of a reduction over `rows` rows as its result: a mean divides."""
-    if op != "mean":
-        return totals
-    count = tf.constant(rows, tf.int64)
-    return tf.nest.map_structure(lambda total: collect.combine([total], count, "mean"), totals)
-
-
-def _accumulate(a: tf.Tensor, b: tf.Tensor, op: str) -> tf.Tensor:
-    if op == "max":
-        return tf.maximum(a, b)
-    if op == "min":
-        return tf.minimum(a, b)
-    return a + b
-
-
-def _zeros(spec: Any) -> Any:
-    """An element of zero rows that fits `spec`; unknown inner dimensions are 0."""
-    return collect.empty(tf.nest.map_structure(_sample_spec, spec))
-
-
-def _sample_spec(leaf: tf.TypeSpec) -> tf.TypeSpec:
-    """The spec of one row of a batch of `leaf`."""
-    if leaf.shape.rank is None:
-        return leaf
-    if isinstance(leaf, tf.RaggedTensorSpec):
-        return tf.RaggedTensorSpec(
-            leaf.shape[1:], leaf.dtype, leaf.ragged_rank - 1, leaf.row_splits_dtype
-        )
-    return tf.TensorSpec(leaf.shape[1:], leaf.dtype)
-
-
-def _empty(
-    fn: ShardedFunction,
-    dataset: tf.data.Dataset,
-    args: tuple,
-    kwargs: dict,
-    batch_size: int | None,
-) -> Any:
-    """The result for a dataset with no elements: `fn` on a batch of zero rows.
-
-    Dimensions the element spec leaves unknown are taken as 0.
-    """
-    spec = dataset.batch(1).element_spec if batch_size is not None else dataset.element_spec
-    return fn(*_split_element(_zeros(spec)), *args, **kwargs)
+            columns = zip(*(leaves for leaves, _ in pieces))
+            concatenated = [tf.concat(list(parts), axis=0) for parts in columns]
+            return _trees.build(pieces[0][1], iter(concatenated)), total
+        leaves, structure = accumulated
+        return collect.finish_reduction(_trees.build(structure, iter(leaves)), total, op), total

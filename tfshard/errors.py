@@ -1,12 +1,17 @@
-"""The one family of errors tfshard raises.
+"""The one family of errors tfshard raises, and turning a TF op error into a ShardError.
 
 Every error derives from `TfshardError`. Errors caused by bad input also derive
 from `ValueError`, so code that already catches `ValueError` keeps working;
 errors about the state of the machine (no driver, TensorFlow already started)
 derive from `RuntimeError`.
+
+This module imports no TensorFlow: `tfshard.utilization` uses it without TF.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 
 class TfshardError(Exception):
@@ -66,3 +71,34 @@ class WorkerError(TfshardError, RuntimeError):
         self.index = index
         self.device = device
         self.traceback = traceback
+
+
+class _ShardTypes:
+    """One ShardError subclass per TensorFlow error type, made on first use.
+
+    `shard_error` needs a class that is both a ShardError and the shard's TF
+    error type, so ``except tf.errors.InvalidArgumentError`` still catches it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._types: dict[type, type] = {}
+
+    def of(self, error_type: type) -> type:
+        if issubclass(error_type, ShardError):
+            return error_type
+        with self._lock:
+            cls = self._types.get(error_type)
+            if cls is None:
+                cls = type(f"Shard{error_type.__name__}", (ShardError, error_type), {})
+                cls.__module__ = __name__
+                self._types[error_type] = cls
+            return cls
+
+
+_shard_types = _ShardTypes()
+
+
+def shard_error(error: Any, message: str) -> Any:
+    """`error` (a `tf.errors.OpError`) with a new message, as a ShardError of its TF type."""
+    return _shard_types.of(type(error))(error.node_def, error.op, message)

@@ -1,0 +1,139 @@
+"""_arguments: sorting one call's arguments into split, broadcast and static leaves."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tfshard import _arguments, _trees
+from tfshard.errors import ArgumentError
+
+
+def fn(x, y=None, *rest, scale=1.0, **extra):
+    return x
+
+
+def arrays(rows):
+    return st.sampled_from([np.float32, np.int64]).flatmap(
+        lambda dtype: st.integers(0, 3).map(
+            lambda width: np.arange(rows * width, dtype=dtype).reshape(rows, width)
+        )
+    )
+
+
+def arguments_of(rows):
+    """A nested argument whose leaves are arrays of `rows` rows and hashable constants."""
+    leaf = arrays(rows) | st.integers() | st.text(max_size=2) | st.none()
+    return st.recursive(
+        leaf,
+        lambda children: (
+            st.lists(children, max_size=3)
+            | st.lists(children, max_size=3).map(tuple)
+            | st.dictionaries(st.sampled_from("abc"), children, max_size=3)
+        ),
+        max_leaves=6,
+    )
+
+
+def _same(a, b):
+    a_leaves, a_key = _trees.flatten(a)
+    b_leaves, b_key = _trees.flatten(b)
+    assert a_key == b_key
+    for u, v in zip(a_leaves, b_leaves):
+        if isinstance(u, np.ndarray):
+            np.testing.assert_array_equal(np.asarray(v), u)
+        else:
+            assert u == v and type(u) is type(v)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 5).flatmap(lambda n: st.tuples(st.just(n), arrays(n), arguments_of(n))))
+def test_classify_then_rebuild_gives_the_arguments_back(case):
+    rows, x, y = case
+    arguments = _arguments.Arguments(fn, (), "fn")
+    call = arguments.classify((x, y), {"scale": 2.0})
+    count = call.template.split_count
+    args, kwargs = call.template.rebuild(call.tensors[:count], call.tensors[count:])
+    _same((x, y), tuple(args))
+    assert kwargs == {"scale": 2.0}
+    assert call.rows == rows
+    assert all(leaf.kind == "split" for leaf in call.key.leaves if leaf.kind != "static")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 6))
+def test_the_trace_key_ignores_the_batch_size_only(a, b):
+    arguments = _arguments.Arguments(fn, (), "fn")
+    key_a = arguments.classify((np.zeros([a, 3], np.float32),), {}).key
+    key_b = arguments.classify((np.zeros([b, 3], np.float32),), {}).key
+    other = arguments.classify((np.zeros([a, 4], np.float32),), {}).key
+    assert key_a == key_b != other
+    assert hash(key_a) == hash(key_b)
+
+
+def test_broadcast_by_name_or_position_goes_whole():
+    table = np.ones([7, 2], np.float32)
+    for broadcast in (("y",), (1,), "y", 1):
+        arguments = _arguments.Arguments(fn, broadcast, "fn")
+        for call in (
+            arguments.classify((np.zeros([3, 2]), table), {}),
+            arguments.classify((np.zeros([3, 2]),), {"y": table}),
+        ):
+            assert call.template.split_count == 1
+            assert [leaf.kind for leaf in call.key.leaves] == ["split", "broadcast"]
+            assert call.tensors[1].shape == [7, 2]
+
+
+def test_split_devices_are_where_the_inputs_live():
+    with tf.device("/device:CPU:2"):
+        x = tf.zeros([4, 2])
+    call = _arguments.Arguments(fn, (), "fn").classify((x, np.zeros([4])), {})
+    assert call.key.split_devices[0].endswith("/device:CPU:2")
+    assert len(call.key.split_devices) == 2
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((np.zeros([3, 2]), np.zeros([4])), {}, r"y has 4 rows but x has 3"),
+        ((np.zeros([]),), {}, r"x is a scalar .*broadcast=\('x',\)"),
+        ((tf.sparse.eye(3),), {}, r"x is a tf.SparseTensor.*to_dense"),
+        ((np.zeros([3]), [np.zeros(3), {"a": {1}}]), {}, r"y\[1\]\['a'\] is a set.*hashable"),
+        ((1, 2), {}, r"no tensor or array to split.*np.asarray"),
+        ((np.zeros([3]),), {"nope": 1, "scale": {1: 2, "a": 3}}, r"scale is a dict with keys"),
+        ((), {}, r"fn\(\.\.\.\): missing a required argument: 'x'"),
+    ],
+)
+def test_bad_arguments_name_the_path_and_the_fix(args, kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        _arguments.Arguments(fn, (), "fn").classify(args, kwargs)
+
+
+@pytest.mark.parametrize(
+    "broadcast, message",
+    [
+        (("z",), r"broadcast names 'z', but g has no such parameter"),
+        ((2,), r"broadcast=2: a position must be 0\.\.1"),
+        ((True,), r"broadcast entry True: name an argument"),
+        (object(), r"broadcast=<object.*pass a tuple of argument names"),
+    ],
+)
+def test_bad_broadcast_names_the_fix(broadcast, message):
+    def g(x, y):
+        return x
+
+    with pytest.raises(ArgumentError, match=message):
+        _arguments.Arguments(g, broadcast, "g")
+
+
+def test_broadcast_none_broadcasts_nothing():
+    assert _arguments.Arguments(fn, None, "fn").broadcast == frozenset()
+
+
+def test_row_spec():
+    ragged = tf.ragged.constant([[[1.0]], [[2.0], [3.0]]], ragged_rank=1)
+    assert _arguments.row_spec(ragged) == tf.TensorSpec([None, 1], tf.float32)
+    deeper = tf.ragged.constant([[[1], [2, 3]], [[4]]])
+    assert _arguments.row_spec(deeper) == tf.RaggedTensorSpec([None, None], tf.int32, 1)
+    assert _arguments.row_spec(tf.zeros([5, 2])) == tf.TensorSpec([2], tf.float32)

@@ -1,0 +1,158 @@
+"""_sharding: plans, splits and where each shard's ops are placed in the traced graph.
+
+References are independent of tfshard: exact fractions for plans, NumPy for
+round trips, the traced graph's own op placement for devices.
+"""
+
+import collections
+import threading
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tfshard
+
+CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
+
+
+# ----------------------------------------------------------- plans, property
+
+
+@pytest.mark.parametrize(
+    "n, count, expected",
+    [(0, 4, [0, 0, 0, 0]), (3, 4, [1, 1, 1, 0]), (8, 3, [3, 3, 2]), (9, 3, [3, 3, 3])],
+)
+def test_even_plans(n, count, expected):
+    f = tfshard.parallelize(tf.identity, devices=CPUS[:count])
+    assert f.plan(n) == expected
+
+
+@pytest.mark.parametrize(
+    "weights, n, expected",
+    [
+        ([3, 1], 10, [8, 2]),  # quotas 7.5, 2.5: the tie goes to the first device
+        ([3, 1], 4, [3, 1]),
+        ([0.7, 0.3], 10, [7, 3]),
+        ([1, 1, 1], 10, [4, 3, 3]),
+        ([1, 0], 5, [5, 0]),
+        ([1, 2, 3, 4], 1, [0, 0, 0, 1]),
+        ([1, 2, 3, 4], 7, [1, 1, 2, 3]),  # quotas .7 1.4 2.1 2.8
+    ],
+)
+def test_weighted_plans_use_largest_remainder(weights, n, expected):
+    f = tfshard.parallelize(tf.identity, devices=CPUS[: len(weights)], weights=weights)
+    assert f.plan(n) == expected
+
+
+def _largest_remainder(n, weights):
+    """Independent reference with exact fractions."""
+
+    total = sum(Fraction(w) for w in weights)
+    quotas = [n * Fraction(w) / total for w in weights]
+    base = [int(q) for q in quotas]
+    order = sorted(range(len(weights)), key=lambda k: (-(quotas[k] - base[k]), k))
+    for k in order[: n - sum(base)]:
+        base[k] += 1
+    return base
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(0, 300),
+    weights=st.one_of(
+        st.integers(1, 4).map(lambda k: None),
+        st.lists(st.integers(0, 9), min_size=1, max_size=4).filter(lambda w: sum(w) > 0),
+    ),
+    count=st.integers(1, 4),
+)
+def test_plans_sum_to_n_and_follow_the_weights(n, weights, count):
+    devices = CPUS[: len(weights)] if weights else CPUS[:count]
+    sizes = tfshard.parallelize(tf.identity, devices=devices, weights=weights).plan(n)
+    assert sum(sizes) == n and len(sizes) == len(devices)
+    if weights is None:
+        assert max(sizes) - min(sizes) <= 1
+    else:
+        assert sizes == _largest_remainder(n, weights)
+
+
+_ROUND_TRIP = {}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(0, 300),
+    count=st.integers(1, 4),
+    weights=st.none() | st.lists(st.integers(0, 5), min_size=4, max_size=4),
+)
+def test_every_sample_comes_back_once_in_order(n, count, weights):
+    if weights is not None:
+        weights = weights[:count]
+        if sum(weights) == 0:
+            weights[0] = 1
+    key = (count, tuple(weights) if weights else None)
+    if key not in _ROUND_TRIP:
+        _ROUND_TRIP[key] = tfshard.parallelize(
+            lambda s: {"id": s * 10, "tag": tf.stack([s, -s])},
+            devices=CPUS[:count],
+            weights=weights,
+        )
+    f = _ROUND_TRIP[key]
+    ids = np.arange(n, dtype=np.int64)
+    out = f(ids)
+    assert out["id"].numpy().tolist() == (ids * 10).tolist()
+    assert out["tag"].numpy().tolist() == np.stack([ids, -ids], 1).tolist()
+
+
+# -------------------------------------------------------------- placement
+
+
+def test_each_shard_runs_on_its_device():
+    f = tfshard.parallelize(lambda s: tf.sin(s) * 3.0, devices=["cpu:1", "cpu:3"])
+    x = np.zeros([4, 2], np.float32)
+    f(x)
+    graph = f.get_concrete_function(x)
+    devices = collections.defaultdict(set)
+    for op in graph.graph.get_operations():
+        if op.name.startswith("tfshard_shard_"):
+            devices[op.name.split("/")[0]].add(op.device)
+    assert devices == {
+        "tfshard_shard_0": {"/device:CPU:1"},
+        "tfshard_shard_1": {"/device:CPU:3"},
+    }
+    gather = [op for op in graph.graph.get_operations() if op.name.startswith("tfshard_collect/")]
+    assert gather and {op.device for op in gather} == {"/device:CPU:1"}
+    # A TensorArray in a TF2 graph is a TensorList.
+    assert {"TensorListReserve", "TensorListConcatV2"} <= {op.type for op in gather}
+
+
+def test_split_runs_where_the_input_lives():
+    f = tfshard.parallelize(lambda s: s + 1.0, devices=["cpu:0", "cpu:1"])
+    with tf.device("/device:CPU:2"):
+        x = tf.zeros([4, 2])
+    f(x)
+    graph = f.get_concrete_function(x)
+    splits = [op for op in graph.graph.get_operations() if op.type == "SplitV"]
+    assert [op.device for op in splits] == ["/job:localhost/replica:0/task:0/device:CPU:2"]
+
+
+def test_shards_run_concurrently():
+    """Two devices, each blocked until the other has started: only parallel shards finish."""
+    barrier = threading.Barrier(2, timeout=20)
+
+    def wait(x):
+        barrier.wait()
+        return x
+
+    def block(x):
+        # stateful=True would make TF serialize the two calls.
+        return tf.numpy_function(wait, [x], tf.float32, stateful=False)
+
+    f = tfshard.parallelize(block, devices=["cpu:0", "cpu:1"], per_sample=False)
+    out = f(np.arange(4, dtype=np.float32).reshape(4, 1))
+    assert out.numpy().ravel().tolist() == [0, 1, 2, 3]
+
+

@@ -1,0 +1,110 @@
+"""_trees: the one tree walker, checked against tf.nest (the rules it matches)."""
+
+import collections
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tfshard import _trees
+from tfshard.errors import ArgumentError
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class _Field(NamedTuple):
+    name: str
+
+
+class Pair:
+    """An attrs class as tf.nest sees one (the `__attrs_attrs__` protocol), without attrs."""
+
+    __attrs_attrs__ = (_Field("first"), _Field("second"))
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __eq__(self, other):
+        return type(other) is Pair and (self.first, self.second) == (other.first, other.second)
+
+
+leaves = st.integers() | st.text(max_size=3) | st.none() | st.floats(allow_nan=False)
+trees = st.recursive(
+    leaves,
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.lists(children, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=2), children, max_size=3)
+        | st.builds(Point, children, children)
+        | st.builds(Pair, children, children)
+    ),
+    max_leaves=12,
+)
+
+
+@given(trees)
+def test_flatten_matches_tf_nest_and_build_inverts_it(value):
+    leaves_, key = _trees.flatten(value)
+    assert leaves_ == tf.nest.flatten(value)
+    rebuilt = _trees.build(key, iter(leaves_))
+    assert rebuilt == value
+    assert type(rebuilt) is type(value)
+
+
+@given(trees)
+def test_paths_name_every_leaf_in_order(value):
+    leaves_, key = _trees.flatten(value)
+    paths = _trees.paths("x", key)
+    assert len(paths) == len(leaves_) == len(set(paths))
+    for path, leaf in zip(paths, leaves_):
+        # Each path, read as Python, finds its leaf.
+        found = eval(path, {"x": value})  # noqa: S307 - paths are our own subscripts
+        assert found is leaf or found == leaf
+
+
+@given(trees, trees)
+def test_equal_keys_mean_equal_structures(a, b):
+    same = _trees.flatten(a)[1] == _trees.flatten(b)[1]
+    try:
+        tf.nest.assert_same_structure(a, b, check_types=True)
+        nest_same = True
+    except (ValueError, TypeError):
+        nest_same = False
+    if same:
+        assert nest_same
+
+
+def test_dict_keeps_written_order_and_types():
+    value = collections.OrderedDict([("b", 1), ("a", 2)])
+    leaves_, key = _trees.flatten(value)
+    assert leaves_ == [2, 1]
+    rebuilt = _trees.build(key, iter([20, 10]))
+    assert isinstance(rebuilt, collections.OrderedDict)
+    assert list(rebuilt.items()) == [("b", 10), ("a", 20)]
+    counts = collections.defaultdict(int, a=1)
+    assert _trees.build(_trees.flatten(counts)[1], iter([5])) == {"a": 5}
+
+
+def test_tensors_and_composites_are_leaves():
+    ragged = tf.ragged.constant([[1], [2, 3]])
+    value = {"r": ragged, "t": tf.zeros([2]), "n": np.ones(3)}
+    leaves_, _ = _trees.flatten(value)
+    assert leaves_[1] is ragged and len(leaves_) == 3  # sorted keys: n, r, t
+
+
+def test_mixed_key_types_name_the_path_and_the_fix():
+    with pytest.raises(ArgumentError, match=r"x\[0\] is a dict with keys of mixed types"):
+        _trees.flatten([{1: 1, "a": 2}], "x")
+
+
+def test_map_leaves():
+    assert _trees.map_leaves(lambda v: v * 2, Point(1, [2, 3])) == Point(2, [4, 6])
+
+
+def test_first_difference():
+    _, a = _trees.flatten({"a": 1, "b": 2})
+    _, b = _trees.flatten({"a": 1})
+    assert _trees.first_difference("outputs", a, b) == "outputs['b']"

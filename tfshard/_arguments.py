@@ -1,0 +1,355 @@
+"""One call's arguments: sorted into split, broadcast and static leaves, with a trace key.
+
+This is the per-call hot path of a parallelized function: `Arguments.classify`
+runs on every call, before any graph, so it checks bad input early and keeps
+its Python work small (the signature binds once per arity; a dense tensor's
+trace key is its dtype and shape, not a TensorSpec).
+
+- split: tensors, arrays, variables and ragged tensors, split along axis 0;
+  all of one call must have the same number of rows.
+- broadcast: tensors of arguments named in ``broadcast=``, whole to each shard.
+- static: Python numbers, strings, None and other hashable objects; part of
+  the trace key, so a new value traces a new graph.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from tfshard import _trees
+from tfshard.errors import ArgumentError
+
+
+class LeafKey(NamedTuple):
+    """What a trace depends on of one leaf."""
+
+    kind: str  # "split", "broadcast" or "static"
+    spec: Hashable  # a tensor's spec key; a static leaf's (type, value)
+    device: str = ""  # a split tensor's device: the graph splits it there
+
+
+class TraceKey(NamedTuple):
+    """Everything a traced graph depends on; equal keys share a graph."""
+
+    structures: tuple[Hashable, ...]  # one per top-level argument
+    kwarg_names: tuple[str, ...]
+    num_positional: int
+    leaves: tuple[LeafKey, ...]
+
+    @property
+    def split_devices(self) -> list[str]:
+        """Where each split tensor lives ("" when not known): the graph splits it there."""
+        return [leaf.device for leaf in self.leaves if leaf.kind == "split"]
+
+
+class Template(NamedTuple):
+    """Rebuilds a call's arguments from the graph's tensors."""
+
+    names: tuple[str, ...]  # one per top-level argument, for messages
+    structures: tuple[Hashable, ...]
+    kinds: tuple[tuple[str, ...], ...]  # leaf kinds, per top-level argument
+    statics: tuple[tuple[Any, ...], ...]  # static leaf values, per argument
+    num_positional: int
+    kwarg_names: tuple[str, ...]
+    split_count: int
+
+    def rebuild(
+        self, split: Sequence[Any], shared: Sequence[Any]
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """The positional and keyword arguments, with these split and broadcast leaves."""
+        split_it, shared_it = iter(split), iter(shared)
+        sources = {"split": split_it, "broadcast": shared_it}
+        built = []
+        for structure, kinds, statics in zip(self.structures, self.kinds, self.statics):
+            static_it = iter(statics)
+            leaves = [next(sources.get(kind, static_it)) for kind in kinds]
+            built.append(_trees.build(structure, iter(leaves)))
+        args = built[: self.num_positional]
+        return args, dict(zip(self.kwarg_names, built[self.num_positional :]))
+
+    def element_kinds(self, count: int) -> list[str]:
+        """The leaf kinds of the first `count` top-level arguments, flattened."""
+        return [kind for kinds in self.kinds[:count] for kind in kinds]
+
+
+class Call(NamedTuple):
+    """One call's arguments, classified."""
+
+    key: TraceKey
+    tensors: list[Any]  # split tensors, then broadcast tensors (the graph's inputs)
+    rows: int | None  # the leading dimension, when known in Python
+    template: Template
+
+    def specs(self) -> list[tf.TypeSpec]:
+        """The graph's input specs: split tensors with any number of rows."""
+        count = self.template.split_count
+        return [type_spec(t, split=i < count) for i, t in enumerate(self.tensors)]
+
+
+class _Sorted:
+    """The leaves of one call as they are sorted (a scratch pad for `classify`)."""
+
+    def __init__(self) -> None:
+        self.split: list[Any] = []
+        self.shared: list[Any] = []
+        self.keys: list[LeafKey] = []
+        self.rows: int | None = None
+        self.rows_from = ""
+
+
+class Arguments:
+    """The parameters of a function, and how each call's arguments are sorted.
+
+    Args:
+      fn: the user's function (its signature names the arguments).
+      broadcast: names or positions of arguments that go whole to every shard.
+      name: the function's name, for messages.
+    """
+
+    def __init__(self, fn: Callable[..., Any], broadcast: Any, name: str) -> None:
+        if broadcast is None:
+            broadcast = ()
+        if isinstance(broadcast, str | int):
+            broadcast = (broadcast,)
+        if not isinstance(broadcast, Sequence | set | frozenset):
+            raise ArgumentError(
+                f"broadcast={broadcast!r}: pass a tuple of argument names or positions, "
+                "e.g. broadcast=('weights',) or broadcast=(1,); () broadcasts nothing"
+            )
+        self.name = name
+        self.signature = _signature(fn)
+        params = self.signature.parameters.values() if self.signature else ()
+        self.positional = tuple(
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )
+        self.broadcast = frozenset(broadcast)
+        self._check_broadcast(fn)
+        # A position also names its parameter, so passing it by keyword still broadcasts.
+        self._broadcast_names = self.broadcast | {
+            self.positional[b]
+            for b in self.broadcast
+            if isinstance(b, int) and b < len(self.positional)
+        }
+        self._bindable: set[tuple[int, tuple[str, ...]]] = set()
+
+    def _check_broadcast(self, fn: Callable[..., Any]) -> None:
+        params = self.signature.parameters if self.signature else None
+        fn_name = getattr(fn, "__name__", "fn")
+        for entry in self.broadcast:
+            if isinstance(entry, bool) or not isinstance(entry, str | int):
+                raise ArgumentError(
+                    f"broadcast entry {entry!r}: name an argument (str) or position (int)"
+                )
+            if params is None:
+                continue
+            kinds = {p.kind for p in params.values()}
+            if isinstance(entry, int):
+                if entry < 0 or (
+                    entry >= len(self.positional) and inspect.Parameter.VAR_POSITIONAL not in kinds
+                ):
+                    raise ArgumentError(
+                        f"broadcast={entry!r}: a position must be 0..{len(self.positional) - 1} "
+                        f"(the parameters of {fn_name}: {', '.join(params) or 'none'})"
+                    )
+            elif entry not in params and inspect.Parameter.VAR_KEYWORD not in kinds:
+                raise ArgumentError(
+                    f"broadcast names {entry!r}, but {fn_name} has no such parameter (it has "
+                    f"{', '.join(params) or 'none'})"
+                )
+
+    def check_binds(self, args: Sequence[Any], kwargs: dict[str, Any], context: str = "") -> None:
+        """Raises ArgumentError when these arguments do not fit the signature.
+
+        Whether arguments bind depends only on how many and which names, so
+        each arity is checked once.
+        """
+        arity = (len(args), tuple(sorted(kwargs)))
+        if self.signature is None or arity in self._bindable:
+            return
+        try:
+            self.signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise ArgumentError(f"{self.name}(...): {context}{error}") from None
+        self._bindable.add(arity)
+
+    def names(self, count: int, kwarg_names: Sequence[str]) -> list[str]:
+        """The names of `count` positional arguments, then the keyword ones."""
+        positional = [
+            self.positional[i] if i < len(self.positional) else f"args[{i}]" for i in range(count)
+        ]
+        return positional + list(kwarg_names)
+
+    def classify(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+        """Sorts the arguments' leaves into split, broadcast and static.
+
+        Raises:
+          ArgumentError: arguments that do not bind, leaves that are neither
+            tensors nor hashable, split tensors of different row counts,
+            scalars or sparse tensors to split, or nothing to split.
+        """
+        self.check_binds(args, kwargs)
+        kwarg_names = tuple(sorted(kwargs))
+        names = self.names(len(args), kwarg_names)
+        values = [*args, *(kwargs[k] for k in kwarg_names)]
+        found = _Sorted()
+        structures, kinds, statics = [], [], []
+        for position, (name, value) in enumerate(zip(names, values)):
+            leaves, structure = _trees.flatten(value, name)
+            structures.append(structure)
+            broadcast = name in self._broadcast_names or (
+                position < len(args) and position in self.broadcast
+            )
+            leaf_kinds, leaf_statics = [], []
+            for i, leaf in enumerate(leaves):
+                kind = self._sort_leaf(leaf, broadcast, found, name, structure, i)
+                leaf_kinds.append(kind)
+                if kind == "static":
+                    leaf_statics.append(leaf)
+            kinds.append(tuple(leaf_kinds))
+            statics.append(tuple(leaf_statics))
+        if not found.split:
+            raise ArgumentError(
+                f"{self.name}() got no tensor or array to split across devices; pass "
+                "a tf.Tensor or NumPy array with a batch dimension (a Python list is a "
+                "structure of constants: use np.asarray(...)), or a tf.data.Dataset"
+            )
+        key = TraceKey(tuple(structures), kwarg_names, len(args), tuple(found.keys))
+        try:
+            hash(key)
+        except TypeError:
+            raise ArgumentError(
+                f"{self.name}(): a constant argument is not hashable; pass tensors or "
+                "hashable values"
+            ) from None
+        template = Template(
+            tuple(names),
+            tuple(structures),
+            tuple(kinds),
+            tuple(statics),
+            len(args),
+            kwarg_names,
+            len(found.split),
+        )
+        return Call(key, found.split + found.shared, found.rows, template)
+
+    def _sort_leaf(
+        self, leaf: Any, broadcast: bool, found: _Sorted, name: str, structure: Hashable, i: int
+    ) -> str:
+        """Files one leaf in `found`; returns its kind."""
+        tensor = as_tensor(leaf, name)
+        if tensor is None:
+            if isinstance(leaf, tf.data.Dataset):
+                raise ArgumentError(
+                    f"{_trees.path(name, structure, i)} is a tf.data.Dataset; pass a dataset "
+                    f"as the first positional argument, {self.name}(dataset, ...)"
+                )
+            if not isinstance(leaf, Hashable):
+                raise ArgumentError(
+                    f"{_trees.path(name, structure, i)} is a {type(leaf).__name__}, which is "
+                    "neither a tensor nor a hashable constant; pass a tensor or array, or a "
+                    "hashable value"
+                )
+            found.keys.append(LeafKey("static", (type(leaf), leaf)))
+            return "static"
+        if broadcast:
+            found.shared.append(tensor)
+            found.keys.append(LeafKey("broadcast", spec_key(tensor, split=False)))
+            return "broadcast"
+        if isinstance(tensor, tf.SparseTensor):
+            where = _trees.path(name, structure, i)
+            raise ArgumentError(
+                f"{where} is a tf.SparseTensor, which tfshard cannot split; pass "
+                f"tf.sparse.to_dense({where}), or name {name!r} in broadcast=(...) to give "
+                "every shard all of it"
+            )
+        if tensor.shape.rank == 0:
+            raise ArgumentError(
+                f"{_trees.path(name, structure, i)} is a scalar (rank 0), so it has no rows "
+                f"to split; pass it in broadcast=({name!r},) to give every shard the same "
+                "value, or as a Python number"
+            )
+        n = tensor.shape[0]
+        if n is not None:
+            if found.rows is None:
+                found.rows, found.rows_from = n, _trees.path(name, structure, i)
+            elif n != found.rows:
+                raise ArgumentError(
+                    f"{_trees.path(name, structure, i)} has {n} rows but {found.rows_from} has "
+                    f"{found.rows}; every split argument needs the same leading dimension (pass "
+                    f"{name!r} in broadcast=({name!r},) to copy it whole to each device)"
+                )
+        found.split.append(tensor)
+        found.keys.append(LeafKey("split", spec_key(tensor, split=True), device_of(tensor)))
+        return "split"
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def as_tensor(value: Any, where: str) -> Any:
+    """`value` as a tensor when it is tensor-like; None for anything else."""
+    if isinstance(value, tf.Tensor | tf.RaggedTensor | tf.SparseTensor):
+        return value  # A SparseTensor is broadcast whole; refused as a split argument.
+    if isinstance(value, tf.Variable):
+        return tf.convert_to_tensor(value)
+    if isinstance(value, np.ndarray | np.generic):
+        if value.dtype == object:
+            raise ArgumentError(f"{where} is a NumPy array of Python objects; use a numeric dtype")
+        return tf.convert_to_tensor(value)
+    return None
+
+
+def type_spec(t: Any, split: bool) -> tf.TypeSpec:
+    """The spec of `t` as a graph input; a split tensor's rows are left open."""
+    shape = t.shape
+    if split:
+        shape = tf.TensorShape([None]).concatenate(shape[1:])
+    if isinstance(t, tf.RaggedTensor):
+        return tf.RaggedTensorSpec(
+            shape, t.dtype, ragged_rank=t.ragged_rank, row_splits_dtype=t.row_splits.dtype
+        )
+    if isinstance(t, tf.SparseTensor):
+        return tf.SparseTensorSpec(shape, t.dtype)
+    return tf.TensorSpec(shape, t.dtype)
+
+
+def spec_key(t: Any, split: bool) -> Hashable:
+    """What a trace depends on of `t`: `type_spec`, cheaper for a dense tensor.
+
+    Building a TensorSpec costs ~6 us, a third of a call's Python work; a
+    dense tensor's dtype and shape say the same.
+    """
+    if isinstance(t, tf.Tensor) and t.shape.rank is not None:
+        dims = tuple(t.shape)
+        return (t.dtype, dims[1:] if split else dims)
+    return type_spec(t, split)
+
+
+def device_of(t: Any) -> str:
+    """Where an eager tensor lives; "" inside a graph, where it is not known yet."""
+    if not tf.executing_eagerly():
+        return ""
+    return (t.flat_values if isinstance(t, tf.RaggedTensor) else t).device
+
+
+def row_spec(t: Any) -> tf.TypeSpec:
+    """The spec of one row of `t` (a tensor or a batch's TypeSpec), as a function sees it.
+
+    A row of a ragged ``[N, (r), ...]`` is a dense ``[r, ...]``; of a deeper
+    ragged tensor, a ragged tensor of one rank less.
+    """
+    if not isinstance(t, tf.RaggedTensor | tf.RaggedTensorSpec):
+        return tf.TensorSpec(t.shape[1:], t.dtype)
+    if t.ragged_rank == 1:
+        return tf.TensorSpec(tf.TensorShape([None]).concatenate(t.shape[2:]), t.dtype)
+    splits = t.row_splits.dtype if isinstance(t, tf.RaggedTensor) else t.row_splits_dtype
+    return tf.RaggedTensorSpec(t.shape[1:], t.dtype, t.ragged_rank - 1, row_splits_dtype=splits)

@@ -1,0 +1,466 @@
+"""The traced body of a parallelized function: plan, split, one `tf.device` block per shard.
+
+`Engine` holds what one `ShardedFunction` resolved (devices, options) and the
+graphs it traced. Its body, traced once per trace key into one `tf.function`:
+
+    [N, ...] --plan--> sizes --tf.split--> K x [n_k, ...]
+      --tf.device(d_k): vectorized_map(fn) or fn(shard)--> K outputs
+      --collect (tf.device(output))--> [N, ...] in input order, or reduced
+
+The dataset loop (`tfshard.datasets`) runs the same body once per batch inside
+its own loop, with ``gather=False`` to collect every batch's shards itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import threading
+import types
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfshard import _arguments, _trees, collect, pinning
+from tfshard.errors import ArgumentError, TfshardError, shard_error
+
+# Integer weights are used as they are; other weights are scaled to integers
+# with this total, so a plan is exact integer arithmetic, the same in the graph
+# and in `Engine.plan`.
+WEIGHT_SCALE = 1 << 24
+SHARD_SCOPE = "tfshard_shard_"
+_SHARD_NODE_RE = re.compile(SHARD_SCOPE + r"(\d+)/")
+MAX_ROWS = 2**31
+
+
+# ------------------------------------------------------------------- plans
+
+
+def integer_weights(weights: Sequence[float] | None) -> tuple[int, ...] | None:
+    """Validated weights as non-negative integers with a positive sum."""
+    if weights is None:
+        return None
+    if isinstance(weights, str | bytes) or not isinstance(weights, Sequence | np.ndarray):
+        raise ArgumentError(f"weights={weights!r}: pass one number per device, e.g. [3, 1]")
+    values = []
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, int | float | np.integer | np.floating):
+            raise ArgumentError(f"weights[{i}]={w!r} is not a number")
+        if math.isnan(w) or math.isinf(w):
+            raise ArgumentError(f"weights[{i}]={w!r}: weights must be finite")
+        if w < 0:
+            raise ArgumentError(f"weights[{i}]={w!r} is negative; weights are relative speeds >= 0")
+        values.append(w)
+    if not values or sum(values) <= 0:
+        raise ArgumentError(
+            f"weights={list(weights)!r}: at least one weight must be > 0 "
+            "(they are relative device speeds, e.g. [3, 1])"
+        )
+    if all(float(w).is_integer() for w in values) and sum(values) <= WEIGHT_SCALE:
+        return tuple(int(w) for w in values)
+    # Scale by the largest first: a sum of finite floats can overflow to inf.
+    top = float(max(values))
+    total = math.fsum(float(w) / top for w in values)
+    return tuple(round(float(w) / top / total * WEIGHT_SCALE) for w in values)
+
+
+def plan_sizes(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) -> tf.Tensor:
+    """Shard sizes for `n` rows on `count` devices, as an int64 vector summing to n.
+
+    Unweighted, sizes differ by at most one and the first ``n % count`` shards
+    get the extra row. Weighted, each shard gets the floor of its quota
+    ``n * w_k / sum(w)`` and the rows left over go one each to the largest
+    remainders (ties to the lower index): largest-remainder rounding.
+    """
+    n = tf.cast(n, tf.int64)
+    index = tf.range(count, dtype=tf.int64)
+    if weights is None:
+        return n // count + tf.cast(index < n % count, tf.int64)
+    w = tf.constant(weights, tf.int64)
+    total = sum(weights)
+    quota = n * w  # Exact: n < 2**31 and total <= 2**24 + count.
+    base = quota // total
+    remainder = quota % total
+    left = n - tf.reduce_sum(base)  # 0 <= left < count
+    # rank[k]: how many shards beat shard k for a leftover row.
+    beats = (remainder[None, :] > remainder[:, None]) | (
+        (remainder[None, :] == remainder[:, None]) & (index[None, :] < index[:, None])
+    )
+    rank = tf.reduce_sum(tf.cast(beats, tf.int64), axis=1)
+    return base + tf.cast(rank < left, tf.int64)
+
+
+def rows(t: Any) -> tf.Tensor:
+    """The number of rows of a tensor or ragged tensor, as an int64 scalar tensor."""
+    return t.nrows() if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
+
+
+def split(t: Any, sizes: tf.Tensor, count: int) -> list[Any]:
+    """`t` split along axis 0 into `count` pieces of `sizes` rows."""
+    # [N, ...] -> count x [n_k, ...]
+    if isinstance(t, tf.RaggedTensor):
+        ends = tf.cumsum(tf.cast(sizes, t.row_splits.dtype))
+        starts = ends - tf.cast(sizes, t.row_splits.dtype)
+        return [t[starts[k] : ends[k]] for k in range(count)]
+    return tf.split(t, sizes, num=count, axis=0)
+
+
+# ----------------------------------------------------------------- engine
+
+
+class Engine:
+    """What one parallelized function resolved, and the graphs it traced.
+
+    Args:
+      fn: the user's function.
+      name: its name, for messages.
+      devices: canonical device names, one shard each.
+      output: where results land.
+      weights: integer weights (`integer_weights`), or None for an even split.
+      per_sample: vectorise `fn` over rows, or call it on each shard.
+      reduce: None to gather, else one of `collect.REDUCTIONS`.
+      reduce_label: the reduction the user asked for, for messages (a dataset
+        mean runs its batches with a twin that sums).
+      ragged: stack per-sample outputs as ragged tensors.
+      jit_compile: compile each shard with XLA.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str,
+        devices: tuple[str, ...],
+        output: str,
+        weights: tuple[int, ...] | None,
+        per_sample: bool,
+        reduce: str | None,
+        reduce_label: str | None,
+        ragged: bool,
+        jit_compile: bool,
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.devices = devices
+        self.output = output
+        self.weights = weights
+        self.per_sample = per_sample
+        self.reduce = reduce
+        self.reduce_label = reduce_label
+        self.ragged = ragged
+        self.jit_compile = jit_compile
+        self.graphs: dict[Hashable, Any] = {}
+        self.loops: dict[Hashable, Any] = {}  # traced loops over datasets (tfshard.datasets)
+        self.lock = threading.RLock()
+        self._twins: dict[str | None, Engine] = {}
+        self._converted: Callable[..., Any] | None = None
+
+    @property
+    def trace_count(self) -> int:
+        """Graphs traced so far: calls, dataset loops, and those of reduction twins."""
+        twins = sum(twin.trace_count for twin in self._twins.values())
+        return len(self.graphs) + len(self.loops) + twins
+
+    def with_reduce(self, reduce: str | None) -> Engine:
+        """This engine with another reduction (cached: it traces its own graphs)."""
+        with self.lock:
+            twin = self._twins.get(reduce)
+            if twin is None:
+                twin = Engine(
+                    self.fn,
+                    name=self.name,
+                    devices=self.devices,
+                    output=self.output,
+                    weights=self.weights,
+                    per_sample=self.per_sample,
+                    reduce=reduce,
+                    reduce_label=self.reduce_label,
+                    ragged=self.ragged,
+                    jit_compile=self.jit_compile,
+                )
+                self._twins[reduce] = twin
+            return twin
+
+    def plan(self, n: int) -> list[int]:
+        """The shard sizes for `n` rows, computed eagerly."""
+        sizes = plan_sizes(tf.constant(int(n), tf.int64), len(self.devices), self.weights)
+        return [int(s) for s in sizes.numpy()]
+
+    # ------------------------------------------------------------ calls
+
+    def trace(self, call: _arguments.Call) -> Any:
+        """The concrete function for this call's trace key, traced on first use."""
+        graph = self.graphs.get(call.key)
+        if graph is not None:
+            return graph
+        with self.lock:
+            graph = self.graphs.get(call.key)
+            if graph is None:
+                template, split_devices = call.template, call.key.split_devices
+
+                def body(*tensors: Any) -> Any:
+                    return self.body(template, tensors, split_devices)
+
+                graph = tf.function(body, autograph=False).get_concrete_function(*call.specs())
+                self.graphs[call.key] = graph
+            return graph
+
+    def call(self, call: _arguments.Call) -> Any:
+        """Runs one call through its traced graph; results land on the output device."""
+        graph = self.trace(call)
+        try:
+            # The call op's device is where TF leaves the function's outputs.
+            with tf.device(self.output):
+                return graph(*call.tensors)
+        except tf.errors.OpError as error:
+            raise self.call_error(error, call.rows) from None
+
+    def call_error(self, error: tf.errors.OpError, rows: int | None) -> tf.errors.OpError:
+        """A failed call's error, naming the shard and, for a dead worker, the remedy."""
+        match = _SHARD_NODE_RE.search(error.message)
+        wrapped = error
+        if match is not None:
+            k = int(match.group(1))
+            if rows is not None:
+                sizes = self.plan(rows)
+                start = sum(sizes[:k])
+                where = f"rows [{start}:{start + sizes[k]}) of {rows}"
+            else:
+                where = "its slice of the batch"
+            wrapped = shard_error(
+                error,
+                f"{self.name}: shard {k} on {self.devices[k]} ({where}) failed: {error.message}",
+            )
+        hint = pinning.explain_remote_error(error)  # None unless a worker is down
+        if hint is not None:
+            wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
+        return wrapped
+
+    # ------------------------------------------------------------- body
+
+    def body(
+        self,
+        template: _arguments.Template,
+        tensors: Sequence[Any],
+        split_devices: Sequence[str],
+        gather: bool = True,
+    ) -> Any:
+        """The traced body: split, one shard per device, then collect.
+
+        With `gather` False, the shards' outputs are returned as they are, one
+        structure per shard (checked alike), for a caller that collects them
+        itself (the dataset loop, which gathers every batch's shards at once).
+        """
+        count = len(self.devices)
+        inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
+        total = rows(inputs[0])
+        sizes = plan_sizes(total, count, self.weights)
+        pieces = []
+        for tensor, device in zip(inputs, split_devices):
+            # Split where the input lives, so each shard crosses to its device once.
+            with tf.device(device or None):
+                pieces.append(split(tensor, sizes, count))
+        shard = self._shard_fn(template, shared, [p[0] for p in pieces])
+        outputs = []
+        for k, device in enumerate(self.devices):
+            with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device):
+                outputs.append(shard([p[k] for p in pieces]))
+        structure, flat = check_outputs(outputs, self.devices, concatenated=self.reduce is None)
+        if not gather:
+            return outputs
+        with tf.name_scope("tfshard_collect"), tf.device(self.output):
+            return _trees.build(structure, iter(self._collect(structure, flat, sizes, total)))
+
+    def _collect(
+        self, structure: Hashable, flat: list[list[Any]], sizes: tf.Tensor, total: tf.Tensor
+    ) -> list[Any]:
+        """Each output leaf gathered in shard order, or reduced over all samples."""
+        results = []
+        for i in range(len(flat[0])):
+            per_shard = [leaves[i] for leaves in flat]
+            if self.reduce is None:
+                results.append(collect.gather(per_shard))
+                continue
+            path = _trees.path("outputs", structure, i)
+            collect.check_reducible(per_shard[0], self.reduce_label or self.reduce, path)
+            partials = []
+            for k, device in enumerate(self.devices):
+                # Each shard reduces its own rows where they are.
+                with tf.device(device):
+                    partials.append(
+                        collect.shard_partial(per_shard[k], sizes[k], self.reduce, self.per_sample)
+                    )
+            results.append(collect.combine(partials, total, self.reduce))
+        return results
+
+    def user_fn(self) -> Callable[..., Any]:
+        """The function with autograph applied, as `tf.function` would apply it."""
+        if self._converted is None:
+            fn = self.fn
+            # A bound method converts as its function, then binds again.
+            bound_to = fn.__self__ if isinstance(fn, types.MethodType) else None
+            plain = fn.__func__ if bound_to is not None else fn
+            if not hasattr(plain, "get_concrete_function"):
+                # Not convertible: call it as written.
+                with contextlib.suppress(Exception):
+                    plain = tf.autograph.to_graph(plain)
+            self._converted = plain if bound_to is None else types.MethodType(plain, bound_to)
+        return self._converted
+
+    def _shard_fn(
+        self, template: _arguments.Template, shared: Sequence[Any], example: Sequence[Any]
+    ) -> Callable[[Sequence[Any]], Any]:
+        """The computation of one shard: rows in, structure of outputs out."""
+        fn, name, per_sample = self.user_fn(), self.name, self.per_sample
+
+        def call(rows_in: Sequence[Any]) -> Any:
+            args, kwargs = template.rebuild(rows_in, shared)
+            try:
+                outputs = fn(*args, **kwargs)
+            except TfshardError:
+                raise
+            except (ValueError, TypeError) as error:
+                what = "one sample" if per_sample else "one shard"
+                shapes = ", ".join(str(r.shape) for r in rows_in)
+                raise ArgumentError(
+                    f"{name} failed while being traced on {what} (split argument shapes "
+                    f"{shapes}): {type(error).__name__}: {error}\nIf it expects a whole "
+                    "batch, pass per_sample=False; if an argument must reach every shard "
+                    "whole, name it in broadcast=(...)"
+                ) from error
+            return to_tensors(outputs, name)
+
+        per_shard = self._vectorized(call, example) if per_sample else call
+        if self.jit_compile:
+            return tf.function(per_shard, autograph=False, jit_compile=True)
+        return per_shard
+
+    def _vectorized(
+        self, call: Callable[[Sequence[Any]], Any], example: Sequence[Any]
+    ) -> Callable[[Sequence[Any]], Any]:
+        """`call` of one sample, mapped over the rows of a shard."""
+        signature = sample_signature(call, example, self.ragged)
+        leaves, _ = _trees.flatten(signature)
+        # Rows of different lengths in or out: vectorize cannot stack them.
+        ragged = (
+            self.ragged
+            or any(isinstance(t, tf.RaggedTensor) for t in example)
+            or any(isinstance(s, tf.RaggedTensorSpec) for s in leaves)
+        )
+
+        def each(rows_in: Sequence[Any]) -> Any:
+            if ragged:
+                return tf.map_fn(
+                    call, tuple(rows_in), fn_output_signature=signature, name="per_sample"
+                )
+            return tf.vectorized_map(call, tuple(rows_in), fallback_to_while_loop=True)
+
+        # A shard with no rows must give empty outputs of the signature's shapes,
+        # but map_fn over nothing loses a ragged output's inner shape, and
+        # vectorized_map's while-loop fallback cannot stack nothing of unknown
+        # shape. Only those need the guard (a cond costs a few percent here).
+        if not (ragged or any(spec.shape.rank is None for spec in leaves)):
+            return each
+
+        def guarded(rows_in: Sequence[Any]) -> Any:
+            return tf.cond(
+                rows(rows_in[0]) > 0, lambda: each(rows_in), lambda: collect.empty(signature)
+            )
+
+        return guarded
+
+
+def sample_signature(call: Callable[..., Any], example: Sequence[Any], ragged: bool) -> Any:
+    """Output specs of the function on one sample; ragged where shapes vary."""
+    specs = tuple(_arguments.row_spec(t) for t in example)
+    probe = tf.function(lambda *rows_in: call(rows_in), autograph=False)
+    outputs = probe.get_concrete_function(*specs).structured_outputs
+
+    def to_spec(value: Any, path: str) -> tf.TypeSpec:
+        if isinstance(value, tf.RaggedTensor):
+            return tf.RaggedTensorSpec(value.shape, value.dtype, value.ragged_rank)
+        if value.shape.rank is None:
+            # Nothing to stack ragged by (e.g. a py_function): assume one shape.
+            if ragged:
+                raise ArgumentError(
+                    f"{path} has unknown rank, so ragged=True cannot stack it; give it "
+                    "a shape in the function (tf.ensure_shape(value, [None]))"
+                )
+            return tf.TensorSpec(value.shape, value.dtype)
+        if ragged or not value.shape.is_fully_defined():
+            # Per-sample shapes that can vary are stacked as a ragged tensor.
+            return tf.RaggedTensorSpec(value.shape, value.dtype, ragged_rank=0)
+        return tf.TensorSpec(value.shape, value.dtype)
+
+    leaves, key = _trees.flatten(outputs, "outputs")
+    specs = [to_spec(leaf, _trees.path("outputs", key, i)) for i, leaf in enumerate(leaves)]
+    return _trees.build(key, iter(specs))
+
+
+def check_outputs(
+    outputs: list[Any], devices: Sequence[str], concatenated: bool
+) -> tuple[Hashable, list[list[Any]]]:
+    """Checks that every shard returned the same structure, ranks and dtypes.
+
+    Args:
+      outputs: one output structure per shard.
+      devices: the shards' devices, for messages.
+      concatenated: the outputs are concatenated along axis 0 (no reduction),
+        so a scalar per shard is an error.
+
+    Returns:
+      The structure key and each shard's flat output leaves.
+    """
+    reference_leaves, reference = _trees.flatten(outputs[0], "outputs")
+    flat = [reference_leaves]
+    for k, result in enumerate(outputs[1:], start=1):
+        leaves, structure = _trees.flatten(result, "outputs")
+        if structure != reference:
+            ours = _trees.paths("outputs", structure)
+            theirs = _trees.paths("outputs", reference)
+            raise ArgumentError(
+                f"{_trees.first_difference('outputs', structure, reference)} differs between "
+                f"shards: on {devices[k]} the function returned {', '.join(ours)} but on "
+                f"{devices[0]} {', '.join(theirs)}; every shard must return the same structure"
+            )
+        for i, (leaf, first) in enumerate(zip(leaves, reference_leaves)):
+            if leaf.shape.rank != first.shape.rank or leaf.dtype != first.dtype:
+                raise ArgumentError(
+                    f"{_trees.path('outputs', reference, i)} has rank {leaf.shape.rank} "
+                    f"({leaf.dtype.name}) on {devices[k]} but rank {first.shape.rank} "
+                    f"({first.dtype.name}) on {devices[0]}; every shard must return the same "
+                    "ranks and dtypes"
+                )
+        flat.append(leaves)
+    if concatenated:
+        for i, leaf in enumerate(reference_leaves):
+            if leaf.shape.rank == 0:
+                raise ArgumentError(
+                    f"{_trees.path('outputs', reference, i)} is a scalar per shard; with "
+                    "per_sample=False outputs are concatenated along axis 0, so return a "
+                    "[rows, ...] tensor, or pass reduce='sum'/'mean'/'max'/'min' to "
+                    "combine the shards' values"
+                )
+    return reference, flat
+
+
+def to_tensors(outputs: Any, where: str) -> Any:
+    """The function's outputs with numbers and arrays made tensors; else an error."""
+    leaves, key = _trees.flatten(outputs, "outputs")
+    converted = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, tf.Tensor | tf.RaggedTensor):
+            converted.append(leaf)
+        elif isinstance(leaf, int | float | np.ndarray | np.generic) and not isinstance(leaf, bool):
+            converted.append(tf.convert_to_tensor(leaf))
+        else:
+            hint = " (did the function forget to return?)" if leaf is None else ""
+            raise ArgumentError(
+                f"{where}: {_trees.path('outputs', key, i)} is {type(leaf).__name__} "
+                f"{leaf!r}{hint}; a parallelized function must return tensors (or a tuple, "
+                "list, dict or namedtuple of them)"
+            )
+    return _trees.build(key, iter(converted))

@@ -1,0 +1,166 @@
+"""Nested values: flatten to leaves and a hashable structure key, rebuild, name paths.
+
+The one tree walker of tfshard: arguments, outputs, dataset element specs and
+signatures all go through it, so a leaf has one order and one readable path
+(``x['a'][1]``) everywhere.
+
+Structures are what `tf.nest` takes for structures: tuples, lists, namedtuples,
+mappings (leaves in sorted key order, the written order kept to rebuild) and
+attrs classes (fields in declaration order). Everything else, tensors and
+composite tensors included, is a leaf.
+
+A hand-written walker rather than `tf.nest`, by measurement: `tf.nest.flatten`
+gives leaves but no hashable key of the structure, which every call needs for
+its trace key. Flatten plus key, min of 7 x 20000 runs (Python 3.11, TF 2.21;
+``python -m tfshard._trees``)::
+
+    structure             walk    tf.nest.flatten + map_structure(type)
+    one tensor           0.4 us   2.9 us
+    (x, y, z)            1.3 us   6.4 us
+    dict of 5 tensors    2.6 us   12.1 us
+
+`tf.nest` is kept for nothing; its rules are matched, and a mapping whose keys
+cannot be sorted (mixed types) is refused with the path and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from typing import Any
+
+from tfshard.errors import ArgumentError
+
+LEAF = None  # The structure key of a leaf.
+
+
+def flatten(value: Any, where: str = "value") -> tuple[list[Any], Hashable]:
+    """The leaves of `value` in `tf.nest` order, and a hashable key of its structure.
+
+    Args:
+      value: any nested value.
+      where: its name, for the path in an error (``"x"`` gives ``x['a']``).
+
+    Raises:
+      ArgumentError: a mapping's keys cannot be sorted (keys of mixed types).
+
+    >>> leaves, key = flatten({"b": 1, "a": (2, 3)})
+    >>> leaves
+    [2, 3, 1]
+    >>> build(key, iter("xyz"))
+    {'b': 'z', 'a': ('x', 'y')}
+    """
+    leaves: list[Any] = []
+    return leaves, _walk(value, leaves, where)
+
+
+def _walk(value: Any, leaves: list[Any], where: str) -> Hashable:
+    # A plain recursive function, not a closure: a recursive closure is a
+    # reference cycle on every call, which keeps whole batches alive until gc.
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(_walk(v, leaves, f"{where}[{i}]") for i, v in enumerate(value)))
+    if isinstance(value, Mapping):
+        try:
+            keys = sorted(value)
+        except TypeError:
+            raise ArgumentError(
+                f"{where} is a dict with keys of mixed types ({_key_types(value)}); "
+                "tfshard orders a dict's leaves by sorted key, as tf.nest does, so use "
+                "keys of one type (e.g. all str)"
+            ) from None
+        children = tuple(_walk(value[k], leaves, f"{where}[{k!r}]") for k in keys)
+        return (type(value), tuple(keys), children, tuple(value))
+    fields = getattr(type(value), "__attrs_attrs__", None)
+    if fields is not None:
+        names = tuple(f.name for f in fields)
+        children = tuple(_walk(getattr(value, n), leaves, f"{where}.{n}") for n in names)
+        return (type(value), names, children, None)
+    leaves.append(value)
+    return LEAF
+
+
+def _key_types(mapping: Mapping[Any, Any]) -> str:
+    return ", ".join(sorted({type(k).__name__ for k in mapping}))
+
+
+def build(key: Hashable, leaves: Iterator[Any]) -> Any:
+    """The inverse of `flatten`: the structure of `key` with these leaves, in order."""
+    if key is LEAF:
+        return next(leaves)
+    kind = key[0]
+    if len(key) == 2:  # a list or tuple
+        items = [build(sub, leaves) for sub in key[1]]
+        return kind(*items) if hasattr(kind, "_fields") else kind(items)
+    built = {name: build(sub, leaves) for name, sub in zip(key[1], key[2])}
+    if key[3] is None:  # an attrs class: its fields in order, as tf.nest rebuilds it
+        return kind(*built.values())
+    items = [(k, built[k]) for k in key[3]]
+    try:
+        return kind(items)
+    except TypeError:  # e.g. defaultdict: no (key, value) constructor
+        return dict(items)
+
+
+def map_leaves(fn: Any, value: Any) -> Any:
+    """`value` with `fn` applied to each leaf (`tf.nest.map_structure` of one value)."""
+    leaves, key = flatten(value)
+    return build(key, map(fn, leaves))
+
+
+def paths(prefix: str, key: Hashable) -> list[str]:
+    """The readable path of every leaf under `key`, in leaf order.
+
+    >>> paths("x", flatten({"a": [1, 2], "b": 3})[1])
+    ["x['a'][0]", "x['a'][1]", "x['b']"]
+    """
+    found: list[str] = []
+    _visit(key, prefix, found)
+    return found
+
+
+def path(prefix: str, key: Hashable, index: int) -> str:
+    """The readable path of leaf number `index` under `key`."""
+    return paths(prefix, key)[index]
+
+
+def _visit(key: Hashable, where: str, found: list[str]) -> None:
+    if key is LEAF:
+        found.append(where)
+    elif len(key) == 2:
+        for i, sub in enumerate(key[1]):
+            _visit(sub, f"{where}[{i}]", found)
+    else:
+        attrs = key[3] is None
+        for name, sub in zip(key[1], key[2]):
+            _visit(sub, f"{where}.{name}" if attrs else f"{where}[{name!r}]", found)
+
+
+def first_difference(prefix: str, ours: Hashable, theirs: Hashable) -> str:
+    """The path of a leaf in one structure but not the other (else `prefix`)."""
+    a, b = paths(prefix, ours), paths(prefix, theirs)
+    only: Iterable[str] = [p for p in a if p not in b] or [p for p in b if p not in a]
+    return next(iter(only), prefix)
+
+
+def _benchmark() -> None:  # pragma: no cover - the measurement quoted above
+    import timeit
+
+    import tensorflow as tf
+
+    x = tf.zeros([8, 4])
+    cases = {
+        "one tensor": x,
+        "(x, y, z)": (x, x, x),
+        "dict of 5 tensors": dict.fromkeys("abcde", x),
+    }
+    for name, value in cases.items():
+        walk = min(timeit.repeat(lambda v=value: flatten(v), number=20000, repeat=7)) / 20000
+
+        def nest(v: Any = value) -> Any:
+            return tf.nest.flatten(v), tf.nest.map_structure(type, v)
+
+        other = min(timeit.repeat(nest, number=20000, repeat=7)) / 20000
+        print(f"{name:<20} {walk * 1e6:5.1f} us  {other * 1e6:5.1f} us")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _benchmark()
