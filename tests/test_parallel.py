@@ -10,6 +10,8 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tfshard
 from tfshard.errors import ArgumentError, DeviceError, ShardError, TfshardError
@@ -663,3 +665,107 @@ def test_outputs_of_unknown_rank_when_shards_are_empty(n):
     x = np.arange(2 * n, dtype=np.float32).reshape(n, 2)
     out = f(x).numpy()
     assert out.tolist() == (x * 2).tolist() or (n == 0 and out.shape == (0,))
+
+
+class _LazyDense(tf.Module):
+    """Creates its kernel on the first call, as a Keras layer builds."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = None
+
+    def __call__(self, sample):
+        if self.kernel is None:
+            self.kernel = tf.Variable(tf.reshape(tf.range(15.0), [3, 5]) / 15.0)
+        return tf.matmul(sample, self.kernel)
+
+
+def _avg_pool_gradient(sample):
+    image = sample[None, :, :, None]  # [2, 3] -> [1, 2, 3, 1]
+    with tf.GradientTape() as tape:
+        tape.watch(image)
+        pooled = tf.nn.avg_pool2d(image, 2, 1, "SAME")
+        loss = tf.reduce_sum(pooled * pooled)
+    return tape.gradient(loss, image)[0, :, :, 0]
+
+
+# Per-sample functions of [2, 3] samples whose outputs have rank >= 1; each broke
+# (or returned the wrong shape) on a shard with no rows.
+PER_SAMPLE_FUNCTIONS = {
+    "matmul": lambda s: tf.matmul(s, tf.ones([3, 5])),
+    "conv2d": lambda s: tf.nn.conv2d(s[None, :, :, None], tf.ones([2, 2, 1, 4]), 1, "SAME")[0],
+    "avg_pool_gradient": _avg_pool_gradient,
+    "sparse_softmax_cross_entropy": lambda s: tf.nn.sparse_softmax_cross_entropy_with_logits(
+        tf.constant([0, 2]), s
+    ),
+    "print": lambda s: (tf.print(s[0, 0], output_stream="file:///dev/null"), s * 2)[1],
+    "variable_created_once": _LazyDense(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_SAMPLE_FUNCTIONS))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 3 * len(CPUS)), seed=st.integers(0, 2**16))
+def test_per_sample_functions_for_every_batch_size(name, n, seed):
+    """Batches from 0 rows to 3K on K devices: every sample once, in order, as on one device."""
+    fn = PER_SAMPLE_FUNCTIONS[name]
+    f = _PER_SAMPLE_SHARDED.setdefault(name, tfshard.parallelize(fn, devices=CPUS))
+    x = np.random.default_rng(seed).normal(size=[n, 2, 3]).astype(np.float32)
+    out = f(x)
+    with tf.device("/device:CPU:0"):
+        one = tf.function(lambda s: fn(s)).get_concrete_function(tf.TensorSpec([2, 3]))
+        expected = np.stack([one(s).numpy() for s in x]) if n else None
+    if n == 0:
+        assert out.shape[0] == 0 and out.shape[1:] == one.structured_outputs.shape
+    else:
+        np.testing.assert_allclose(out.numpy(), expected, rtol=RTOL, atol=1e-6)
+
+
+_PER_SAMPLE_SHARDED: dict = {}
+
+
+# ------------------------------------------------------- callable objects
+
+
+def test_a_keras_layer_or_model_wrapped_directly_runs_per_batch():
+    x = np.random.default_rng(0).normal(size=[7, 6]).astype(np.float32)
+    dense = tf.keras.layers.Dense(5)
+    dense.build((None, 6))
+    np.testing.assert_allclose(tfshard.parallelize(dense, devices=CPUS)(x), dense(x), rtol=RTOL)
+    model = tf.keras.Sequential(
+        [tf.keras.Input([8, 8, 3]), tf.keras.layers.Conv2D(4, 3), tf.keras.layers.Flatten()]
+    )
+    images = np.random.default_rng(1).normal(size=[3, 8, 8, 3]).astype(np.float32)
+    f = tfshard.parallelize(model, devices=CPUS)
+    assert f.__name__ == model.__class__.__name__ == "Sequential"
+    np.testing.assert_allclose(f(images), model(images), rtol=RTOL, atol=1e-6)
+    # Its attributes stay its own and ours stay ours.
+    assert not hasattr(f, "layers") and f.__wrapped__ is model
+
+
+def test_a_tf_module_with_attributes_of_ours_names():
+    class Scale(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self._lock, self._fn, self._engine = True, None, "not tfshard's"
+            self.w = tf.Variable(3.0)
+
+        def __call__(self, sample):
+            return sample * self.w
+
+    f = tfshard.parallelize(Scale(), devices=CPUS[:2])
+    assert f(np.arange(3, dtype=np.float32)).numpy().tolist() == [0.0, 3.0, 6.0]
+
+
+def test_options_are_never_taken_from_the_wrapped_object():
+    inner = tf.function(lambda s: s * 2.0, jit_compile=False)
+    f = tfshard.parallelize(inner, devices=CPUS[:2], jit_compile=True)
+    assert f(np.arange(4.0, dtype=np.float32)).numpy().tolist() == [0.0, 2.0, 4.0, 6.0]
+    graph = f.get_concrete_function(np.zeros([4], np.float32)).graph
+    compiled = [
+        op
+        for op in graph.get_operations()
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+        and op.get_attr("_XlaMustCompile")
+    ]
+    assert len(compiled) == 2  # one XLA cluster per shard

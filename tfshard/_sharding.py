@@ -267,7 +267,7 @@ class Engine:
         outputs = []
         for k, device in enumerate(self.devices):
             with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device):
-                outputs.append(shard([p[k] for p in pieces]))
+                outputs.append(shard([p[k] for p in pieces], sizes[k]))
         structure, flat = check_outputs(outputs, self.devices, concatenated=self.reduce is None)
         if not gather:
             return outputs
@@ -312,8 +312,8 @@ class Engine:
 
     def _shard_fn(
         self, template: _arguments.Template, shared: Sequence[Any], example: Sequence[Any]
-    ) -> Callable[[Sequence[Any]], Any]:
-        """The computation of one shard: rows in, structure of outputs out."""
+    ) -> Callable[[Sequence[Any], tf.Tensor], Any]:
+        """The computation of one shard: its rows and planned size in, its outputs out."""
         fn, name, per_sample = self.user_fn(), self.name, self.per_sample
 
         def call(rows_in: Sequence[Any]) -> Any:
@@ -333,14 +333,20 @@ class Engine:
                 ) from error
             return to_tensors(outputs, name)
 
-        per_shard = self._vectorized(call, example) if per_sample else call
+        if per_sample:
+            per_shard = self._vectorized(call, example)
+        else:
+
+            def per_shard(rows_in: Sequence[Any], size: tf.Tensor) -> Any:
+                return call(rows_in)  # the function's batch is the whole shard
+
         if self.jit_compile:
             return tf.function(per_shard, autograph=False, jit_compile=True)
         return per_shard
 
     def _vectorized(
         self, call: Callable[[Sequence[Any]], Any], example: Sequence[Any]
-    ) -> Callable[[Sequence[Any]], Any]:
+    ) -> Callable[[Sequence[Any], tf.Tensor], Any]:
         """`call` of one sample, mapped over the rows of a shard."""
         signature = sample_signature(call, example, self.ragged)
         leaves, _ = _trees.flatten(signature)
@@ -358,17 +364,12 @@ class Engine:
                 )
             return tf.vectorized_map(call, tuple(rows_in), fallback_to_while_loop=True)
 
-        # A shard with no rows must give empty outputs of the signature's shapes,
-        # but map_fn over nothing loses a ragged output's inner shape, and
-        # vectorized_map's while-loop fallback cannot stack nothing of unknown
-        # shape. Only those need the guard (a cond costs a few percent here).
-        if not (ragged or any(spec.shape.rank is None for spec in leaves)):
-            return each
-
-        def guarded(rows_in: Sequence[Any]) -> Any:
-            return tf.cond(
-                rows(rows_in[0]) > 0, lambda: each(rows_in), lambda: collect.empty(signature)
-            )
+        # A shard with no rows skips the function: vectorized_map over nothing
+        # gives outputs of the wrong inner shape (a per-sample matmul's [0, 2, 1]
+        # for [0, 2, 3]), and some ops fail on it outright (tf.print's gather).
+        # The predicate is the planned size, known before the shard's rows are.
+        def guarded(rows_in: Sequence[Any], size: tf.Tensor) -> Any:
+            return tf.cond(size > 0, lambda: each(rows_in), lambda: collect.empty(signature))
 
         return guarded
 

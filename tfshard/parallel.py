@@ -24,6 +24,7 @@ sorted by `tfshard._arguments`, datasets run through `tfshard.datasets`.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import types
 import weakref
@@ -54,7 +55,7 @@ class ShardedFunction:
         *,
         devices: Sequence[pinning.DeviceSpecLike] | None,
         weights: Sequence[float] | None,
-        per_sample: bool,
+        per_sample: bool | None,
         reduce: str | None,
         output_device: pinning.DeviceSpecLike | None,
         broadcast: Sequence[str | int],
@@ -64,6 +65,8 @@ class ShardedFunction:
     ) -> None:
         if not callable(fn):
             raise ArgumentError(f"parallelize(fn={fn!r}): fn must be callable")
+        if per_sample is None:
+            per_sample = not _takes_batches(fn)
         _check_options(reduce, ragged, per_sample)
         self._device_specs = _device_specs(devices)
         self._weights = _sharding.integer_weights(weights)
@@ -85,7 +88,9 @@ class ShardedFunction:
         self._lock = threading.Lock()
         self._built: _sharding.Engine | None = None
         self._bound: weakref.WeakKeyDictionary[Any, ShardedFunction] = weakref.WeakKeyDictionary()
-        functools.update_wrapper(self, fn)
+        # Not updated=("__dict__",): the wrapped object's attributes (a Keras layer's
+        # _lock, a tf.function's _jit_compile) must not replace ours.
+        functools.update_wrapper(self, fn, updated=())
 
     # -------------------------------------------------------------- public
 
@@ -353,6 +358,15 @@ class ShardedFunction:
         return devices, output
 
 
+def _takes_batches(fn: Any) -> bool:
+    """Whether `fn` is a Keras layer or model, which is called on batches."""
+    for name in ("keras", "tf_keras"):  # Keras 3 (tf.keras), or Keras 2's package
+        keras = sys.modules.get(name)  # never imported here: a layer imported it
+        if keras is not None and isinstance(fn, keras.layers.Layer):
+            return True
+    return False
+
+
 def _check_options(reduce: str | None, ragged: bool, per_sample: bool) -> None:
     if reduce is not None and reduce not in collect.REDUCTIONS:
         raise ArgumentError(
@@ -389,7 +403,7 @@ def parallelize(
     *,
     devices: Sequence[pinning.DeviceSpecLike] | None = None,
     weights: Sequence[float] | None = None,
-    per_sample: bool = True,
+    per_sample: bool | None = None,
     reduce: str | None = None,
     output_device: pinning.DeviceSpecLike | None = None,
     broadcast: Sequence[str | int] = (),
@@ -417,7 +431,11 @@ def parallelize(
 
     Args:
       fn: with `per_sample`, a function of one sample (one row of each split
-        argument); otherwise a function of one shard (a block of rows).
+        argument); otherwise a function of one shard (a block of rows). Any
+        callable: a function, a `tf.function`, a `tf.Module`, a Keras layer or
+        model (``parallelize(model)``, as ``nn.DataParallel(model)`` in
+        PyTorch); its attributes are left alone, and only its name and
+        docstring are copied.
       devices: where to run, one shard each (anything `resolve_device` takes).
         Default: every GPU, else every logical CPU device.
       weights: relative speeds, one per device; shard sizes follow them with
@@ -425,7 +443,8 @@ def parallelize(
         split, sizes differing by at most one, extra rows to the first shards.
       per_sample: True to vectorise `fn` over the rows with `tf.vectorized_map`
         (falling back to a `tf.while_loop` where an op has no vectorised form);
-        False to call `fn` on each shard as a batch.
+        False to call `fn` on each shard as a batch. Default: False for a Keras
+        layer or model, which takes batches; True for anything else.
       reduce: None to gather outputs in input order; ``"sum"``, ``"mean"``,
         ``"max"`` or ``"min"`` to reduce them over all samples. Each shard
         reduces on its own device and only the partials travel. With
