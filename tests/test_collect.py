@@ -79,13 +79,16 @@ def test_per_shard_mean_is_size_weighted_and_ignores_empty_shards():
     assert _in_graph(run).numpy() == pytest.approx(7.0 / 4.0)
 
 
-def test_combine_int_mean_truncates_toward_zero_and_is_zero_for_no_samples():
+def test_combine_int_mean_is_exact_and_nan_for_no_samples():
     def run(partials, total):
         return collect.combine(tf.unstack(partials), total, "mean")
 
-    assert _in_graph(run, tf.constant([-7, 0]), 2).numpy() == tf.reduce_mean([-3, -4]).numpy()
-    # No samples: every partial is the empty sum, and the mean is 0, not a crash.
-    assert _in_graph(run, tf.constant([0, 0]), 0).numpy() == 0
+    exact = _in_graph(run, tf.constant([-7, 0]), 2)
+    assert exact.dtype == tf.float64 and exact.numpy() == np.mean([-3, -4]) == -3.5
+    small = _in_graph(run, tf.constant([1, 0], tf.int16), 3)
+    assert small.dtype == tf.float32 and small.numpy() == pytest.approx(1 / 3)
+    # No samples: every partial is the empty sum, and the mean is NaN, not a crash.
+    assert np.isnan(_in_graph(run, tf.constant([0, 0]), 0).numpy())
 
 
 @pytest.mark.parametrize(

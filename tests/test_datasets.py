@@ -146,9 +146,9 @@ def test_reductions_over_the_whole_dataset(op, np_op):
 
 def test_integer_mean_over_batches_is_the_mean_over_samples():
     f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:2])
-    # Per-batch means would truncate to 1 and 2, giving 1; the mean over samples is 2.
-    out = f(tf.data.Dataset.from_tensor_slices(np.array([1, 2, 2, 3])).batch(2))
-    assert out.numpy() == tf.reduce_mean(tf.constant([1, 2, 2, 3])).numpy() == 2
+    # Truncated per batch (1 and 3) the mean would be 2; over the samples it is 2.25.
+    out = f(tf.data.Dataset.from_tensor_slices(np.array([1, 2, 3, 3])).batch(2))
+    assert out.dtype == tf.float64 and out.numpy() == np.mean([1, 2, 3, 3]) == 2.25
 
 
 def test_per_batch_mean_over_the_dataset_is_size_weighted():

@@ -376,10 +376,16 @@ def test_reductions_over_zero_samples():
     assert tfshard.parallelize(lambda s: s, reduce="max")(x).numpy().tolist() == [-np.inf] * 2
 
 
-def test_integer_mean_truncates_like_reduce_mean():
+def test_integer_mean_is_exact_as_mirrored_strategy_gives_it():
     f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:2])
-    x = np.array([1, 2, 2, -9], np.int32)
-    assert f(x).numpy() == tf.reduce_mean(tf.constant(x)).numpy()
+    x = np.array([0, 1, 1], np.int32)
+    out = f(x)
+    assert out.dtype == tf.float64 and out.numpy() == pytest.approx(2 / 3)
+    strategy = tf.distribute.MirroredStrategy(CPUS[:2])
+    ds = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(3))
+    per_replica = strategy.run(lambda b: tf.cast(b, tf.float64), args=(next(iter(ds)),))
+    mirrored = strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=0)
+    assert out.numpy() == pytest.approx(mirrored.numpy())
 
 
 # ----------------------------------------------------------------- jit
@@ -769,3 +775,48 @@ def test_options_are_never_taken_from_the_wrapped_object():
         and op.get_attr("_XlaMustCompile")
     ]
     assert len(compiled) == 2  # one XLA cluster per shard
+
+
+# ------------------------------------------------ whole-shard rows, reduce
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 8, 9])
+@pytest.mark.parametrize("op, np_op", [("sum", np.sum), ("mean", np.mean), ("max", np.max)])
+def test_per_row_outputs_of_whole_shards_reduce_over_all_rows(n, op, np_op):
+    losses = tfshard.parallelize(
+        lambda b: tf.reduce_sum(b * b, axis=1), per_sample=False, reduce=op, devices=CPUS[:3]
+    )
+    x = rng.normal(size=[n, 4]).astype(np.float32)
+    if n == 0 and op == "max":
+        return  # no rows: the identity of max, as tf.reduce_max gives
+    expected = np_op(np.sum(x * x, axis=1)) if n else (np.nan if op == "mean" else 0.0)
+    np.testing.assert_allclose(losses(x).numpy(), expected, rtol=RTOL)
+
+
+def test_shard_values_and_per_row_values_together():
+    def step(b):
+        return {"per_row": tf.reduce_sum(b, axis=1), "shard_mean": tf.reduce_mean(b, axis=0)}
+
+    f = tfshard.parallelize(step, per_sample=False, reduce="mean", devices=CPUS[:3])
+    x = rng.normal(size=[10, 2]).astype(np.float32)
+    out = f(x)
+    np.testing.assert_allclose(out["per_row"].numpy(), np.mean(x.sum(1)), rtol=RTOL)
+    np.testing.assert_allclose(out["shard_mean"].numpy(), x.mean(0), rtol=RTOL)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_whole_shard_outputs_without_a_row_per_row_are_refused(n):
+    f = tfshard.parallelize(
+        lambda b: {"m": tf.reduce_mean(b, axis=0, keepdims=True)}, per_sample=False, devices=CPUS
+    )
+    with pytest.raises(
+        ArgumentError,
+        match=r"outputs\['m'\] on shard \d \(/device:CPU:\d\) has 1 rows for [02]; with "
+        r"per_sample=False each output must have one row per input row",
+    ):
+        f(np.ones([n, 3], np.float32))
+    f_sum = tfshard.parallelize(
+        lambda b: tf.reduce_sum(b, axis=1)[:1], per_sample=False, reduce="sum", devices=CPUS[:2]
+    )
+    with pytest.raises(ArgumentError, match=r"outputs on shard 0 .* has 1 rows for 4"):
+        f_sum(np.ones([8, 3], np.float32))

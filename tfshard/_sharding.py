@@ -34,6 +34,8 @@ WEIGHT_SCALE = 1 << 24
 SHARD_SCOPE = "tfshard_shard_"
 _SHARD_NODE_RE = re.compile(SHARD_SCOPE + r"(\d+)/")
 MAX_ROWS = 2**31
+# Marks the in-graph check that a whole-shard function returned one row per row.
+ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
 
 
 # ------------------------------------------------------------------- plans
@@ -96,6 +98,26 @@ def plan_sizes(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) -> tf.
 def rows(t: Any) -> tf.Tensor:
     """The number of rows of a tensor or ragged tensor, as an int64 scalar tensor."""
     return t.nrows() if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
+
+
+def host_cpu(device: str) -> str:
+    """The CPU of the machine (task) that holds `device`: where plans and checks run."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
+    """The rows of `t` as an int64 scalar on `host`; only a Shape op runs on `device`.
+
+    On a GPU the Shape kernel leaves its output in host memory, so the count
+    reaches the host without waiting for `t`'s device; int64 arithmetic placed
+    on a GPU would copy it back and forth, and a host read would sync.
+    """
+    part = t.row_splits if isinstance(t, tf.RaggedTensor) else t
+    with tf.device(device):
+        shape = tf.shape(part, out_type=tf.int64)
+    with tf.device(host):
+        return shape[0] - 1 if isinstance(t, tf.RaggedTensor) else shape[0]
 
 
 def split(t: Any, sizes: tf.Tensor, count: int) -> list[Any]:
@@ -218,8 +240,10 @@ class Engine:
         except tf.errors.OpError as error:
             raise self.call_error(error, call.rows) from None
 
-    def call_error(self, error: tf.errors.OpError, rows: int | None) -> tf.errors.OpError:
+    def call_error(self, error: tf.errors.OpError, rows: int | None) -> Exception:
         """A failed call's error, naming the shard and, for a dead worker, the remedy."""
+        if ROWS_DIFFER in error.message:
+            return self._rows_error(error.message)
         match = _SHARD_NODE_RE.search(error.message)
         wrapped = error
         if match is not None:
@@ -239,6 +263,25 @@ class Engine:
             wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
         return wrapped
 
+    def _rows_error(self, message: str) -> ArgumentError:
+        """The failed check of `_check_rows` as an ArgumentError naming shard and fix."""
+        # TF prints the assert's message with its quotes escaped.
+        path = message.split(ROWS_DIFFER, 1)[1].split(" :end", 1)[0].strip().replace("\\'", "'")
+        # assert_equal prints both vectors: "[x (...) = ] [1 4] [y (...) = ] [4 4]".
+        vectors = re.findall(r"= \] \[([-\d\s]*)\]", message)
+        where = ""
+        if len(vectors) >= 2:
+            got, want = ([int(v) for v in vector.split()] for vector in vectors[:2])
+            k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+            if k is not None:
+                where = f" on shard {k} ({self.devices[k]}) has {got[k]} rows for {want[k]}"
+        return ArgumentError(
+            f"{self.name}: {path}{where or ' has the wrong number of rows'}; with "
+            "per_sample=False each output must have one row per input row to be gathered "
+            "in order (return a [rows, ...] tensor), or be of fixed shape under reduce= "
+            "(a shard's value: pass reduce='sum'/'mean'/'max'/'min')"
+        )
+
     # ------------------------------------------------------------- body
 
     def body(
@@ -256,8 +299,12 @@ class Engine:
         """
         count = len(self.devices)
         inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
-        total = rows(inputs[0])
-        sizes = plan_sizes(total, count, self.weights)
+        host = host_cpu(self.output)
+        total = row_count(inputs[0], split_devices[0] or None, host)
+        with tf.device(host):  # the plan: int64 arithmetic on the host, never on a GPU
+            sizes = plan_sizes(total, count, self.weights)
+            per_shard = tf.unstack(sizes, num=count)
+            has_rows = [size > 0 for size in per_shard]
         pieces = []
         for tensor, device in zip(inputs, split_devices):
             # Split where the input lives, so each shard crosses to its device once.
@@ -267,15 +314,40 @@ class Engine:
         outputs = []
         for k, device in enumerate(self.devices):
             with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device):
-                outputs.append(shard([p[k] for p in pieces], sizes[k]))
+                outputs.append(shard([p[k] for p in pieces], has_rows[k]))
         structure, flat = check_outputs(outputs, self.devices, concatenated=self.reduce is None)
+        if not self.per_sample:
+            with tf.name_scope("tfshard_rows"):
+                self._check_rows(structure, flat, per_shard, host)
         if not gather:
             return outputs
         with tf.name_scope("tfshard_collect"), tf.device(self.output):
-            return _trees.build(structure, iter(self._collect(structure, flat, sizes, total)))
+            results = self._collect(structure, flat, per_shard, total)
+            return _trees.build(structure, iter(results))
+
+    def _check_rows(
+        self, structure: Hashable, flat: list[list[Any]], sizes: list[tf.Tensor], host: str
+    ) -> None:
+        """Checks, on the host, that per-row outputs of whole shards have one row per row.
+
+        Gathered outputs are all per-row; under a reduction, those whose first
+        dimension is unknown when traced (as the shard's rows are) are.
+        """
+        for i, first in enumerate(flat[0]):
+            if self.reduce is not None and not per_row(first):
+                continue
+            path = _trees.path("outputs", structure, i)
+            counts = [row_count(flat[k][i], d, host) for k, d in enumerate(self.devices)]
+            with tf.device(host):  # one check per output, all shards at once
+                tf.debugging.assert_equal(
+                    tf.stack(counts),
+                    tf.stack(sizes),
+                    message=f"{ROWS_DIFFER} {path} :end",
+                    summarize=len(counts),
+                )
 
     def _collect(
-        self, structure: Hashable, flat: list[list[Any]], sizes: tf.Tensor, total: tf.Tensor
+        self, structure: Hashable, flat: list[list[Any]], sizes: list[tf.Tensor], total: tf.Tensor
     ) -> list[Any]:
         """Each output leaf gathered in shard order, or reduced over all samples."""
         results = []
@@ -286,12 +358,13 @@ class Engine:
                 continue
             path = _trees.path("outputs", structure, i)
             collect.check_reducible(per_shard[0], self.reduce_label or self.reduce, path)
+            by_row = self.per_sample or per_row(per_shard[0])
             partials = []
             for k, device in enumerate(self.devices):
                 # Each shard reduces its own rows where they are.
                 with tf.device(device):
                     partials.append(
-                        collect.shard_partial(per_shard[k], sizes[k], self.reduce, self.per_sample)
+                        collect.shard_partial(per_shard[k], sizes[k], self.reduce, by_row)
                     )
             results.append(collect.combine(partials, total, self.reduce))
         return results
@@ -337,7 +410,7 @@ class Engine:
             per_shard = self._vectorized(call, example)
         else:
 
-            def per_shard(rows_in: Sequence[Any], size: tf.Tensor) -> Any:
+            def per_shard(rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
                 return call(rows_in)  # the function's batch is the whole shard
 
         if self.jit_compile:
@@ -368,10 +441,19 @@ class Engine:
         # gives outputs of the wrong inner shape (a per-sample matmul's [0, 2, 1]
         # for [0, 2, 3]), and some ops fail on it outright (tf.print's gather).
         # The predicate is the planned size, known before the shard's rows are.
-        def guarded(rows_in: Sequence[Any], size: tf.Tensor) -> Any:
-            return tf.cond(size > 0, lambda: each(rows_in), lambda: collect.empty(signature))
+        def guarded(rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
+            return tf.cond(has_rows, lambda: each(rows_in), lambda: collect.empty(signature))
 
         return guarded
+
+
+def per_row(value: Any) -> bool:
+    """Whether a whole-shard function's output holds one value per row of the shard.
+
+    Its first dimension is then unknown when traced, as the shard's rows are;
+    an output of fixed shape (a loss, a gradient) is the shard's own value.
+    """
+    return value.shape.rank is not None and value.shape.rank >= 1 and value.shape[0] is None
 
 
 def sample_signature(call: Callable[..., Any], example: Sequence[Any], ragged: bool) -> Any:

@@ -186,8 +186,9 @@ def combine(partials: Sequence[tf.Tensor], total: tf.Tensor, op: str) -> tf.Tens
     Returns:
       The sum, mean, max or min over all N samples. The mean divides the
       total sum by N, so it is the mean over samples, not the mean of shard
-      means. With N == 0 a float mean is NaN (as `tf.reduce_mean` gives) and
-      an integer mean is 0.
+      means. An integer mean is exact, in the float dtype `tf.math.truediv`
+      gives (float32 for 8- and 16-bit integers, float64 for 32- and 64-bit),
+      not truncated as `tf.reduce_mean` truncates it. With N == 0 a mean is NaN.
     """
     stacked = tf.stack(list(partials))  # K x [...] -> [K, ...]
     if op == "max":
@@ -197,11 +198,7 @@ def combine(partials: Sequence[tf.Tensor], total: tf.Tensor, op: str) -> tf.Tens
     summed = tf.reduce_sum(stacked, axis=0)
     if op == "sum":
         return summed
-    count = tf.cast(total, summed.dtype)
-    if summed.dtype.is_integer:
-        # tf.reduce_mean truncates integer means toward zero; so do we.
-        return tf.truncatediv(summed, tf.maximum(count, 1))
-    return summed / count
+    return tf.math.truediv(summed, tf.cast(total, summed.dtype))
 
 
 # ------------------------------------------------------------------ streams

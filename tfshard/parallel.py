@@ -447,10 +447,16 @@ def parallelize(
         layer or model, which takes batches; True for anything else.
       reduce: None to gather outputs in input order; ``"sum"``, ``"mean"``,
         ``"max"`` or ``"min"`` to reduce them over all samples. Each shard
-        reduces on its own device and only the partials travel. With
-        `per_sample=False` the function's value for a shard is weighted by the
-        shard's size, so a shard-mean loss or gradient reduces to exactly the
-        full-batch mean; empty shards are left out.
+        reduces on its own device and only the partials travel. An integer
+        mean is exact, in the float dtype `tf.math.truediv` gives. With
+        `per_sample=False`, an output whose first dimension is the shard's
+        rows (unknown when traced, as the rows are: e.g. one loss per
+        example) is reduced over all rows; an output of fixed shape is the
+        shard's value, weighted by the shard's size, so a shard-mean loss or
+        gradient reduces to exactly the full-batch mean; empty shards are
+        left out. Without a reduction, a whole-shard function's outputs must
+        have one row per input row (checked on the host; an ArgumentError
+        names the output and shard otherwise).
       output_device: where results land. Default: the first device.
       broadcast: names (or positions) of arguments passed whole to every shard,
         such as weights or a lookup table.
