@@ -560,3 +560,13 @@ def test_an_empty_stream_of_loose_specs(spec, inner):
     f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
     out = f(ds, batched=True)
     assert out.shape == (0, *inner) and out.dtype == tf.float32
+
+
+def test_a_failing_shard_in_a_reduced_stream_names_its_device():
+    def log_minus_5(block):
+        return tf.reduce_sum(tf.debugging.check_numerics(tf.math.log(block - 5.0), "log"))
+
+    f = tfshard.parallelize(log_minus_5, per_sample=False, reduce="sum", devices=CPUS[:2])
+    ds = tf.data.Dataset.range(10).map(lambda n: tf.cast(n, tf.float32))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"shard 0 on /device:CPU:0"):
+        f(ds, batch_size=10)

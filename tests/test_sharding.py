@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tfshard
+from tfshard import _sharding
+from tfshard.errors import ArgumentError
 
 CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
 
@@ -156,3 +158,28 @@ def test_shards_run_concurrently():
     assert out.numpy().ravel().tolist() == [0, 1, 2, 3]
 
 
+
+
+# ------------------------------------------------------- output checks
+
+
+def _outputs(*structures):
+    """Symbolic per-shard outputs, as the traced body has them."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None])
+        return [s(x) for s in structures]
+
+
+def test_check_outputs_names_a_rank_that_differs_between_shards():
+    outputs = _outputs(lambda x: {"loss": x}, lambda x: {"loss": tf.reduce_mean(x)})
+    with pytest.raises(
+        ArgumentError, match=r"outputs\['loss'\] has rank 0 .* on /device:CPU:1 but rank 1"
+    ):
+        _sharding.check_outputs(outputs, CPUS[:2], concatenated=True)
+
+
+def test_check_outputs_names_a_key_that_differs_between_shards():
+    outputs = _outputs(lambda x: {"loss": x}, lambda x: {"loss": x, "extra": x})
+    with pytest.raises(ArgumentError, match=r"outputs\['extra'\] differs between shards"):
+        _sharding.check_outputs(outputs, CPUS[:2], concatenated=True)

@@ -290,12 +290,19 @@ class Engine:
         tensors: Sequence[Any],
         split_devices: Sequence[str],
         gather: bool = True,
+        once: bool = True,
     ) -> Any:
         """The traced body: split, one shard per device, then collect.
 
         With `gather` False, the shards' outputs are returned as they are, one
         structure per shard (checked alike), for a caller that collects them
         itself (the dataset loop, which gathers every batch's shards at once).
+
+        With `once`, a call traces the function once for all shards (the first
+        call's cost); the dataset loop, traced once per element spec, passes
+        False to trace it per shard,
+        because inside its while loop only the shard's own ops keep the
+        ``tfshard_shard_k/`` names that let an error name the failing shard.
         """
         count = len(self.devices)
         inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
@@ -310,7 +317,7 @@ class Engine:
             # Split where the input lives, so each shard crosses to its device once.
             with tf.device(device or None):
                 pieces.append(split(tensor, sizes, count))
-        shard = self._shard_fn(template, shared, [p[0] for p in pieces])
+        shard = self._shard_fn(template, shared, [p[0] for p in pieces], once=once)
         outputs = []
         for k, device in enumerate(self.devices):
             with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device):
@@ -384,9 +391,16 @@ class Engine:
         return self._converted
 
     def _shard_fn(
-        self, template: _arguments.Template, shared: Sequence[Any], example: Sequence[Any]
+        self,
+        template: _arguments.Template,
+        shared: Sequence[Any],
+        example: Sequence[Any],
+        once: bool,
     ) -> Callable[[Sequence[Any], tf.Tensor], Any]:
-        """The computation of one shard: its rows and planned size in, its outputs out."""
+        """The computation of one shard: its rows and whether it has any in, its outputs out.
+
+        With `once`, a `tf.function` traced on the first shard and called by all.
+        """
         fn, name, per_sample = self.user_fn(), self.name, self.per_sample
 
         def call(rows_in: Sequence[Any]) -> Any:
@@ -413,9 +427,13 @@ class Engine:
             def per_shard(rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
                 return call(rows_in)  # the function's batch is the whole shard
 
-        if self.jit_compile:
-            return tf.function(per_shard, autograph=False, jit_compile=True)
-        return per_shard
+        if not once:
+            if self.jit_compile:
+                return tf.function(per_shard, autograph=False, jit_compile=True)
+            return per_shard
+        # Traced once, called once per device: its ops carry no device of their own,
+        # so each call's tf.device scope places them (K traces cost K times as long).
+        return tf.function(per_shard, autograph=False, jit_compile=self.jit_compile or None)
 
     def _vectorized(
         self, call: Callable[[Sequence[Any]], Any], example: Sequence[Any]
