@@ -108,7 +108,7 @@ def test_every_gpu_spelling_names_gpu_one(spec):
     if isinstance(spec, int):
         parsed = tf.DeviceSpec(device_type="GPU", device_index=spec)
     else:
-        parsed = pinning._parse_spec(spec)
+        parsed = pinning.parse_spec(spec)
     assert (parsed.device_type, parsed.device_index) == ("GPU", 1)
     if tfshard.num_gpus() >= 2:
         assert tfshard.resolve_device(spec) == "/device:GPU:1"
@@ -119,7 +119,7 @@ def test_every_gpu_spelling_names_gpu_one(spec):
 
 @pytest.mark.parametrize("spec", ["cuda", "gpu", "cuda0", "GPU:0"])
 def test_bare_gpu_spellings_mean_gpu_zero(spec):
-    parsed = pinning._parse_spec(spec)
+    parsed = pinning.parse_spec(spec)
     assert (parsed.device_type, parsed.device_index) == ("GPU", 0)
 
 
@@ -270,7 +270,7 @@ def test_environment_variable_supplies_the_map(monkeypatch):
 
 
 def test_environment_map_logs_its_mappings_once(monkeypatch, caplog):
-    monkeypatch.setattr(pinning, "_env_cache", {})
+    monkeypatch.setattr(pinning, "_env_contexts", pinning._EnvContexts())
     monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:1;dev1->GPU:9")
     with caplog.at_level(logging.INFO, logger="tfshard"):
         assert tfshard.resolve_device("dev0") == "/device:CPU:1"
