@@ -4,6 +4,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -449,3 +450,29 @@ def test_pin_resolves_and_places():
 def test_pin_rejects_unknown_devices_before_entering():
     with pytest.raises(DeviceError), tfshard.pin("cpu:11"):
         pass
+
+
+def test_use_contexts_is_per_thread_above_the_process_wide_map(monkeypatch):
+    # Like tf.device: a block in one thread must not rename devices in another.
+    monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:1")
+    inside, checked = threading.Event(), threading.Event()
+    seen = {}
+
+    def block():
+        with tfshard.use_contexts("dev0->cpu:3", log=False):
+            inside.set()
+            checked.wait(timeout=30)
+            seen["block"] = tfshard.resolve_device("dev0")
+
+    thread = threading.Thread(target=block)
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        seen["env"] = tfshard.resolve_device("dev0")
+        tfshard.set_contexts("dev0->cpu:2", log=False)  # Every thread, below its blocks.
+        seen["process"] = tfshard.resolve_device("dev0")
+    finally:
+        checked.set()
+        thread.join(timeout=30)
+    assert seen == {"env": "/device:CPU:1", "process": "/device:CPU:2", "block": "/device:CPU:3"}
+    assert tfshard.resolve_device("dev0") == "/device:CPU:2"

@@ -541,18 +541,30 @@ class _EnvContexts:
             _log.warning("%s: %s", CONTEXTS_ENV, error)
 
 
-_contexts_lock = threading.Lock()  # Guards _explicit, which any thread may change.
-_explicit: list[ContextMap | None] = []  # A stack; the top is the active map.
+class _Scopes(threading.local):
+    """This thread's `use_contexts` maps, innermost last; a new thread has none."""
+
+    def __init__(self) -> None:
+        self.maps: list[ContextMap | None] = []
+
+
+_scopes = _Scopes()
+_contexts_lock = threading.Lock()  # Guards _explicit, which any thread may set.
+# `set_contexts`' map, for every thread: [] until set, then [map] ([None] hides the env's).
+_explicit: list[ContextMap | None] = []
 _env_contexts = _EnvContexts()
 
 
 def active_contexts() -> ContextMap | None:
-    """The active context map: the innermost `use_contexts`/`set_contexts`,
-    else ``TFSHARD_CONTEXTS``, else None.
+    """The active context map, in this order: this thread's innermost
+    `use_contexts`, else the process's `set_contexts`, else ``TFSHARD_CONTEXTS``,
+    else None.
 
     Raises:
       ContextMapError: ``TFSHARD_CONTEXTS`` is set but malformed.
     """
+    if _scopes.maps:
+        return _scopes.maps[-1]
     with _contexts_lock:
         if _explicit:
             return _explicit[-1]
@@ -575,11 +587,11 @@ def _coerce_map(contexts: ContextMap | str | Mapping[str, str] | None) -> Contex
 def set_contexts(
     contexts: ContextMap | str | Mapping[str, str] | None, *, log: bool = True
 ) -> ContextMap | None:
-    """Makes a context map active for the whole process (None clears it).
+    """Makes a context map active for every thread of the process (None: no map).
 
     This is how a ``--contexts`` flag is applied: ``set_contexts(FLAGS.contexts)``.
-    It replaces every map set before, including those of enclosing `use_contexts`
-    blocks until they exit.
+    It replaces the map set before and hides ``TFSHARD_CONTEXTS``; a
+    `use_contexts` block, in any thread, still wins inside that block.
 
     Args:
       contexts: the map, its string form, a dict, or None.
@@ -606,6 +618,9 @@ def use_contexts(
 ) -> Iterator[ContextMap | None]:
     """Makes a context map active inside a ``with`` block (None hides any map).
 
+    Per thread, like `tf.device` scopes: other threads, and threads started
+    inside the block, keep their own maps, else `set_contexts`' map.
+
     Args:
       contexts: the map, its string form, a dict, or None.
       log: log each mapping at INFO level when the block starts.
@@ -616,14 +631,13 @@ def use_contexts(
     parsed = _coerce_map(contexts)
     if parsed is not None and log:
         parsed.log_mappings()
-    with _contexts_lock:
-        _explicit.append(parsed)
-        depth = len(_explicit)
+    maps = _scopes.maps
+    maps.append(parsed)
+    depth = len(maps)
     try:
         yield parsed
     finally:
-        with _contexts_lock:
-            del _explicit[depth - 1 :]
+        del maps[depth - 1 :]
 
 
 # ------------------------------------------------------------ virtual devices
