@@ -1,6 +1,7 @@
 """Device discovery, resolution, context maps, virtual devices and transfers."""
 
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -476,3 +477,27 @@ def test_use_contexts_is_per_thread_above_the_process_wide_map(monkeypatch):
         thread.join(timeout=30)
     assert seen == {"env": "/device:CPU:1", "process": "/device:CPU:2", "block": "/device:CPU:3"}
     assert tfshard.resolve_device("dev0") == "/device:CPU:2"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "/device:CPU:1",
+        "device:cpu:1",
+        "worker0:cpu:0",
+        "cpu:1",
+        "gpu",
+        "/cpu:1",
+        "/gpu:0",
+        "TPU:0",
+        "xla_cpu",
+        "/job:worker/task:1/device:CPU:0",
+        "/job:localhost/replica:0/task:0/device:CPU:2",
+    ],
+)
+def test_a_context_name_cannot_spell_a_device(name):
+    # Else resolve_device(name) and output_device=name would mean another device.
+    with pytest.raises(ContextMapError, match=rf"entry 0 '{re.escape(name)}->cpu:3' .*reads as"):
+        tfshard.ContextMap.parse(f"{name}->cpu:3")
+    with pytest.raises(ContextMapError, match="choose another name"):
+        tfshard.ContextMap({name: "cpu:3"})

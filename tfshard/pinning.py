@@ -78,6 +78,8 @@ _SHORT_REMOTE_RE = re.compile(
     r"^(?P<job>[A-Za-z][A-Za-z0-9_]*?)(?P<task>\d+):(?P<type>[A-Za-z_]+)(?::(?P<index>\d+))?$"
 )
 _RESERVED_PREFIXES = ("cuda", "opencl", "gpu", "cpu")
+# Device types TensorFlow places ops on, besides those of this machine's devices.
+_DEVICE_TYPES = frozenset({"CPU", "GPU", "TPU", "TPU_SYSTEM", "XLA_CPU", "XLA_GPU"})
 
 
 def _local_count(device_type: str) -> int:
@@ -380,8 +382,9 @@ class ContextMap(Mapping[str, str]):
 
     Parse one from the Aesara-style string ``"dev0->GPU:0;dev1->GPU:1"`` with
     `ContextMap.parse`. Rules, each checked with the entry's position in the
-    error: a name is non-empty, contains neither ``->`` nor ``;``, does not begin
-    with ``cuda``, ``opencl``, ``gpu`` or ``cpu`` (those read as device names),
+    error: a name is non-empty, contains neither ``->`` nor ``;``, is not a
+    device name (``"/device:CPU:1"``, ``"worker0:cpu:0"``, ``"tpu"``: it would
+    hide that device) nor begins with ``cuda``, ``opencl``, ``gpu`` or ``cpu``,
     and appears once; several names may map to one device (they will share it).
     Whitespace around names and devices, and a trailing ``;``, are ignored.
 
@@ -498,6 +501,14 @@ def _check_context_entry(name: str, device: str, where: str) -> None:
                 f"{where}: context name {name!r} begins with {prefix!r}, which reads "
                 "as a device name; choose another name (e.g. 'dev0')"
             )
+    spec = parse_spec(name)
+    physical = {d.device_type for d in tf.config.list_physical_devices()}
+    if spec is not None and spec.device_type in _DEVICE_TYPES | physical:
+        raise ContextMapError(
+            f"{where}: context name {name!r} reads as the device {spec.to_string()}, which "
+            "resolve_device and output_device= would then no longer reach; choose another "
+            "name (e.g. 'dev0')"
+        )
     if not isinstance(device, str) or not device:
         raise ContextMapError(f"{where}: the device of {name!r} is empty")
 
