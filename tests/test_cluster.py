@@ -491,3 +491,14 @@ def test_cluster_map_example_runs_on_two_local_workers():
     assert "2 of 3 shards cross the network" in out
     assert "  1      /device:CPU:0                              [13:25)" in out
     assert "OK: same embeddings, in the same order, as on one local device" in out
+
+
+@pytest.mark.parametrize(
+    "timeout", [float("inf"), float("-inf"), float("nan"), -1, 0, 1e308, "5", None, True, [1]]
+)
+def test_connect_and_explain_reject_a_timeout_that_is_not_finite_seconds(timeout):
+    with pytest.raises(ArgumentError, match=r"connect\(timeout=.*\): .*a finite number > 0"):
+        tfshard.connect("127.0.0.1:1", timeout=timeout)
+    error = tf.errors.UnavailableError(None, None, "Socket closed")
+    with pytest.raises(ArgumentError, match=r"explain_remote_error\(probe_timeout=.*\): "):
+        cluster.explain_remote_error(error, probe_timeout=timeout)

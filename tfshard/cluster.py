@@ -37,6 +37,7 @@ import dataclasses
 import errno
 import json
 import logging
+import numbers
 import os
 import re
 import shlex
@@ -434,12 +435,13 @@ def connect(cluster: Any = None, *, timeout: float = 10.0) -> list[str]:
       ``/job:worker/replica:0/task:1/device:CPU:0``, in cluster order.
 
     Raises:
-      ArgumentError: the cluster is malformed, or `timeout` is not > 0.
+      ArgumentError: the cluster is malformed, or `timeout` is not a finite
+        number of seconds > 0 (at most a day).
       ClusterError: a worker did not answer; the message names each such task,
         its address and why, and the command that starts it.
     """
     global _connection
-    _check_timeout(timeout, "connect(timeout")
+    timeout = _check_timeout(timeout, "connect(timeout")
     jobs = cluster_jobs(cluster)
     with _connect_lock:
         local = _probe_or_raise(jobs, timeout)
@@ -464,10 +466,21 @@ def connect(cluster: Any = None, *, timeout: float = 10.0) -> list[str]:
     return [name for name in devices if pinning.is_remote(name)]
 
 
-def _check_timeout(timeout: Any, where: str) -> None:
-    """ArgumentError unless `timeout` is a number of seconds > 0; `where` is "f(timeout"."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ArgumentError(f"{where}={timeout!r}): seconds, a number > 0")
+_MAX_TIMEOUT = 86400.0  # A day; sockets and gRPC overflow on far larger ones (inf).
+
+
+def _check_timeout(value: Any, call: str) -> float:
+    """`value` as float seconds; ArgumentError naming `call` (``"f(name"``) and the fix."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0 < value <= _MAX_TIMEOUT  # False for nan too
+    ):
+        raise ArgumentError(
+            f"{call}={value!r}): seconds to wait for each worker, a finite number > 0 and at "
+            f"most {_MAX_TIMEOUT:g} (a day), e.g. 10"
+        )
+    return float(value)
 
 
 def _probe_or_raise(jobs: Jobs, timeout: float) -> str | None:
@@ -601,7 +614,11 @@ def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> st
       One paragraph for the user, or None when `error` is not about the cluster
       (no cluster is connected, or it is not a TensorFlow error that mentions
       a worker or the network).
+
+    Raises:
+      ArgumentError: `probe_timeout` is not a finite number of seconds > 0.
     """
+    probe_timeout = _check_timeout(probe_timeout, "explain_remote_error(probe_timeout")
     connection = _connection
     if connection is None or not isinstance(error, tf.errors.OpError):
         return None
