@@ -1,6 +1,7 @@
 """Device discovery, resolution, context maps, virtual devices and transfers."""
 
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -501,3 +502,25 @@ def test_a_context_name_cannot_spell_a_device(name):
         tfshard.ContextMap.parse(f"{name}->cpu:3")
     with pytest.raises(ContextMapError, match="choose another name"):
         tfshard.ContextMap({name: "cpu:3"})
+
+
+def test_reading_the_environment_map_does_not_start_tensorflow():
+    # A fresh interpreter: virtual_devices works only until the runtime starts.
+    script = textwrap.dedent(
+        """
+        import logging
+        import tfshard
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        assert dict(tfshard.active_contexts()) == {"dev0": "cpu:0", "dev1": "cpu:1"}
+        print(tfshard.virtual_devices(2))
+        print(tfshard.resolve_device("dev1"))
+        """
+    )
+    env = {**os.environ, "TFSHARD_CONTEXTS": "dev0->cpu:0;dev1->cpu:1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [str(["/device:CPU:0", "/device:CPU:1"]), "/device:CPU:1"]
+    # The mappings are still logged, once, when a name is first resolved.
+    assert done.stderr.count("Mapped name dev1 to device /device:CPU:1") == 1

@@ -274,6 +274,7 @@ def resolve_device(spec: DeviceSpecLike) -> str:
     """
     if isinstance(spec, str):
         contexts = active_contexts()
+        _env_contexts.log_once(contexts)
         if contexts is not None and spec.strip() in contexts:
             return contexts.resolve(spec.strip())
     parsed = _parse_request(spec)
@@ -515,7 +516,9 @@ def _check_context_entry(name: str, device: str, where: str) -> None:
 
 class _EnvContexts:
     """``TFSHARD_CONTEXTS``, parsed once per value (under the lock: any thread may
-    read it first), its mappings logged once."""
+    read it first). Its mappings are logged once, when `resolve_device` first
+    reads a name, not on parsing: logging resolves devices, which starts
+    TensorFlow's runtime, and `virtual_devices` must still work until then."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -535,9 +538,7 @@ class _EnvContexts:
                 except ContextMapError as error:
                     raise ContextMapError(f"{CONTEXTS_ENV}: {error}") from None
                 self._text, self._map, self._logged = text, parsed, False
-            current = self._map
-        self.log_once(current)
-        return current
+            return self._map
 
     def log_once(self, contexts: ContextMap | None) -> None:
         """Logs the mappings of `contexts` if it is the variable's map, not logged yet."""
@@ -569,7 +570,7 @@ _env_contexts = _EnvContexts()
 def active_contexts() -> ContextMap | None:
     """The active context map, in this order: this thread's innermost
     `use_contexts`, else the process's `set_contexts`, else ``TFSHARD_CONTEXTS``,
-    else None.
+    else None. Reading it does not start TensorFlow's runtime.
 
     Raises:
       ContextMapError: ``TFSHARD_CONTEXTS`` is set but malformed.
@@ -606,7 +607,8 @@ def set_contexts(
 
     Args:
       contexts: the map, its string form, a dict, or None.
-      log: log each mapping (``Mapped name dev0 to device ...``) at INFO level.
+      log: log each mapping (``Mapped name dev0 to device ...``) at INFO level;
+        this resolves the devices, so it starts TensorFlow's runtime.
 
     Returns:
       The active map.
