@@ -469,6 +469,14 @@ def connect(cluster: Any = None, *, timeout: float = 10.0) -> list[str]:
 _MAX_TIMEOUT = 86400.0  # A day; sockets and gRPC overflow on far larger ones (inf).
 
 
+def _task_of(device: pinning.DeviceSpecLike) -> tuple[str, int] | None:
+    """``(job, task)`` of a remote device name (no task: task 0); None when local."""
+    parsed = pinning.parse_name(device)
+    if parsed is None or parsed.job in (None, "localhost"):
+        return None
+    return parsed.job, parsed.task or 0
+
+
 def _check_timeout(value: Any, call: str) -> float:
     """`value` as float seconds; ArgumentError naming `call` (``"f(name"``) and the fix."""
     if (
@@ -521,7 +529,7 @@ def _devices_per_task(jobs: Jobs, devices: list[str]) -> dict[tuple[str, int], l
     per_task: dict[tuple[str, int], list[str]] = {}
     for job, tasks in jobs.items():
         for task, address in tasks.items():
-            names = [n for n in devices if pinning.remote_task(n) == (job, task)]
+            names = [n for n in devices if _task_of(n) == (job, task)]
             if not names:
                 raise ClusterError(
                     f"connect: /job:{job}/task:{task} at {address} answered but reported no devices"
@@ -583,7 +591,7 @@ def host_of(device: pinning.DeviceSpecLike) -> str | None:
     >>> tfshard.cluster.host_of("/device:CPU:0") is None
     True
     """
-    task = pinning.remote_task(device)
+    task = _task_of(device)
     connection = _connection
     if task is None or connection is None:
         return None

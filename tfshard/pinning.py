@@ -6,15 +6,11 @@ Every function here speaks TensorFlow's *logical* device names, the ones
 canonical names: `resolve_device` turns any accepted spelling into one of them,
 and everything else in tfshard takes what `resolve_device` takes.
 
-A *context map* names roles instead of cards, in the format Aesara/Theano users
-know::
-
-    dev0->GPU:0; dev1->GPU:1
-
-Once a map is active (`use_contexts`, `set_contexts`, or the ``TFSHARD_CONTEXTS``
-environment variable), ``resolve_device("dev1")`` is ``/device:GPU:1``, so code
-can say ``parallelize(devices=["dev0", "dev1"])`` and be moved to other cards by
-changing one string.
+A *context map* names roles instead of cards, as Aesara/Theano users know it:
+once ``"dev0->GPU:0; dev1->GPU:1"`` is active (`use_contexts`, `set_contexts`, or
+the ``TFSHARD_CONTEXTS`` environment variable), ``resolve_device("dev1")`` is
+``/device:GPU:1``, so ``parallelize(devices=["dev0", "dev1"])`` moves to other
+cards by changing one string.
 
 Device discovery (`list_devices`, `resolve_device`, ...) starts the TensorFlow
 runtime, after which logical devices can no longer be configured: call
@@ -25,8 +21,7 @@ Remote names (``"/job:worker/task:1/device:GPU:0"``, short ``"worker1:GPU:0"``)
 resolve once `tfshard.connect` has connected this process to their machines;
 those machines are `tfshard.cluster`'s business, which imports this module.
 
-Shared internals (plain names, not in ``__all__``, used by other tfshard
-modules): `parse_spec`, `remote_task`, `set_remote_hint`, `DeviceSpecLike`.
+Shared internals (plain, not in ``__all__``): `parse_spec`, `parse_name`, `set_remote_hint`.
 """
 
 from __future__ import annotations
@@ -152,8 +147,7 @@ def try_gpu(i: int = 0) -> str:
 def try_all_gpus() -> list[str]:
     """Every GPU, or ``[cpu()]`` when there is none.
 
-    >>> tfshard.try_all_gpus() == (tfshard.pinning._gpu_names(tfshard.num_gpus())
-    ...                            or ['/device:CPU:0'])
+    >>> len(tfshard.try_all_gpus()) == max(tfshard.num_gpus(), 1)
     True
     """
     return _gpu_names(num_gpus()) or [cpu()]
@@ -191,27 +185,20 @@ def list_devices(device_type: str | None = None) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class _Key:
-    """The parts of a device name that identify it; None is "local default"."""
+    """What identifies a device, so that equal keys name one device: job None is
+    this process, and a missing replica or task is 0, as TensorFlow reads it."""
 
     job: str | None
-    replica: int | None
-    task: int | None
+    replica: int
+    task: int
     device_type: str
     index: int
 
     @classmethod
     def of(cls, spec: tf.DeviceSpec) -> _Key:
         job = spec.job if spec.job != "localhost" else None
-        replica = spec.replica if job is not None else None
-        task = spec.task if job is not None else None
+        replica, task = (spec.replica or 0, spec.task or 0) if job is not None else (0, 0)
         return cls(job, replica, task, spec.device_type.upper(), spec.device_index)
-
-    def matches(self, other: _Key) -> bool:
-        """True when `self` (what was asked for) names `other` (what exists)."""
-        if (self.device_type, self.index, self.job) != (other.device_type, other.index, other.job):
-            return False
-        # A request without replica/task means replica 0 / task 0, as TF reads it.
-        return (self.replica or 0) == (other.replica or 0) and (self.task or 0) == (other.task or 0)
 
 
 def parse_spec(text: str) -> tf.DeviceSpec | None:
@@ -281,17 +268,16 @@ def resolve_device(spec: DeviceSpecLike) -> str:
     wanted = _Key.of(parsed)
     devices = tf.config.list_logical_devices()
     for device in devices:
-        if wanted.matches(_Key.of(tf.DeviceSpec.from_string(device.name))):
+        if wanted == _Key.of(tf.DeviceSpec.from_string(device.name)):
             return device.name
     hint = ""
     if wanted.device_type == "GPU":
         hint = "; tfshard.try_gpu()/try_all_gpus() fall back to the CPU when a GPU is missing"
     if wanted.job is not None:
-        job, task = wanted.job, wanted.task or 0
         hint += "; " + (
-            (_remote_hint and _remote_hint(job, task))
+            (_remote_hint and _remote_hint(wanted.job, wanted.task))
             or "this process is not connected to a cluster: call tfshard.connect(cluster) "
-            f"first (with a {job!r} job of at least {task + 1} task(s))"
+            f"first (with a {wanted.job!r} job of at least {wanted.task + 1} task(s))"
         )
     else:
         hint += (
@@ -312,12 +298,12 @@ def _parse_request(spec: Any) -> tf.DeviceSpec:
         _check_index(spec, "device")
         return tf.DeviceSpec(device_type="GPU", device_index=spec)
     if isinstance(spec, str):
-        text = spec.strip()
-        if text.lower().startswith("opencl"):
+        text = spec.strip().lower()
+        if text.startswith("opencl"):
             raise DeviceError(
                 f"device {spec!r}: TensorFlow has no OpenCL devices; use one of {_existing()}"
             )
-        if text.lower().startswith("/physical_device:"):
+        if text.startswith("/physical_device:"):
             raise DeviceError(
                 f"device {spec!r} is a physical device; tfshard places work on "
                 f"logical devices: use one of {_existing()}"
@@ -328,7 +314,7 @@ def _parse_request(spec: Any) -> tf.DeviceSpec:
             "a name such as 'GPU:1' or 'cpu', a tf.config.LogicalDevice, or a "
             "context name"
         )
-    parsed = _parse_name(spec)
+    parsed = parse_name(spec)
     if parsed is None:
         names = active_contexts()
         known = f"; active context names: {sorted(names)}" if names else ""
@@ -339,8 +325,11 @@ def _parse_request(spec: Any) -> tf.DeviceSpec:
     return parsed
 
 
-def _parse_name(device: Any) -> tf.DeviceSpec | None:
-    """`parse_spec` of a name, a LogicalDevice or a DeviceSpec; None for anything else."""
+def parse_name(device: Any) -> tf.DeviceSpec | None:
+    """`parse_spec` of a name, a LogicalDevice or a DeviceSpec; None for anything else.
+
+    Shared internal (tfshard.cluster reads remote names' job and task with it).
+    """
     if isinstance(device, tf.config.LogicalDevice):
         return parse_spec(device.name)
     if isinstance(device, tf.DeviceSpec):
@@ -506,19 +495,17 @@ def _check_context_entry(name: str, device: str, where: str) -> None:
     physical = {d.device_type for d in tf.config.list_physical_devices()}
     if spec is not None and spec.device_type in _DEVICE_TYPES | physical:
         raise ContextMapError(
-            f"{where}: context name {name!r} reads as the device {spec.to_string()}, which "
-            "resolve_device and output_device= would then no longer reach; choose another "
-            "name (e.g. 'dev0')"
+            f"{where}: context name {name!r} reads as the device {spec.to_string()} and would "
+            "hide it from resolve_device and output_device=; choose another name (e.g. 'dev0')"
         )
     if not isinstance(device, str) or not device:
         raise ContextMapError(f"{where}: the device of {name!r} is empty")
 
 
 class _EnvContexts:
-    """``TFSHARD_CONTEXTS``, parsed once per value (under the lock: any thread may
-    read it first). Its mappings are logged once, when `resolve_device` first
-    reads a name, not on parsing: logging resolves devices, which starts
-    TensorFlow's runtime, and `virtual_devices` must still work until then."""
+    """``TFSHARD_CONTEXTS``, parsed once per value under the lock (any thread may
+    read it first); logged once, when `resolve_device` first reads a name: logging
+    resolves devices, which starts TF's runtime, and would break `virtual_devices`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -528,8 +515,8 @@ class _EnvContexts:
 
     def get(self) -> ContextMap | None:
         """The map the variable spells now, None when unset; ContextMapError if malformed."""
-        text = os.environ.get(CONTEXTS_ENV)
-        if not text or not text.strip():
+        text = os.environ.get(CONTEXTS_ENV, "")
+        if not text.strip():
             return None
         with self._lock:
             if text != self._text:
@@ -682,13 +669,12 @@ def virtual_devices(
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ArgumentError(f"virtual_devices(n={n!r}): n is the number of devices, an int >= 1")
     kind = device_type.upper()
-    if kind == "GPU":
-        if memory_limit_mb is None or memory_limit_mb <= 0:
-            raise ArgumentError(
-                f"virtual_devices({n}, 'GPU'): splitting a GPU needs memory_limit_mb, "
-                "the memory of each logical GPU (e.g. memory_limit_mb=2048)"
-            )
-    elif memory_limit_mb is not None:
+    if kind == "GPU" and (memory_limit_mb is None or memory_limit_mb <= 0):
+        raise ArgumentError(
+            f"virtual_devices({n}, 'GPU'): splitting a GPU needs memory_limit_mb, "
+            "the memory of each logical GPU (e.g. memory_limit_mb=2048)"
+        )
+    if kind != "GPU" and memory_limit_mb is not None:
         raise ArgumentError(
             f"virtual_devices({n}, {device_type!r}, memory_limit_mb={memory_limit_mb}): "
             "a memory limit applies to GPUs only; drop memory_limit_mb"
@@ -696,9 +682,8 @@ def virtual_devices(
     physical = tf.config.get_visible_devices(kind)
     if not physical:
         raise DeviceError(
-            f"virtual_devices({n}, {device_type!r}): this machine has no visible "
-            f"{kind}; physical devices: "
-            f"{[d.name for d in tf.config.list_physical_devices()]}"
+            f"virtual_devices({n}, {device_type!r}): this machine has no visible {kind}; "
+            f"physical devices: {[d.name for d in tf.config.list_physical_devices()]}"
         )
     configs = [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)] * n
     if tf.config.get_logical_device_configuration(physical[0]) != configs:
@@ -720,7 +705,7 @@ def virtual_devices(
 
 
 def _same_device(have: str, want: str) -> bool:
-    if not have:
+    if not have:  # A tensor in a graph, before placement.
         return False
     try:
         return _Key.of(tf.DeviceSpec.from_string(have)) == _Key.of(tf.DeviceSpec.from_string(want))
@@ -787,17 +772,6 @@ def pin(device: DeviceSpecLike) -> Iterator[str]:
 # -------------------------------------------------------------- remote names
 
 
-def remote_task(device: DeviceSpecLike) -> tuple[str, int] | None:
-    """``(job, task)`` of a remote device name (no task: 0); None if local or no name.
-
-    Shared internal, for tfshard.cluster. Pure name inspection, like `is_remote`.
-    """
-    parsed = _parse_name(device)
-    if parsed is None or parsed.job in (None, "localhost"):
-        return None
-    return parsed.job, parsed.task or 0
-
-
 def is_remote(device: DeviceSpecLike) -> bool:
     """True when a device lives on another TensorFlow server (so data crosses the network).
 
@@ -808,18 +782,18 @@ def is_remote(device: DeviceSpecLike) -> bool:
     >>> tfshard.pinning.is_remote("worker1:GPU:0"), tfshard.pinning.is_remote("/device:CPU:1")
     (True, False)
     """
-    return remote_task(device) is not None
+    parsed = parse_name(device)
+    return parsed is not None and parsed.job not in (None, "localhost")
 
 
-# Why a remote name does not resolve depends on the connected cluster, which only
-# tfshard.cluster knows: it installs its explanation when imported (`connect`
-# lives there). One reference, replaced whole, so readers need no lock.
+# Set once by tfshard.cluster, replaced whole, so readers need no lock.
 _remote_hint: Callable[[str, int], str | None] | None = None
 
 
 def set_remote_hint(hint: Callable[[str, int], str | None]) -> None:
-    """Shared internal, for tfshard.cluster (which this module must not import):
-    ``hint(job, task)`` is what `resolve_device` says when that task has no such
-    device, or None when no cluster is connected."""
+    """Shared internal, for tfshard.cluster (which this module must not import),
+    which knows the connected cluster and calls this when imported (`connect`
+    lives there): ``hint(job, task)`` is what `resolve_device` says when that
+    task has no such device, or None when no cluster is connected."""
     global _remote_hint
     _remote_hint = hint
