@@ -35,7 +35,7 @@ import tensorflow as tf
 from absl import app, flags
 
 import tfshard
-from tfshard import pinning, worker
+from tfshard import cluster, pinning, worker
 from tfshard.errors import ClusterError
 
 FEATURES, HIDDEN, DIM = 64, 256, 32
@@ -81,12 +81,12 @@ def local_workers(count: int) -> Iterator[str]:
     Yields:
       The cluster, as ``--cluster`` takes it ("127.0.0.1:p0,127.0.0.1:p1").
     """
-    cluster = ",".join(f"127.0.0.1:{_free_port()}" for _ in range(count))
+    addresses = ",".join(f"127.0.0.1:{_free_port()}" for _ in range(count))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
     children = []
     try:
         for task in range(count):
-            command = [sys.executable, "-m", "tfshard.worker", f"--cluster={cluster}"]
+            command = [sys.executable, "-m", "tfshard.worker", f"--cluster={addresses}"]
             children.append(
                 subprocess.Popen(
                     [*command, f"--task={task}"],
@@ -99,7 +99,7 @@ def local_workers(count: int) -> Iterator[str]:
         deadline = time.monotonic() + WORKER_START_SECONDS
         for task, child in enumerate(children):
             print(_wait_ready(child, task, deadline))
-        yield cluster
+        yield addresses
     finally:
         for child in children:
             child.kill()
@@ -158,7 +158,7 @@ def network_note(f: tfshard.ShardedFunction) -> str:
     lines = []
     for k, device in enumerate(f.devices):
         if pinning.is_remote(device):
-            lines.append(f"  shard {k} runs on {pinning.host_of(device) or 'a remote server'}")
+            lines.append(f"  shard {k} runs on {cluster.host_of(device) or 'a remote server'}")
     if not lines:
         return "no shard crosses the network"
     return "\n".join(
@@ -191,11 +191,11 @@ def run(f: tfshard.ShardedFunction, x: np.ndarray, params: dict[str, np.ndarray]
 def main(argv: list[str]) -> None:
     del argv
     with _common.exit_on_error(), contextlib.ExitStack() as stack:
-        cluster = _CLUSTER.value
+        addresses = _CLUSTER.value
         if _START_LOCAL_WORKERS.value:
             print(f"starting {_START_LOCAL_WORKERS.value} local worker(s) on 127.0.0.1")
-            cluster = stack.enter_context(local_workers(_START_LOCAL_WORKERS.value))
-        remote = tfshard.pinning.connect(cluster)
+            addresses = stack.enter_context(local_workers(_START_LOCAL_WORKERS.value))
+        remote = tfshard.connect(addresses)
         print(f"connected: {', '.join(remote)}")
         devices = [tfshard.resolve_device(d) for d in _DEVICES.value or default_devices(remote)]
         f = build(devices)

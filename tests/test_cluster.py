@@ -25,14 +25,14 @@ import pytest
 import tensorflow as tf
 
 import tfshard
-from tfshard import pinning, worker
+from tfshard import cluster, pinning, worker
 from tfshard.errors import ArgumentError, ClusterError, DeviceError
 
 ROOT = Path(__file__).resolve().parent.parent
 # Quiet TF's C++ logs in the children; keep tfshard's own.
 CHILD_ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 CHILD_ENV.pop(pinning.CONTEXTS_ENV, None)
-CHILD_ENV.pop(pinning.TF_CONFIG_ENV, None)
+CHILD_ENV.pop(cluster.TF_CONFIG_ENV, None)
 START_TIMEOUT = 90  # seconds for a child to import TF and get going on a busy machine
 
 
@@ -57,7 +57,7 @@ def _free_port() -> int:
     ],
 )
 def test_remote_spellings_parse_to_job_task_and_device(spec, expected):
-    parsed = pinning._parse_spec(spec)
+    parsed = pinning.parse_spec(spec)
     assert (parsed.job, parsed.task, parsed.device_type, parsed.device_index) == expected
     assert pinning.is_remote(spec)
 
@@ -65,7 +65,7 @@ def test_remote_spellings_parse_to_job_task_and_device(spec, expected):
 @pytest.mark.parametrize("spec", ["cpu:1", "/device:CPU:0", "GPU:1", "cuda1", 2])
 def test_local_spellings_are_not_remote(spec):
     assert not pinning.is_remote(spec)
-    assert pinning.host_of(spec) is None
+    assert cluster.host_of(spec) is None
 
 
 def test_short_remote_name_without_a_cluster_says_to_connect():
@@ -74,11 +74,11 @@ def test_short_remote_name_without_a_cluster_says_to_connect():
 
 
 def test_host_of_a_remote_device_reads_the_connected_cluster(monkeypatch):
-    connection = pinning._Connection({"worker": {0: "127.0.0.1:1", 1: "127.0.0.1:2"}}, "x:3")
-    monkeypatch.setattr(pinning, "_connection", connection)
-    assert pinning.host_of("worker1:CPU:0") == "127.0.0.1:2"
-    assert pinning.host_of("/job:worker/replica:0/task:0/device:CPU:0") == "127.0.0.1:1"
-    assert pinning.host_of("worker7:CPU:0") is None
+    connection = cluster._Connection({"worker": {0: "127.0.0.1:1", 1: "127.0.0.1:2"}}, "x:3")
+    monkeypatch.setattr(cluster, "_connection", connection)
+    assert cluster.host_of("worker1:CPU:0") == "127.0.0.1:2"
+    assert cluster.host_of("/job:worker/replica:0/task:0/device:CPU:0") == "127.0.0.1:1"
+    assert cluster.host_of("worker7:CPU:0") is None
     with pytest.raises(DeviceError, match=r"connected cluster has worker tasks \[0, 1\]"):
         tfshard.resolve_device("worker7:CPU:0")
 
@@ -87,7 +87,7 @@ def test_host_of_a_remote_device_reads_the_connected_cluster(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "cluster",
+    "spelling",
     [
         {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
         {"worker": {0: "127.0.0.1:2222", 1: "127.0.0.1:2223"}},
@@ -97,8 +97,8 @@ def test_host_of_a_remote_device_reads_the_connected_cluster(monkeypatch):
         '{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, "task": {}}',
     ],
 )
-def test_every_cluster_spelling_gives_the_same_spec(cluster):
-    spec = pinning.cluster_spec(cluster)
+def test_every_cluster_spelling_gives_the_same_spec(spelling):
+    spec = cluster.cluster_spec(spelling)
     assert spec.as_dict() == {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
 
 
@@ -107,17 +107,17 @@ def test_cluster_comes_from_tf_config(monkeypatch):
         "TF_CONFIG",
         json.dumps({"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "chief"}}),
     )
-    assert pinning.cluster_spec().as_dict() == {"worker": ["127.0.0.1:2222"]}
+    assert cluster.cluster_spec().as_dict() == {"worker": ["127.0.0.1:2222"]}
 
 
 def test_missing_tf_config_says_how_to_give_a_cluster(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(ArgumentError, match=r"TF_CONFIG is not set: pass the workers"):
-        pinning.cluster_spec()
+        cluster.cluster_spec()
 
 
 @pytest.mark.parametrize(
-    "cluster, message",
+    "spelling, message",
     [
         ({"worker": ["127.0.0.1"]}, r"job 'worker' task 0: address '127.0.0.1' is not 'host:port'"),
         ({"worker": ["127.0.0.1:0"]}, r"a port is 1-65535"),
@@ -131,31 +131,31 @@ def test_missing_tf_config_says_how_to_give_a_cluster(monkeypatch):
         ({}, r"the cluster has no jobs"),
     ],
 )
-def test_bad_clusters_name_the_job_task_and_fix(cluster, message):
+def test_bad_clusters_name_the_job_task_and_fix(spelling, message):
     with pytest.raises(ArgumentError, match=message):
-        pinning.cluster_spec(cluster)
+        cluster.cluster_spec(spelling)
 
 
 def test_worker_command_reproduces_the_cluster():
-    jobs = pinning._cluster_jobs("127.0.0.1:2222,127.0.0.1:2223")
-    assert pinning._worker_command(jobs, "worker", 1) == (
+    jobs = cluster.cluster_jobs("127.0.0.1:2222,127.0.0.1:2223")
+    assert cluster._worker_command(jobs, "worker", 1) == (
         "python -m tfshard.worker --cluster=127.0.0.1:2222,127.0.0.1:2223 --task=1"
     )
-    jobs = pinning._cluster_jobs({"worker": ["127.0.0.1:2222"], "ps": ["127.0.0.1:2224"]})
-    assert pinning._cluster_jobs(json.loads(pinning._cluster_flag(jobs))) == jobs
-    assert "--job=ps --task=0" in pinning._worker_command(jobs, "ps", 0)
+    jobs = cluster.cluster_jobs({"worker": ["127.0.0.1:2222"], "ps": ["127.0.0.1:2224"]})
+    assert cluster.cluster_jobs(json.loads(cluster.cluster_flag(jobs))) == jobs
+    assert "--job=ps --task=0" in cluster._worker_command(jobs, "ps", 0)
 
 
 def test_connect_to_a_closed_port_fails_fast_naming_the_address():
     port = _free_port()  # Nothing listens there now.
     start = time.monotonic()
     with pytest.raises(ClusterError) as raised:
-        tfshard.pinning.connect({"worker": [f"127.0.0.1:{port}"]}, timeout=2)
+        tfshard.connect({"worker": [f"127.0.0.1:{port}"]}, timeout=2)
     assert time.monotonic() - start < 5
     message = str(raised.value)
     assert f"/job:worker/task:0 at 127.0.0.1:{port}: Connection refused for 2 s" in message
     assert f"python -m tfshard.worker --cluster=127.0.0.1:{port} --task=0" in message
-    assert pinning._connection is None  # Nothing changed: TF was never asked.
+    assert cluster._connection is None  # Nothing changed: TF was never asked.
 
 
 def test_a_port_that_never_answers_is_bounded_by_the_timeout():
@@ -164,7 +164,7 @@ def test_a_port_that_never_answers_is_bounded_by_the_timeout():
         silent.listen(4)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         start = time.monotonic()
-        problem, local = pinning._probe(address, timeout=1.0)
+        problem, local = cluster._probe(address, timeout=1.0)
     assert time.monotonic() - start < 4
     assert local == "127.0.0.1"
     assert "did not answer" in problem
@@ -172,25 +172,25 @@ def test_a_port_that_never_answers_is_bounded_by_the_timeout():
 
 def test_connect_rejects_a_bad_timeout():
     with pytest.raises(ArgumentError, match=r"timeout=0"):
-        tfshard.pinning.connect("127.0.0.1:1", timeout=0)
+        tfshard.connect("127.0.0.1:1", timeout=0)
 
 
 def test_explain_remote_error_ignores_errors_without_a_cluster():
     error = tf.errors.UnavailableError(None, None, "Socket closed")
-    assert pinning.explain_remote_error(error) is None
+    assert cluster.explain_remote_error(error) is None
 
 
 def test_explain_remote_error_names_the_dead_worker(monkeypatch):
     port = _free_port()
-    connection = pinning._Connection({"worker": {0: f"127.0.0.1:{port}"}}, "127.0.0.1:9")
-    monkeypatch.setattr(pinning, "_connection", connection)
+    connection = cluster._Connection({"worker": {0: f"127.0.0.1:{port}"}}, "127.0.0.1:9")
+    monkeypatch.setattr(cluster, "_connection", connection)
     error = tf.errors.UnavailableError(
         None, None, "remote target /job:worker/replica:0/task:0/device:CPU:0 while calling x"
     )
-    hint = pinning.explain_remote_error(error, probe_timeout=1)
+    hint = cluster.explain_remote_error(error, probe_timeout=1)
     assert f"/job:worker/task:0 at 127.0.0.1:{port} is down (Connection refused" in hint
     assert "--task=0" in hint and "tfshard.connect(...) again" in hint
-    assert pinning.explain_remote_error(ValueError("x")) is None
+    assert cluster.explain_remote_error(ValueError("x")) is None
 
 
 @pytest.mark.parametrize(
@@ -204,7 +204,7 @@ def test_explain_remote_error_names_the_dead_worker(monkeypatch):
 def test_worker_names_a_bad_task_before_starting(monkeypatch, job, task, message):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(ArgumentError, match=message):
-        worker.start_server("127.0.0.1:2222,127.0.0.1:2223", job, task)
+        cluster.start_server("127.0.0.1:2222,127.0.0.1:2223", job, task)
 
 
 def test_worker_on_a_busy_port_says_which():
@@ -213,7 +213,7 @@ def test_worker_on_a_busy_port_says_which():
         busy.listen(1)
         address = f"127.0.0.1:{busy.getsockname()[1]}"
         with pytest.raises(ArgumentError, match=rf"port \d+ of this task's address '{address}' is"):
-            worker.start_server(address, None, 0)
+            cluster.start_server(address, None, 0)
 
 
 # ------------------------------------------------------------ two workers
@@ -224,7 +224,7 @@ CLIENT = textwrap.dedent(
     import numpy as np
     import tensorflow as tf
     import tfshard
-    from tfshard import pinning
+    from tfshard import cluster, pinning
 
     def say(**event):
         print(json.dumps(event), flush=True)
@@ -232,13 +232,13 @@ CLIENT = textwrap.dedent(
     def wait_for_go():
         assert sys.stdin.readline().strip() == "go"
 
-    cluster = sys.argv[1]
+    addresses = sys.argv[1]
     wait_for_go()  # TF is imported; the workers are serving now.
-    remote = pinning.connect(cluster, timeout=20)
+    remote = cluster.connect(addresses, timeout=20)
     say(event="connected", remote=remote, devices=tfshard.list_devices(),
         short=tfshard.resolve_device("worker1:cpu"),
         full=tfshard.resolve_device("/job:worker/task:0/device:CPU:0"),
-        local=tfshard.resolve_device("cpu:0"), host=pinning.host_of("worker1:CPU:0"))
+        local=tfshard.resolve_device("cpu:0"), host=cluster.host_of("worker1:CPU:0"))
 
     W = tf.constant(np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32))
 
@@ -287,12 +287,12 @@ CLIENT = textwrap.dedent(
     except Exception as error:  # noqa: BLE001
         say(event="dead_call", ok=False, seconds=time.monotonic() - start,
             type=type(error).__name__, tf_type=isinstance(error, tf.errors.OpError),
-            message=str(error)[:3000], hint=pinning.explain_remote_error(error))
+            message=str(error)[:3000], hint=cluster.explain_remote_error(error))
 
     say(event="restart_worker", task=1)
     wait_for_go()
     start = time.monotonic()
-    pinning.connect(cluster, timeout=20)
+    cluster.connect(addresses, timeout=20)
     say(event="reconnected", seconds=time.monotonic() - start, results=check(9))
     """
 )
@@ -491,3 +491,14 @@ def test_cluster_map_example_runs_on_two_local_workers():
     assert "2 of 3 shards cross the network" in out
     assert "  1      /device:CPU:0                              [13:25)" in out
     assert "OK: same embeddings, in the same order, as on one local device" in out
+
+
+@pytest.mark.parametrize(
+    "timeout", [float("inf"), float("-inf"), float("nan"), -1, 0, 1e308, "5", None, True, [1]]
+)
+def test_connect_and_explain_reject_a_timeout_that_is_not_finite_seconds(timeout):
+    with pytest.raises(ArgumentError, match=r"connect\(timeout=.*\): .*a finite number > 0"):
+        tfshard.connect("127.0.0.1:1", timeout=timeout)
+    error = tf.errors.UnavailableError(None, None, "Socket closed")
+    with pytest.raises(ArgumentError, match=r"explain_remote_error\(probe_timeout=.*\): "):
+        cluster.explain_remote_error(error, probe_timeout=timeout)

@@ -1,9 +1,12 @@
 """Device discovery, resolution, context maps, virtual devices and transfers."""
 
 import logging
+import os
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -108,7 +111,7 @@ def test_every_gpu_spelling_names_gpu_one(spec):
     if isinstance(spec, int):
         parsed = tf.DeviceSpec(device_type="GPU", device_index=spec)
     else:
-        parsed = pinning._parse_spec(spec)
+        parsed = pinning.parse_spec(spec)
     assert (parsed.device_type, parsed.device_index) == ("GPU", 1)
     if tfshard.num_gpus() >= 2:
         assert tfshard.resolve_device(spec) == "/device:GPU:1"
@@ -119,7 +122,7 @@ def test_every_gpu_spelling_names_gpu_one(spec):
 
 @pytest.mark.parametrize("spec", ["cuda", "gpu", "cuda0", "GPU:0"])
 def test_bare_gpu_spellings_mean_gpu_zero(spec):
-    parsed = pinning._parse_spec(spec)
+    parsed = pinning.parse_spec(spec)
     assert (parsed.device_type, parsed.device_index) == ("GPU", 0)
 
 
@@ -270,7 +273,7 @@ def test_environment_variable_supplies_the_map(monkeypatch):
 
 
 def test_environment_map_logs_its_mappings_once(monkeypatch, caplog):
-    monkeypatch.setattr(pinning, "_env_cache", {})
+    monkeypatch.setattr(pinning, "_env_contexts", pinning._EnvContexts())
     monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:1;dev1->GPU:9")
     with caplog.at_level(logging.INFO, logger="tfshard"):
         assert tfshard.resolve_device("dev0") == "/device:CPU:1"
@@ -449,3 +452,75 @@ def test_pin_resolves_and_places():
 def test_pin_rejects_unknown_devices_before_entering():
     with pytest.raises(DeviceError), tfshard.pin("cpu:11"):
         pass
+
+
+def test_use_contexts_is_per_thread_above_the_process_wide_map(monkeypatch):
+    # Like tf.device: a block in one thread must not rename devices in another.
+    monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:1")
+    inside, checked = threading.Event(), threading.Event()
+    seen = {}
+
+    def block():
+        with tfshard.use_contexts("dev0->cpu:3", log=False):
+            inside.set()
+            checked.wait(timeout=30)
+            seen["block"] = tfshard.resolve_device("dev0")
+
+    thread = threading.Thread(target=block)
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        seen["env"] = tfshard.resolve_device("dev0")
+        tfshard.set_contexts("dev0->cpu:2", log=False)  # Every thread, below its blocks.
+        seen["process"] = tfshard.resolve_device("dev0")
+    finally:
+        checked.set()
+        thread.join(timeout=30)
+    assert seen == {"env": "/device:CPU:1", "process": "/device:CPU:2", "block": "/device:CPU:3"}
+    assert tfshard.resolve_device("dev0") == "/device:CPU:2"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "/device:CPU:1",
+        "device:cpu:1",
+        "worker0:cpu:0",
+        "cpu:1",
+        "gpu",
+        "/cpu:1",
+        "/gpu:0",
+        "TPU:0",
+        "xla_cpu",
+        "/job:worker/task:1/device:CPU:0",
+        "/job:localhost/replica:0/task:0/device:CPU:2",
+    ],
+)
+def test_a_context_name_cannot_spell_a_device(name):
+    # Else resolve_device(name) and output_device=name would mean another device.
+    with pytest.raises(ContextMapError, match=rf"entry 0 '{re.escape(name)}->cpu:3' .*reads as"):
+        tfshard.ContextMap.parse(f"{name}->cpu:3")
+    with pytest.raises(ContextMapError, match="choose another name"):
+        tfshard.ContextMap({name: "cpu:3"})
+
+
+def test_reading_the_environment_map_does_not_start_tensorflow():
+    # A fresh interpreter: virtual_devices works only until the runtime starts.
+    script = textwrap.dedent(
+        """
+        import logging
+        import tfshard
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        assert dict(tfshard.active_contexts()) == {"dev0": "cpu:0", "dev1": "cpu:1"}
+        print(tfshard.virtual_devices(2))
+        print(tfshard.resolve_device("dev1"))
+        """
+    )
+    env = {**os.environ, "TFSHARD_CONTEXTS": "dev0->cpu:0;dev1->cpu:1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [str(["/device:CPU:0", "/device:CPU:1"]), "/device:CPU:1"]
+    # The mappings are still logged, once, when a name is first resolved.
+    assert done.stderr.count("Mapped name dev1 to device /device:CPU:1") == 1

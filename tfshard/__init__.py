@@ -29,11 +29,11 @@ from tfshard.errors import WorkerError as WorkerError
 if TYPE_CHECKING:
     from tfshard import processes as processes
     from tfshard import utilization as utilization
+    from tfshard.cluster import connect as connect
     from tfshard.parallel import ShardedFunction as ShardedFunction
     from tfshard.parallel import parallelize as parallelize
     from tfshard.pinning import ContextMap as ContextMap
     from tfshard.pinning import active_contexts as active_contexts
-    from tfshard.pinning import connect as connect
     from tfshard.pinning import cpu as cpu
     from tfshard.pinning import gpu as gpu
     from tfshard.pinning import list_devices as list_devices
@@ -55,7 +55,7 @@ _LAZY = {
     "parallelize": "tfshard.parallel",
     "ContextMap": "tfshard.pinning",
     "active_contexts": "tfshard.pinning",
-    "connect": "tfshard.pinning",
+    "connect": "tfshard.cluster",
     "cpu": "tfshard.pinning",
     "gpu": "tfshard.pinning",
     "list_devices": "tfshard.pinning",
