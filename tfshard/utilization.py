@@ -13,7 +13,8 @@ standard library (absl is used by the command line only).
   scale out, or not, with the reason and what to change.
 - ``python -m tfshard.utilization`` prints a table (``--watch SECONDS`` to refresh,
   ``--threshold``, ``--json``); it exits 0 when every GPU meets the threshold, 1 when one
-  does not, 2 when no reading could be taken.
+  does not, 2 when no reading could be taken. The command line, with `format_table` and
+  `run_cli`, lives in ``tfshard/_utilization_cli.py``.
 
 The ``nvidia-smi`` executable is, in order: the ``nvidia_smi=`` argument, the
 ``TFSHARD_NVIDIA_SMI`` environment variable, ``nvidia-smi`` on ``PATH``.
@@ -57,7 +58,6 @@ used, so a GPU at 100 % may still have room; below the threshold it is certainly
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -67,10 +67,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tfshard.errors import ArgumentError, UtilizationError
+
+if TYPE_CHECKING:
+    from tfshard._utilization_cli import format_table, run_cli
 
 __all__ = (
     "GpuReading",
@@ -101,7 +104,8 @@ _ENV_EXECUTABLE = "TFSHARD_NVIDIA_SMI"
 # Without persistence mode every nvidia-smi call initialises the driver, which takes
 # seconds on a machine with many GPUs; longer than this means it hangs.
 _DEFAULT_TIMEOUT_S = 10.0
-_DEFAULT_THRESHOLD = 90.0
+# Shared with the command line (tfshard/_utilization_cli.py).
+DEFAULT_THRESHOLD = 90.0
 _QUOTE_LIMIT = 1000
 _THREAD_NAME = "tfshard-utilization-monitor"
 
@@ -394,7 +398,7 @@ def query(
         UtilizationError: No ``nvidia-smi`` was found (no NVIDIA driver), it failed, hung or
             printed something that is not the expected CSV. The message quotes its output.
     """
-    _check_positive("timeout", timeout)
+    check_positive("timeout", timeout)
     command = [_find_executable(nvidia_smi), *_QUERY_ARGS]
     shown = shlex.join(command)
     try:
@@ -579,8 +583,8 @@ class Monitor:
         nvidia_smi: str | os.PathLike[str] | None = None,
         timeout: float = _DEFAULT_TIMEOUT_S,
     ) -> None:
-        _check_positive("interval", interval)
-        _check_positive("timeout", timeout)
+        check_positive("interval", interval)
+        check_positive("timeout", timeout)
         self._interval = float(interval)
         self._specs = _device_specs(devices)
         self._nvidia_smi = nvidia_smi
@@ -713,7 +717,7 @@ def _matches(reading: GpuReading, spec: _DeviceSpec) -> bool:
 def check(
     fn: Callable[..., Any] | None = None,
     *args: Any,
-    threshold: float = _DEFAULT_THRESHOLD,
+    threshold: float = DEFAULT_THRESHOLD,
     duration: float = 5.0,
     interval: float = 0.5,
     devices: _DeviceSpec | Sequence[_DeviceSpec] | None = None,
@@ -750,7 +754,7 @@ def check(
         raise ArgumentError(f"fn={fn!r} is not callable; pass a function, or None to sample")
     if fn is None and args:
         raise ArgumentError(f"arguments {args!r} were given without fn; pass fn first")
-    _check_threshold(threshold)
+    check_threshold(threshold)
     if not (isinstance(duration, int | float) and 0 <= duration < math.inf):
         raise ArgumentError(f"duration={duration!r}; give the seconds to measure, >= 0")
     with Monitor(interval, devices, nvidia_smi=nvidia_smi) as monitor:
@@ -805,190 +809,35 @@ def _verdict(summary: GpuSummary, threshold: float) -> Verdict:
     return Verdict(summary, busy=False, reason=reason, hint=hint)
 
 
-def _check_positive(name: str, value: float) -> None:
+# The two checks below are shared with the command line.
+
+
+def check_positive(name: str, value: float) -> None:
     if isinstance(value, bool) or not (isinstance(value, int | float) and 0 < value < math.inf):
         raise ArgumentError(f"{name}={value!r}; give a positive number of seconds")
 
 
-def _check_threshold(threshold: float) -> None:
+def check_threshold(threshold: float) -> None:
     if isinstance(threshold, bool) or not (
         isinstance(threshold, int | float) and 0 <= threshold <= 100
     ):
         raise ArgumentError(f"threshold={threshold!r}; give a percentage from 0 to 100")
 
 
-# --- the command line ------------------------------------------------------------------
+# The command line lives in tfshard/_utilization_cli.py, which imports this module; its public
+# names load from there on first use (PEP 562), so the library does not load the CLI.
+_CLI_NAMES = ("format_table", "run_cli")
 
 
-def format_table(readings: Iterable[GpuReading], threshold: float = _DEFAULT_THRESHOLD) -> str:
-    """Formats readings as the table ``python -m tfshard.utilization`` prints.
+def __getattr__(name: str) -> Any:
+    if name in _CLI_NAMES:
+        from tfshard import _utilization_cli
 
-    >>> reading = GpuReading(0, "GPU-8f3a", "NVIDIA A100-SXM4-40GB", 93.0, 41.0, 15012, 40960,
-    ...                      "/device:GPU:0")
-    >>> print(format_table([reading]))
-    gpu  tf device      name                   util %  mem util %  memory MiB     vs 90 %
-      0  /device:GPU:0  NVIDIA A100-SXM4-40GB      93          41  15012 / 40960  ok
-
-    Args:
-        readings: The readings to show.
-        threshold: The utilisation bar, in percent, for the last column.
-
-    Returns:
-        The table, one line per GPU under a header line, without a final newline.
-    """
-    rows = [
-        ("gpu", "tf device", "name", "util %", "mem util %", "memory MiB", f"vs {threshold:g} %")
-    ]
-    for r in readings:
-        if r.utilization_gpu is None:
-            status = "n/a"
-        else:
-            status = "ok" if r.utilization_gpu >= threshold else "below"
-        rows.append(
-            (
-                str(r.index),
-                r.device or "-",
-                r.name or "?",
-                _show(r.utilization_gpu),
-                _show(r.utilization_memory),
-                f"{_show(r.memory_used_mib)} / {_show(r.memory_total_mib)}",
-                status,
-            )
-        )
-    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
-    right = {0, 3, 4}  # numbers line up on the right
-    lines = []
-    for row in rows:
-        cells = [
-            cell.rjust(width) if col in right else cell.ljust(width)
-            for col, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _show(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:g}"
-
-
-def _exit_status(readings: Sequence[GpuReading], threshold: float) -> int:
-    if not readings:
-        return 2
-    meets = all(r.utilization_gpu is not None and r.utilization_gpu >= threshold for r in readings)
-    return 0 if meets else 1
-
-
-def run_cli(
-    *,
-    threshold: float = _DEFAULT_THRESHOLD,
-    watch: float | None = None,
-    count: int = 0,
-    as_json: bool = False,
-    nvidia_smi: str | os.PathLike[str] | None = None,
-) -> int:
-    """Does what ``python -m tfshard.utilization`` does and returns its exit status.
-
-    Args:
-        threshold: The utilisation bar in percent.
-        watch: Seconds between refreshes; None prints once.
-        count: With ``watch``, stop after this many refreshes; 0 runs until interrupted.
-        as_json: Print a JSON list of readings (field names of `GpuReading`) instead of a
-            table; with ``watch``, one list per line.
-        nvidia_smi: The executable, as in `query`.
-
-    Returns:
-        0 when every GPU met the threshold in the last refresh, 1 when one did not, 2 when
-        no reading could be taken (the reason goes to stderr).
-
-    Raises:
-        ArgumentError: ``threshold``, ``watch`` or ``count`` is out of range.
-    """
-    _check_threshold(threshold)
-    if watch is not None:
-        _check_positive("watch", watch)
-    if count < 0 or (count and watch is None):
-        raise ArgumentError(f"count={count}; give a count >= 0 together with watch")
-    clear = watch is not None and not as_json and sys.stdout.isatty()
-    status, refreshes = 2, 0
-    try:
-        while True:
-            try:
-                readings = query(nvidia_smi)
-            except UtilizationError as err:
-                print(f"tfshard.utilization: {err}", file=sys.stderr)
-                return 2
-            status = _exit_status(readings, threshold)
-            if as_json:
-                rows = [dataclasses.asdict(r) for r in readings]
-                print(json.dumps(rows, indent=None if watch else 2))
-            else:
-                if clear:
-                    print("\x1b[H\x1b[2J", end="")
-                if watch is not None:
-                    print(time.strftime("%Y-%m-%d %H:%M:%S"))
-                print(format_table(readings, threshold))
-            if not readings:
-                print("tfshard.utilization: nvidia-smi lists no GPU", file=sys.stderr)
-            sys.stdout.flush()
-            refreshes += 1
-            if watch is None or refreshes == count:
-                return status
-            time.sleep(watch)
-    except KeyboardInterrupt:
-        return status
-
-
-def main(argv: Sequence[str]) -> int:
-    """The entry point of ``python -m tfshard.utilization``, after absl parsed the flags.
-
-    Args:
-        argv: The program name and any arguments left after the flags.
-
-    Returns:
-        The exit status, as `run_cli` returns it (2 for unexpected arguments).
-    """
-    from absl import flags
-
-    if len(argv) > 1:
-        print(f"tfshard.utilization: unexpected arguments {argv[1:]}", file=sys.stderr)
-        return 2
-    values = flags.FLAGS
-    try:
-        return run_cli(
-            threshold=values.threshold,
-            watch=values.watch,
-            count=values.count,
-            as_json=values.json,
-        )
-    except ArgumentError as err:
-        print(f"tfshard.utilization: {err}", file=sys.stderr)
-        return 2
-
-
-def _define_flags() -> None:
-    # Defined only when run as a script: importing the library must not add flags to an
-    # application's global absl FLAGS, where names like --json and --threshold would clash.
-    from absl import flags
-
-    flags.DEFINE_float("threshold", _DEFAULT_THRESHOLD, "Percent utilisation that counts as busy.")
-    flags.DEFINE_float("watch", None, "Refresh the table every this many seconds.")
-    flags.DEFINE_integer("count", 0, "With --watch, stop after this many refreshes (0: never).")
-    flags.DEFINE_bool("json", False, "Print the readings as JSON (GpuReading field names).")
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    # absl exits 1 on a flag error, which here would read as "a GPU is not busy".
-    from absl import flags
-
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as err:
-        print(f"tfshard.utilization: {err}; see --help", file=sys.stderr)
-        sys.exit(2)
+        return getattr(_utilization_cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
-    from absl import app
+    from tfshard import _utilization_cli
 
-    _define_flags()
-    app.run(main, flags_parser=_parse_flags)
+    _utilization_cli.run_as_script()
