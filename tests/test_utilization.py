@@ -301,59 +301,6 @@ def test_query_rejects_a_bad_timeout(timeout):
 
 # --- which TensorFlow device is which GPU -------------------------------------------------
 
-FOUR = (SCENARIOS / "several_gpus_busy.txt").read_text()
-MIXED = (SCENARIOS / "mixed_models.txt").read_text()
-
-
-def _devices(text: str, **environ: str) -> dict[int, str]:
-    return {r.index: r.device for r in utilization.parse(text, environ=environ) if r.device}
-
-
-@pytest.mark.parametrize(
-    ("visible", "expected"),
-    [
-        (None, {0: "GPU:0", 1: "GPU:1", 2: "GPU:2", 3: "GPU:3"}),
-        ("2,0", {2: "GPU:0", 0: "GPU:1"}),
-        (" 3, 1", {3: "GPU:0", 1: "GPU:1"}),  # blanks around entries are skipped
-        ("1gpu,3", {1: "GPU:0", 3: "GPU:1"}),  # strtoul reads the leading number
-        ("", {}),  # empty: no GPU visible
-        ("-1", {}),
-        ("1,-1,3", {1: "GPU:0"}),  # a negative entry stops the list
-        ("1,7,2", {1: "GPU:0"}),  # so does one out of range
-        ("1,x,2", {1: "GPU:0"}),  # and one that is not a number
-        ("0,1,0", {}),  # a repeated GPU hides every GPU
-        (f"{U3},GPU-8f3a", {3: "GPU:0", 0: "GPU:1"}),  # UUIDs and unique prefixes
-        (f"{U2},GPU-8f3,{U1}", {2: "GPU:0"}),  # an ambiguous prefix stops the list
-        (f"{U2},GPU-ffff,{U1}", {2: "GPU:0"}),  # so does an unknown UUID
-        (f"{U1},2", {1: "GPU:0"}),  # and an entry of another kind
-        (f"{U1},GPU-8f3b", {}),  # the same GPU twice hides every GPU
-        ("0,GPU-8f3a", {0: "GPU:0"}),
-        (f"MIG-{U0}/1/0,MIG-{U0}/2/0", {}),  # MIG slices are not whole GPUs
-    ],
-)
-def test_cuda_visible_devices_maps_gpus_to_tf_names(visible, expected):
-    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
-    want = {index: f"/device:{name}" for index, name in expected.items()}
-    assert _devices(FOUR, **environ) == want
-    assert _devices(FOUR, CUDA_DEVICE_ORDER="PCI_BUS_ID", **environ) == want
-
-
-def test_mixed_models_in_fastest_first_order_are_not_guessed():
-    # CUDA puts the faster model first by a heuristic nvidia-smi does not show.
-    assert _devices(MIXED) == {}
-    assert _devices(MIXED, CUDA_VISIBLE_DEVICES="1,0") == {}
-    assert _devices(MIXED, CUDA_DEVICE_ORDER="FASTEST_FIRST") == {}
-    # UUIDs name the GPU whatever the order; PCI_BUS_ID order is nvidia-smi's.
-    uuid_a6000 = "GPU-99ff88ee-77dd-66cc-55bb-44aa33221100"
-    assert _devices(MIXED, CUDA_VISIBLE_DEVICES=uuid_a6000) == {1: "/device:GPU:0"}
-    assert _devices(MIXED, CUDA_DEVICE_ORDER="PCI_BUS_ID") == {
-        0: "/device:GPU:0",
-        1: "/device:GPU:1",
-    }
-    assert _devices(MIXED, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES="1") == {
-        1: "/device:GPU:0"
-    }
-
 
 def test_query_maps_devices_from_this_process_environment(
     nvidia_smi_several_gpus_busy, monkeypatch

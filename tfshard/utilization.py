@@ -21,34 +21,11 @@ The ``nvidia-smi`` executable is, in order: the ``nvidia_smi=`` argument, the
 
 Which TensorFlow device is which GPU
 ------------------------------------
-``nvidia-smi`` numbers GPUs in PCI bus order. TensorFlow's ``GPU:N`` is CUDA's device N,
-which follows ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``. `GpuReading.device` is
-filled in by these rules (CUDA's, as PyTorch's ``torch.cuda`` also reimplements them):
-
-- ``CUDA_VISIBLE_DEVICES`` unset: every GPU is visible, in CUDA order.
-- Set: a comma-separated list, and the i-th entry that parses becomes ``GPU:i``. The kind of
-  the first entry sets the kind of the list:
-
-  - indices (``"2,0"``): read like C's ``strtoul`` (``"1gpu"`` is 1); an index refers to CUDA
-    order, not to ``nvidia-smi``'s;
-  - UUIDs (``"GPU-8f3a..."``): any prefix that starts with ``GPU-`` and names one GPU;
-  - MIG instances (``"MIG-..."``): each takes a ``GPU:i`` slot but is a slice of a GPU, so no
-    whole-GPU reading maps to it.
-
-  Parsing stops at the first entry that is invalid (negative, out of range, an ambiguous or
-  unknown UUID, an entry of another kind); a repeated GPU hides every GPU; an empty value
-  hides every GPU.
-- ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: CUDA order is ``nvidia-smi`` order.
-- Otherwise CUDA orders ``FASTEST_FIRST``, by a heuristic NVIDIA does not specify, breaking
-  ties in PCI order. When every GPU on the machine has the same name (one model), that is
-  ``nvidia-smi`` order. With mixed models the order is not knowable from ``nvidia-smi``, so
-  GPUs reached through an index (or through an unset ``CUDA_VISIBLE_DEVICES``) get
-  ``device=None`` rather than a guess; UUID entries still map exactly. Set
-  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (or use UUIDs) to make the mapping exact.
-
-What the mapping does not see: ``tf.config.set_visible_devices`` calls inside a process, GPUs
-TensorFlow skips (too old a compute capability), which shift later ``GPU:N`` names, and MIG
-mode with ``CUDA_VISIBLE_DEVICES`` unset. It assumes the text lists every GPU on the machine.
+``nvidia-smi`` numbers GPUs in PCI bus order; TensorFlow's ``GPU:N`` is CUDA's device N, which
+follows ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``. `GpuReading.device` applies CUDA's
+rules, written out in ``tfshard/_gpu_ids.py``; where they cannot tell (mixed GPU models in
+CUDA's default order) it is None rather than a guess. Set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or
+list UUIDs in ``CUDA_VISIBLE_DEVICES`` to make the mapping exact.
 
 Utilisation is ``nvidia-smi``'s ``utilization.gpu``: the share of the driver's last sample
 period (1/6 s to 1 s) in which any kernel ran. It does not say how much of the GPU a kernel
@@ -70,6 +47,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tfshard import _gpu_ids
 from tfshard.errors import ArgumentError, UtilizationError
 
 if TYPE_CHECKING:
@@ -259,7 +237,7 @@ def parse(text: str, environ: Mapping[str, str] | None = None) -> list[GpuReadin
             )
         seen.add(reading.index)
         readings.append(reading)
-    devices = _tf_devices(readings, os.environ if environ is None else environ)
+    devices = _gpu_ids.tf_device_names(readings, os.environ if environ is None else environ)
     return [dataclasses.replace(r, device=devices.get(r.index)) for r in readings]
 
 
@@ -308,71 +286,6 @@ def _number(value: str, unit: str, field: str) -> float | None:
 
 def _whole(value: float | None) -> int | None:
     return None if value is None else round(value)
-
-
-# --- which TensorFlow device each GPU is -----------------------------------------------
-
-
-def _tf_devices(readings: Sequence[GpuReading], environ: Mapping[str, str]) -> dict[int, str]:
-    """Maps nvidia-smi index to TensorFlow device name by the rules in the module docstring."""
-    by_index = sorted(readings, key=lambda r: r.index)
-    pci_order = environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
-    one_model = len({r.name for r in by_index}) <= 1 and all(r.name for r in by_index)
-    # CUDA's own order of the GPUs, or None when it cannot be known from nvidia-smi.
-    cuda_order = by_index if pci_order or one_model else None
-    spec = environ.get("CUDA_VISIBLE_DEVICES")
-    if spec is None:
-        visible = list(cuda_order) if cuda_order is not None else []
-    else:
-        visible = _visible(spec, by_index, cuda_order)
-    return {
-        gpu.index: f"/device:GPU:{ordinal}"
-        for ordinal, gpu in enumerate(visible)
-        if gpu is not None
-    }
-
-
-def _visible(
-    spec: str, gpus: Sequence[GpuReading], cuda_order: Sequence[GpuReading] | None
-) -> list[GpuReading | None]:
-    """Applies CUDA_VISIBLE_DEVICES: entry i is the GPU that becomes GPU:i (None: unknown)."""
-    visible: list[GpuReading | None] = []
-    seen: set[object] = set()
-    kind = "GPU-" if spec.startswith("GPU-") else "MIG-" if spec.startswith("MIG-") else None
-    for raw in spec.split(","):
-        key: object
-        if kind is None:
-            ordinal = _strtoul(raw.strip())
-            if ordinal < 0 or ordinal >= len(gpus):
-                break
-            key = ordinal
-            gpu = cuda_order[ordinal] if cuda_order is not None else None
-        elif not raw.startswith(kind):
-            break
-        elif kind == "MIG-":
-            # A MIG instance is its own CUDA device, not the whole GPU nvidia-smi reports.
-            key, gpu = raw, None
-        else:
-            matches = [g for g in gpus if g.uuid is not None and g.uuid.startswith(raw)]
-            if len(matches) != 1:
-                break
-            gpu = matches[0]
-            key = gpu.index
-        if key in seen:
-            return []
-        seen.add(key)
-        visible.append(gpu)
-    return visible
-
-
-def _strtoul(text: str) -> int:
-    """The leading integer of text, sign included, or -1 when it starts with no digits.
-
-    C's strtoul, which CUDA uses, reads "1gpu" as 1 and stops there; a negative entry ends the
-    list either way.
-    """
-    match = re.match(r"[+-]?[0-9]+", text)
-    return int(match.group()) if match else -1
 
 
 # --- running nvidia-smi ----------------------------------------------------------------
