@@ -6,8 +6,12 @@ The GPUs are recorded nvidia-smi output (tests/fake_nvidia_smi/scenarios), read 
 
 from __future__ import annotations
 
+import sys
+from types import SimpleNamespace
+
 import pytest
 from fake_nvidia_smi import fake
+from tensorflow.config import LogicalDeviceConfiguration, PhysicalDevice
 
 from tfshard import _gpu_ids, utilization
 
@@ -23,7 +27,9 @@ MIXED = (SCENARIOS / "mixed_models.txt").read_text()
 
 def _devices(text: str, **environ: str) -> dict[int, str]:
     readings = utilization.parse(text, environ={})
-    return _gpu_ids.tf_device_names(readings, environ)
+    names = _gpu_ids.tf_device_names(readings, environ)
+    assert all(len(each) == 1 for each in names.values())  # no logical split here
+    return {index: each[0] for index, each in names.items()}
 
 
 @pytest.mark.parametrize(
@@ -70,3 +76,91 @@ def test_mixed_models_in_fastest_first_order_are_not_guessed():
     assert _devices(MIXED, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES="1") == {
         1: "/device:GPU:0"
     }
+
+
+# --- TensorFlow's configuration: visible subsets and logical splits -----------------------
+
+
+def _tf(physical: int, visible=None, splits=None) -> SimpleNamespace:
+    """A stand-in for the tensorflow module: its tf.config as seen before the runtime starts.
+
+    physical: how many physical GPUs; visible: the ordinals left visible (default all);
+    splits: {ordinal: [memory limit of each logical GPU]}.
+    """
+    devices = [PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in range(physical)]
+    shown = devices if visible is None else [devices[i] for i in visible]
+    configs = {
+        devices[i].name: [LogicalDeviceConfiguration(memory_limit=m) for m in limits]
+        for i, limits in (splits or {}).items()
+    }
+
+    def listing(kind=None):
+        assert kind == "GPU"
+        return devices
+
+    def visible_devices(kind=None):
+        assert kind == "GPU"
+        return shown
+
+    config = SimpleNamespace(
+        list_physical_devices=listing,
+        get_visible_devices=visible_devices,
+        get_logical_device_configuration=lambda device: configs.get(device.name),
+    )
+    return SimpleNamespace(config=config)
+
+
+@pytest.mark.parametrize(
+    ("tf", "expected"),
+    [
+        (_tf(2), [(0, None), (1, None)]),
+        (_tf(2, splits={0: [1024, 2048]}), [(0, 1024), (0, 2048), (1, None)]),
+        (_tf(3, visible=[2]), [(2, None)]),
+        (_tf(3, visible=[1, 2], splits={2: [512, 512]}), [(1, None), (2, 512), (2, 512)]),
+        (_tf(0), []),
+    ],
+    ids=["unsplit", "gpu0_split_in_two", "visible_subset", "subset_and_split", "no_gpu"],
+)
+def test_logical_gpus_follow_visible_devices_and_splits(tf, expected):
+    assert [(g.physical, g.memory_limit_mb) for g in _gpu_ids.logical_gpus(tf)] == expected
+
+
+def test_a_split_gpu_has_one_name_per_logical_gpu():
+    readings = utilization.parse(FOUR, environ={})
+    split = _gpu_ids.logical_gpus(_tf(2, splits={0: [1024, 1024]}))
+    # CUDA shows nvidia-smi's GPUs 2 and 3 as its devices 0 and 1; TensorFlow splits device 0.
+    names = _gpu_ids.tf_device_names(readings, {"CUDA_VISIBLE_DEVICES": "2,3"}, split)
+    assert names == {2: ("/device:GPU:0", "/device:GPU:1"), 3: ("/device:GPU:2",)}
+
+
+def test_gpus_hidden_by_set_visible_devices_have_no_name():
+    readings = utilization.parse(FOUR, environ={})
+    subset = _gpu_ids.logical_gpus(_tf(4, visible=[1, 3]))
+    assert _gpu_ids.tf_device_names(readings, {}, subset) == {
+        1: ("/device:GPU:0",),
+        3: ("/device:GPU:1",),
+    }
+    # With CUDA's own list in between: CUDA device 1 is nvidia-smi's GPU 0.
+    subset = _gpu_ids.logical_gpus(_tf(2, visible=[1]))
+    names = _gpu_ids.tf_device_names(readings, {"CUDA_VISIBLE_DEVICES": "3,0"}, subset)
+    assert names == {0: ("/device:GPU:0",)}
+
+
+def test_this_process_uses_tensorflow_only_when_it_lists_gpus(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow", _tf(0))
+    assert _gpu_ids.this_process_logical_gpus() is None  # CPU-only TensorFlow: CUDA rules
+    monkeypatch.setitem(sys.modules, "tensorflow", _tf(2, visible=[1]))
+    assert _gpu_ids.this_process_logical_gpus() == (_gpu_ids.LogicalGpu(1),)
+    monkeypatch.setitem(sys.modules, "tensorflow", SimpleNamespace())  # still importing
+    assert _gpu_ids.this_process_logical_gpus() is None
+    monkeypatch.delitem(sys.modules, "tensorflow")
+    assert _gpu_ids.this_process_logical_gpus() is None
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [(None, None), ("", [""]), ("2, 0", ["2", "0"]), (f"{U1},{U3}", [U1, U3])],
+)
+def test_cuda_visible_entries(visible, expected):
+    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    assert _gpu_ids.cuda_visible_entries(environ) == expected

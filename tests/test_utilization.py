@@ -314,6 +314,66 @@ def test_query_maps_devices_from_this_process_environment(
     ]
 
 
+@pytest.fixture
+def tf_two_gpus_first_split(monkeypatch):
+    """This process's TensorFlow sees two physical GPUs and splits the first in two."""
+    tf = pytest.importorskip("tensorflow")
+    physical = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in (0, 1)]
+    split = [tf.config.LogicalDeviceConfiguration(memory_limit=1024)] * 2
+    visible = list(physical)
+
+    def kind_gpu(devices):
+        return lambda device_type=None: list(devices) if device_type == "GPU" else []
+
+    monkeypatch.setattr(tf.config, "list_physical_devices", kind_gpu(physical))
+    monkeypatch.setattr(tf.config, "get_visible_devices", kind_gpu(visible))
+    monkeypatch.setattr(
+        tf.config,
+        "get_logical_device_configuration",
+        lambda device: split if device == physical[0] else None,
+    )
+    return visible  # a test may hide GPUs, as tf.config.set_visible_devices would
+
+
+def test_query_names_every_logical_gpu_of_a_split_gpu(
+    nvidia_smi_several_gpus_busy, monkeypatch, tf_two_gpus_first_split
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    readings = utilization.query()
+    assert [r.devices for r in readings] == [
+        (),
+        ("/device:GPU:2",),
+        (),
+        ("/device:GPU:0", "/device:GPU:1"),
+    ]
+    assert [r.device for r in readings] == [None, "/device:GPU:2", None, "/device:GPU:0"]
+    # Either half of the split GPU follows nvidia-smi's GPU 3.
+    with Monitor(interval=60, devices=["GPU:1"]) as monitor:
+        pass
+    [summary] = monitor.summaries
+    assert (summary.index, summary.devices) == (3, ("/device:GPU:0", "/device:GPU:1"))
+    [verdict] = utilization.check(devices="GPU:0", duration=0)
+    assert "(/device:GPU:0, /device:GPU:1)" in str(verdict)
+
+
+def test_query_leaves_gpus_hidden_by_set_visible_devices_unnamed(
+    nvidia_smi_several_gpus_busy, monkeypatch, tf_two_gpus_first_split
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    del tf_two_gpus_first_split[0]  # tf.config.set_visible_devices(physical[1:], "GPU")
+    assert [r.devices for r in utilization.query()] == [(), ("/device:GPU:0",), (), ()]
+    with pytest.raises(ArgumentError, match=r"devices entry 'GPU:1' names no GPU; .*1 GPU-8f3b"):
+        Monitor(devices="GPU:1").__enter__()
+
+
+def test_a_reading_fills_device_from_devices_and_back():
+    by_device = GpuReading(0, None, None, None, None, None, None, "/device:GPU:0")
+    by_devices = GpuReading(0, None, None, None, None, None, None, devices=("/device:GPU:0",))
+    assert by_device == by_devices and by_device.devices == ("/device:GPU:0",)
+    with pytest.raises(ArgumentError, match=r"device='/device:GPU:1' is not the first of"):
+        GpuReading(0, None, None, None, None, None, None, "/device:GPU:1", ("/device:GPU:0",))
+
+
 # --- Monitor -------------------------------------------------------------------------------
 
 # utilization_changes.txt by hand: per call, GPU 0 and GPU 1 (None is [N/A]).

@@ -1,7 +1,8 @@
 """How ``nvidia-smi``, CUDA and TensorFlow number the same GPUs.
 
-``nvidia-smi`` numbers GPUs in PCI bus order. TensorFlow's ``GPU:N`` is CUDA's device N,
-which follows ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``.
+``nvidia-smi`` numbers GPUs in PCI bus order. TensorFlow's ``GPU:N`` is CUDA's device N
+(unless TensorFlow's configuration hides or splits GPUs, below), which follows
+``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``.
 `tfshard.utilization.GpuReading.device` is filled in by these rules (CUDA's, as PyTorch's
 ``torch.cuda`` also reimplements them):
 
@@ -26,16 +27,31 @@ which follows ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``.
   ``device=None`` rather than a guess; UUID entries still map exactly. Set
   ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (or use UUIDs) to make the mapping exact.
 
-What the mapping does not see: ``tf.config.set_visible_devices`` calls inside a process, GPUs
-TensorFlow skips (too old a compute capability), which shift later ``GPU:N`` names, and MIG
-mode with ``CUDA_VISIBLE_DEVICES`` unset. It assumes the text lists every GPU on the machine.
+Then TensorFlow: CUDA's device N is ``/physical_device:GPU:N``. When the process has imported
+TensorFlow and TensorFlow lists GPUs, its configuration applies too (`logical_gpus`):
+
+- ``tf.config.set_visible_devices`` hides physical GPUs; the visible ones are numbered on;
+- a physical GPU split into logical GPUs (``tfshard.virtual_devices(n, "GPU", ...)`` or
+  ``tf.config.set_logical_device_configuration``) has several names, ``GPU:k`` to
+  ``GPU:k+n-1``. With GPU 0 of two split in two, nvidia-smi's GPU 0 is ``GPU:0`` and
+  ``GPU:1``, and its GPU 1 is ``GPU:2``.
+
+The other way, a child process sees this process's logical ``GPU:k`` when its
+``CUDA_VISIBLE_DEVICES`` holds the entry of this process's list for k's physical GPU
+(`cuda_visible_entries`); ``tfshard.processes`` does that.
+
+What the mapping does not see: GPUs TensorFlow skips (too old a compute capability), which
+shift later ``GPU:N`` names, and MIG mode with ``CUDA_VISIBLE_DEVICES`` unset. It assumes the
+text lists every GPU on the machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Gpu(Protocol):
@@ -51,15 +67,80 @@ class Gpu(Protocol):
     def name(self) -> str | None: ...
 
 
-def tf_device_names(gpus: Sequence[Gpu], environ: Mapping[str, str]) -> dict[int, str]:
-    """Maps nvidia-smi index to TensorFlow device name by the rules in the module docstring.
+@dataclasses.dataclass(frozen=True)
+class LogicalGpu:
+    """One ``/device:GPU:k`` of a process, and the physical GPU it is (a part of).
+
+    Attributes:
+        physical: The CUDA ordinal of its physical GPU in that process: N of TensorFlow's
+            ``/physical_device:GPU:N``.
+        memory_limit_mb: Its memory limit from ``tf.config.set_logical_device_configuration``,
+            or None when it may use the whole GPU.
+    """
+
+    physical: int
+    memory_limit_mb: int | None = None
+
+
+def logical_gpus(tf: Any) -> tuple[LogicalGpu, ...]:
+    """TensorFlow's logical GPUs in this process, entry k being ``/device:GPU:k``.
+
+    Reads only the configuration (``tf.config.get_visible_devices`` and
+    ``tf.config.get_logical_device_configuration``), so it does not start the runtime.
+    TensorFlow numbers logical GPUs by walking the visible physical GPUs in order and giving
+    each as many consecutive numbers as it has logical devices (one when it is not split).
+    Logical devices reordered with ``experimental_device_ordinal`` are not followed.
+
+    >>> tfshard._gpu_ids.logical_gpus(tf)  # no GPU on the machine that runs the doctests
+    ()
+
+    Args:
+        tf: The ``tensorflow`` module (passed in: this module imports no TensorFlow).
+
+    Returns:
+        One entry per logical GPU, in ``GPU:k`` order.
+    """
+    found = []
+    for device in tf.config.get_visible_devices("GPU"):
+        physical = int(device.name.rsplit(":", 1)[1])  # "/physical_device:GPU:N"
+        configs = tf.config.get_logical_device_configuration(device) or [None]
+        for config in configs:
+            limit = None if config is None else config.memory_limit
+            found.append(LogicalGpu(physical, None if limit is None else int(limit)))
+    return tuple(found)
+
+
+def this_process_logical_gpus() -> tuple[LogicalGpu, ...] | None:
+    """`logical_gpus` of this process when it imported TensorFlow and TensorFlow lists a GPU.
+
+    None otherwise: without TensorFlow (the command line, a script that only monitors) or
+    with a TensorFlow that lists no GPU (a CPU-only build), the CUDA rules alone give the
+    names a TensorFlow with GPU support would use. Importing TensorFlow here would cost
+    seconds and start CUDA in a process that only reads ``nvidia-smi``.
+    """
+    tf = sys.modules.get("tensorflow")
+    config = getattr(tf, "config", None)  # None too while another thread imports TensorFlow
+    if config is None or not config.list_physical_devices("GPU"):
+        return None
+    return logical_gpus(tf)
+
+
+def tf_device_names(
+    gpus: Sequence[Gpu],
+    environ: Mapping[str, str],
+    logical: Sequence[LogicalGpu] | None = None,
+) -> dict[int, tuple[str, ...]]:
+    """Maps nvidia-smi index to TensorFlow device names by the rules in the module docstring.
 
     Args:
         gpus: Every GPU on the machine, as nvidia-smi lists them.
         environ: The environment of the process whose names are wanted.
+        logical: That process's logical GPUs (`logical_gpus`), or None to take CUDA's device
+            N as ``GPU:N`` (no split, no ``tf.config.set_visible_devices``).
 
     Returns:
-        ``{nvidia-smi index: "/device:GPU:N"}`` for each GPU that process sees.
+        ``{nvidia-smi index: ("/device:GPU:k", ...)}`` for each GPU that process sees: one
+        name, or several when the GPU is split into logical GPUs.
     """
     by_index = sorted(gpus, key=lambda r: r.index)
     pci_order = environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
@@ -68,14 +149,27 @@ def tf_device_names(gpus: Sequence[Gpu], environ: Mapping[str, str]) -> dict[int
     cuda_order = by_index if pci_order or one_model else None
     spec = environ.get("CUDA_VISIBLE_DEVICES")
     if spec is None:
-        visible = list(cuda_order) if cuda_order is not None else []
+        visible: list[Gpu | None] = list(cuda_order) if cuda_order is not None else []
     else:
         visible = _visible(spec, by_index, cuda_order)
-    return {
-        gpu.index: f"/device:GPU:{ordinal}"
-        for ordinal, gpu in enumerate(visible)
-        if gpu is not None
-    }
+    if logical is None:
+        logical = [LogicalGpu(ordinal) for ordinal in range(len(visible))]
+    names: dict[int, tuple[str, ...]] = {}
+    for k, device in enumerate(logical):
+        gpu = visible[device.physical] if device.physical < len(visible) else None
+        if gpu is not None:
+            names[gpu.index] = (*names.get(gpu.index, ()), f"/device:GPU:{k}")
+    return names
+
+
+def cuda_visible_entries(environ: Mapping[str, str]) -> list[str] | None:
+    """The entries of ``CUDA_VISIBLE_DEVICES``, entry N naming CUDA device N; None if unset.
+
+    What a child process must be given to see this process's CUDA device N is entry N (an
+    index or a UUID), or ``str(N)`` when the variable is unset.
+    """
+    spec = environ.get("CUDA_VISIBLE_DEVICES")
+    return None if spec is None else [entry.strip() for entry in spec.split(",")]
 
 
 def _visible(spec: str, gpus: Sequence[Gpu], cuda_order: Sequence[Gpu] | None) -> list[Gpu | None]:

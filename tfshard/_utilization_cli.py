@@ -56,7 +56,7 @@ def format_table(readings: Iterable[GpuReading], threshold: float = DEFAULT_THRE
         rows.append(
             (
                 str(r.index),
-                r.device or "-",
+                ", ".join(r.devices) or "-",
                 r.name or "?",
                 _show(r.utilization_gpu),
                 _show(r.utilization_memory),

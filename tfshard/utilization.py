@@ -22,9 +22,11 @@ The ``nvidia-smi`` executable is, in order: the ``nvidia_smi=`` argument, the
 Which TensorFlow device is which GPU
 ------------------------------------
 ``nvidia-smi`` numbers GPUs in PCI bus order; TensorFlow's ``GPU:N`` is CUDA's device N, which
-follows ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``. `GpuReading.device` applies CUDA's
-rules, written out in ``tfshard/_gpu_ids.py``; where they cannot tell (mixed GPU models in
-CUDA's default order) it is None rather than a guess. Set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or
+follows ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``. `GpuReading.devices` applies CUDA's
+rules, written out in ``tfshard/_gpu_ids.py``, and, when this process has imported TensorFlow,
+its configuration: GPUs hidden with ``tf.config.set_visible_devices`` have no name, and a GPU
+split into logical GPUs has several. Where the rules cannot tell (mixed GPU models in CUDA's
+default order) a GPU has no name rather than a guess. Set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or
 list UUIDs in ``CUDA_VISIBLE_DEVICES`` to make the mapping exact.
 
 Utilisation is ``nvidia-smi``'s ``utilization.gpu``: the share of the driver's last sample
@@ -113,7 +115,11 @@ class GpuReading:
         memory_total_mib: Memory on the GPU, in MiB.
         device: The TensorFlow device name of this GPU in this process, for example
             ``"/device:GPU:0"``, or None when TensorFlow cannot see it or the mapping is not
-            knowable (see the module docstring).
+            knowable (see the module docstring). The first of ``devices``.
+        devices: Every TensorFlow device name of this GPU in this process: one, or several
+            when it is split into logical GPUs (``tfshard.virtual_devices(2, "GPU", ...)``
+            makes one GPU ``/device:GPU:0`` and ``/device:GPU:1``); empty when ``device`` is
+            None. Given one of ``device`` and ``devices``, the other is filled in.
     """
 
     index: int
@@ -124,6 +130,18 @@ class GpuReading:
     memory_used_mib: int | None
     memory_total_mib: int | None
     device: str | None = None
+    devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.devices and self.device is None:
+            object.__setattr__(self, "device", self.devices[0])
+        elif self.device is not None and not self.devices:
+            object.__setattr__(self, "devices", (self.device,))
+        elif self.devices and self.device != self.devices[0]:
+            raise ArgumentError(
+                f"device={self.device!r} is not the first of devices={self.devices!r}; "
+                "give one of them"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +164,7 @@ class GpuSummary:
         utilization_memory_max: Highest ``utilization.memory``.
         memory_used_peak_mib: Highest ``memory.used``, in MiB.
         memory_total_mib: ``memory.total``, in MiB.
+        devices: Every TensorFlow device name (see `GpuReading.devices`).
     """
 
     index: int
@@ -160,6 +179,7 @@ class GpuSummary:
     utilization_memory_max: float | None
     memory_used_peak_mib: int | None
     memory_total_mib: int | None
+    devices: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +200,7 @@ class Verdict:
 
     def __str__(self) -> str:
         s = self.summary
-        where = s.device or "no TensorFlow device in this process"
+        where = ", ".join(s.devices) or s.device or "no TensorFlow device in this process"
         state = "busy enough to scale out" if self.busy else "not busy enough to scale out"
         name = s.name or "unnamed GPU"
         return f"GPU {s.index} {name} ({where}): {state}\n  {self.reason}\n  hint: {self.hint}"
@@ -210,7 +230,9 @@ def parse(text: str, environ: Mapping[str, str] | None = None) -> list[GpuReadin
     Args:
         text: The output, one GPU per line.
         environ: The environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
-            decide `GpuReading.device`; defaults to this process's ``os.environ``.
+            decide `GpuReading.device`; defaults to this process's ``os.environ``, and then,
+            when this process has imported TensorFlow and it lists GPUs, its configuration
+            (``tf.config.set_visible_devices``, logical GPUs) applies too.
 
     Returns:
         The readings, in the order of the text.
@@ -237,8 +259,11 @@ def parse(text: str, environ: Mapping[str, str] | None = None) -> list[GpuReadin
             )
         seen.add(reading.index)
         readings.append(reading)
-    devices = _gpu_ids.tf_device_names(readings, os.environ if environ is None else environ)
-    return [dataclasses.replace(r, device=devices.get(r.index)) for r in readings]
+    if environ is None:
+        names = _gpu_ids.tf_device_names(readings, os.environ, _gpu_ids.this_process_logical_gpus())
+    else:
+        names = _gpu_ids.tf_device_names(readings, environ)
+    return [dataclasses.replace(r, device=None, devices=names.get(r.index, ())) for r in readings]
 
 
 def _parse_line(line: str) -> GpuReading | None:
@@ -440,6 +465,7 @@ class _Stats:
             uuid=last.uuid,
             name=last.name,
             device=last.device,
+            devices=last.devices,
             samples=self.samples,
             utilization_gpu_mean=self.gpu.mean,
             utilization_gpu_min=self.gpu.low,
@@ -601,7 +627,9 @@ def _select(readings: Sequence[GpuReading], specs: Sequence[_DeviceSpec]) -> fro
     for spec in specs:
         matches = [r for r in readings if _matches(r, spec)]
         if len(matches) != 1:
-            seen = "; ".join(f"{r.index} {r.uuid} ({r.device or 'no TF device'})" for r in readings)
+            seen = "; ".join(
+                f"{r.index} {r.uuid} ({', '.join(r.devices) or 'no TF device'})" for r in readings
+            )
             problem = "names no GPU" if not matches else "names several GPUs"
             raise ArgumentError(
                 f"devices entry {spec!r} {problem}; nvidia-smi sees: {seen or 'no GPU'}"
@@ -621,7 +649,7 @@ def _matches(reading: GpuReading, spec: _DeviceSpec) -> bool:
             f"cannot read device spec {spec!r}; give an nvidia-smi index (0), a UUID "
             "('GPU-8f3a...') or a TensorFlow name ('GPU:1', '/device:GPU:1')"
         )
-    return reading.device == f"/device:GPU:{int(match.group(1))}"
+    return f"/device:GPU:{int(match.group(1))}" in reading.devices
 
 
 # --- the verdict -----------------------------------------------------------------------
