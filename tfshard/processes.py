@@ -23,6 +23,16 @@ How it works, and why:
   its GPU is ``GPU:0`` inside the worker. A ``"cpu"`` worker gets
   ``CUDA_VISIBLE_DEVICES=""`` and sees no GPU. (The variable is set in the
   parent's environment for the moment each worker is spawned, under a lock.)
+- ``"gpu:k"`` is the parent's logical GPU k, as ``tf.config`` describes it
+  before the runtime starts: after ``tfshard.virtual_devices`` splits a GPU or
+  ``tf.config.set_visible_devices`` hides some, logical GPU k is mapped to its
+  physical GPU and that GPU's entry in the parent's ``CUDA_VISIBLE_DEVICES``
+  (its CUDA index when the variable is unset). A worker whose logical GPU has
+  a memory limit gives its ``GPU:0`` that limit before ``fn`` runs (importing
+  TensorFlow to do so). When two or more workers share a physical GPU and
+  have no memory limit, each gets ``TF_FORCE_GPU_ALLOW_GROWTH=true``, so each
+  TensorFlow takes memory as it needs it instead of nearly all of the GPU at
+  start, which would leave the next worker none.
 - Each worker sends back its result, or its exception and traceback, through
   its own pipe. The first failure, an exit without a result, or the timeout
   stops every other worker (SIGTERM, then SIGKILL after a grace period) and
@@ -48,7 +58,9 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from tfshard import pinning
+import tensorflow as tf
+
+from tfshard import _gpu_ids, pinning
 from tfshard.errors import ArgumentError, DeviceError, WorkerError
 
 __all__ = ("WorkerError", "run_per_device")
@@ -56,6 +68,7 @@ __all__ = ("WorkerError", "run_per_device")
 _log = logging.getLogger("tfshard")
 
 _VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+_GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"
 # How long a stopped (SIGTERM) worker may take to exit before it is killed, and
 # how long a worker that reported its result may take to exit by itself.
 _GRACE_S = 5.0
@@ -66,14 +79,20 @@ _spawn_lock = threading.Lock()
 class _Placement(NamedTuple):
     label: str  # what the user gave, for messages
     visible: str  # the worker's CUDA_VISIBLE_DEVICES
+    # Variables set in the worker's environment, CUDA_VISIBLE_DEVICES among them.
+    environ: Mapping[str, str]
+    # The memory limit the worker gives its GPU:0: that of the logical GPU it was given.
+    memory_limit_mb: int | None = None
 
 
 def _placements(devices: Sequence[Any] | None, count: int) -> list[_Placement]:
-    gpus = pinning.num_gpus()
+    """Where each worker runs, and the environment that shows it only its device."""
+    layout = _gpu_ids.logical_gpus(tf)
+    gpus = len(layout)
     if devices is None:
         if not gpus:
             _log.info("no GPU: the %d worker(s) run on the CPU", count)
-            return [_Placement("cpu", "")] * count
+            return [_Placement("cpu", "", {_VISIBLE_ENV: ""})] * count
         if gpus < count:
             raise DeviceError(
                 f"{count} workers but this process has {gpus} GPU(s); pass devices= with "
@@ -87,31 +106,56 @@ def _placements(devices: Sequence[Any] | None, count: int) -> list[_Placement]:
             f"devices has {len(devices)} entries but per_device_args has {count}; give "
             "one device per worker"
         )
-    parent_visible = os.environ.get(_VISIBLE_ENV)
-    visible_list = parent_visible.split(",") if parent_visible else None
     contexts = pinning.active_contexts()
-    placements = []
+    indices: list[int | None] = []
     for position, spec in enumerate(devices):
         text = spec
         if isinstance(spec, str) and contexts is not None and spec.strip() in contexts:
             text = contexts[spec.strip()]
         index = _gpu_index(text, position, spec)
-        if index is None:
-            placements.append(_Placement(str(spec), ""))
-            continue
-        if index >= gpus:
+        if index is not None and index >= gpus:
             raise DeviceError(
                 f"devices[{position}]={spec!r}: this process has {gpus} GPU(s); use 'cpu' "
                 "for a worker on the CPU"
             )
-        visible = visible_list[index] if visible_list else str(index)
-        placements.append(_Placement(str(spec), visible.strip()))
+        indices.append(index)
+    return _gpu_placements(devices, indices, layout)
+
+
+def _gpu_placements(
+    devices: Sequence[Any], indices: Sequence[int | None], layout: Sequence[_gpu_ids.LogicalGpu]
+) -> list[_Placement]:
+    """Maps logical GPU k to its physical GPU, then to the parent's entry for it."""
+    entries = _gpu_ids.cuda_visible_entries(os.environ)
+    physical = [None if i is None else layout[i].physical for i in indices]
+    placements = []
+    for spec, index, ordinal in zip(devices, indices, physical):
+        if index is None or ordinal is None:
+            placements.append(_Placement(str(spec), "", {_VISIBLE_ENV: ""}))
+            continue
+        visible = entries[ordinal] if entries is not None else str(ordinal)
+        environ = {_VISIBLE_ENV: visible}
+        limit = layout[index].memory_limit_mb
+        if limit is None and physical.count(ordinal) > 1:
+            # Each TensorFlow takes nearly all of a GPU's memory at start; the second
+            # worker on it would fail to allocate.
+            environ[_GROWTH_ENV] = "true"
+        placements.append(_Placement(str(spec), visible, environ, limit))
     return placements
 
 
 def _gpu_index(text: Any, position: int, spec: Any) -> int | None:
     """The GPU index a worker device names, or None for the CPU."""
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+    if isinstance(text, tf.config.LogicalDevice):
+        text = text.name
+    elif isinstance(text, tf.DeviceSpec):
+        text = text.to_string()
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise ArgumentError(
+            f"devices[{position}]={spec!r} is a {type(spec).__name__}; give a GPU ('gpu:1', "
+            "'cuda1', 1), 'cpu', or a context name"
+        )
+    if isinstance(text, int) and text >= 0:
         return text
     if isinstance(text, str):
         # Read as resolve_device reads it, but only the local spellings.
@@ -132,15 +176,26 @@ def _worker_main(
     fn: Callable[..., Any],
     arg: Any,
     shared: Mapping[str, Any],
+    memory_limit_mb: int | None = None,
 ) -> None:
     """The body of a worker process: run, then send one pickled report."""
     try:
+        if memory_limit_mb is not None:
+            _limit_gpu_memory(memory_limit_mb)
         report = pickle.dumps(("ok", fn(arg, **shared)))
     except BaseException as error:  # noqa: BLE001 - every failure goes to the parent.
         summary = f"{type(error).__name__}: {error}"
         report = pickle.dumps(("error", summary, traceback.format_exc()))
     conn.send_bytes(report)
     conn.close()
+
+
+def _limit_gpu_memory(memory_limit_mb: int) -> None:
+    """Gives the worker's GPU:0 the memory limit of the parent's logical GPU it stands for."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        config = tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)
+        tf.config.set_logical_device_configuration(gpus[0], [config])
 
 
 def run_per_device(
@@ -208,7 +263,7 @@ def run_per_device(
             readers.append(reader)
             process = context.Process(
                 target=_worker_main,
-                args=(writer, fn, arg, shared),
+                args=(writer, fn, arg, shared, placement.memory_limit_mb),
                 name=f"tfshard-worker-{i}",
             )
             processes.append(process)
@@ -227,8 +282,8 @@ def run_per_device(
 
 def _start(process: Any, placement: _Placement, index: int) -> None:
     with _spawn_lock:
-        saved = os.environ.get(_VISIBLE_ENV)
-        os.environ[_VISIBLE_ENV] = placement.visible
+        saved = {name: os.environ.get(name) for name in placement.environ}
+        os.environ.update(placement.environ)
         try:
             process.start()
         except (pickle.PicklingError, AttributeError, TypeError) as error:
@@ -238,10 +293,11 @@ def _start(process: Any, placement: _Placement, index: int) -> None:
                 f"function): {error}"
             ) from None
         finally:
-            if saved is None:
-                del os.environ[_VISIBLE_ENV]
-            else:
-                os.environ[_VISIBLE_ENV] = saved
+            for name, value in saved.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
 
 
 def _where(i: int, count: int, placement: _Placement) -> str:
