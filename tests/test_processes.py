@@ -130,19 +130,85 @@ def test_worker_that_exits_without_a_result_is_reported(worker_pids):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
+    ("args", "kwargs", "error", "match"),
     [
-        (dict(devices=["cpu"]), ArgumentError, "devices has 1 entries but per_device_args has 2"),
-        (dict(devices=["gpu:99", "cpu"]), DeviceError, r"devices\[0\]='gpu:99': this process has"),
-        (dict(devices=["tpu:0", "cpu"]), DeviceError, "is not a local device for a worker"),
-        (dict(timeout=0), ArgumentError, "timeout=0"),
+        (
+            (),
+            dict(devices=["cpu"]),
+            ArgumentError,
+            "devices has 1 entries but per_device_args has 2",
+        ),
+        (
+            (),
+            dict(devices=["gpu:99", "cpu"]),
+            DeviceError,
+            r"devices\[0\]='gpu:99': this process has",
+        ),
+        ((), dict(devices=["tpu:0", "cpu"]), DeviceError, "is not a local device for a worker"),
+        ((), dict(devices="cpu"), ArgumentError, r"devices='cpu': pass a list with one device"),
+        ((), dict(devices=0), ArgumentError, r"devices=0: pass a list"),
+        (
+            (),
+            dict(devices=[1.0, "cpu"]),
+            ArgumentError,
+            r"devices\[0\]=1\.0 is a float; give a GPU",
+        ),
+        ((), dict(devices=[True, "cpu"]), ArgumentError, r"devices\[0\]=True is a bool"),
+        ((), dict(devices=[None, "cpu"]), ArgumentError, r"devices\[0\]=None is a NoneType"),
+        ((), dict(devices=[-1, "cpu"]), ArgumentError, r"devices\[0\]=-1: a GPU index is >= 0"),
+        ((), dict(timeout=0), ArgumentError, r"timeout=0: give a finite number of seconds > 0"),
+        ((), dict(timeout=-5), ArgumentError, r"timeout=-5: give a finite number"),
+        ((), dict(timeout=float("nan")), ArgumentError, r"timeout=nan: give a finite number"),
+        ((), dict(timeout=float("inf")), ArgumentError, r"timeout=inf: give a finite number"),
+        (
+            (),
+            dict(timeout="5"),
+            ArgumentError,
+            r"timeout='5' is a str; give the seconds as a number",
+        ),
+        ((), dict(timeout=True), ArgumentError, r"timeout=True is a bool; give the seconds"),
+        (
+            (),
+            dict(shared=["steps", 3]),
+            ArgumentError,
+            r"shared=\['steps', 3\] is a list; pass a dict",
+        ),
+        ((), dict(shared="steps=3"), ArgumentError, r"shared='steps=3' is a str; pass a dict"),
+        (
+            (),
+            dict(shared={1: 2}),
+            ArgumentError,
+            r"shared has keys \[1\]; its keys are keyword-arg",
+        ),
+        ((), dict(shared={"a-b": 2}), ArgumentError, r"shared has keys \['a-b'\]"),
+        (
+            ("fn", [0, 1]),
+            {},
+            ArgumentError,
+            r"fn='fn' is not callable; pass a function defined at the top",
+        ),
+        ((_sleep, "ab"), {}, ArgumentError, r"per_device_args='ab' is a str; pass a list with one"),
+        ((_sleep, range(2).__iter__()), {}, ArgumentError, r"is a range_iterator; pass a list"),
+        (
+            (_sleep, []),
+            {},
+            ArgumentError,
+            r"per_device_args is empty; give one argument per worker",
+        ),
     ],
-    ids=["devices_length_mismatch", "missing_gpu", "not_a_worker_device", "zero_timeout"],
 )
-def test_bad_arguments_fail_before_any_worker_starts(worker_pids, kwargs, error, match):
+def test_bad_arguments_fail_before_any_worker_starts(worker_pids, args, kwargs, error, match):
+    args = args or (_sleep, [0, 1])
     with pytest.raises(error, match=match):
-        processes.run_per_device(_sleep, [0, 1], **kwargs)
+        processes.run_per_device(*args, **kwargs)
     assert worker_pids == []
+
+
+def test_devices_may_be_tensorflow_device_objects(monkeypatch, fake_gpus):
+    fake_gpus(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    devices = [tf.config.LogicalDevice("/device:GPU:1", "GPU"), tf.DeviceSpec.from_string("/cpu:0")]
+    assert [p.visible for p in processes._placements(devices, 2)] == ["1", ""]
 
 
 def test_unpicklable_function_fails_in_the_parent(worker_pids):

@@ -47,8 +47,10 @@ under ``if __name__ == "__main__":``), not a lambda or a nested function.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
+import numbers
 import os
 import pickle
 import signal
@@ -86,7 +88,10 @@ class _Placement(NamedTuple):
 
 
 def _placements(devices: Sequence[Any] | None, count: int) -> list[_Placement]:
-    """Where each worker runs, and the environment that shows it only its device."""
+    """Where each worker runs, and the environment that shows it only its device.
+
+    ``devices`` is None or has ``count`` entries (`_check_arguments` saw to it).
+    """
     layout = _gpu_ids.logical_gpus(tf)
     gpus = len(layout)
     if devices is None:
@@ -99,13 +104,6 @@ def _placements(devices: Sequence[Any] | None, count: int) -> list[_Placement]:
                 "one device per worker (a GPU may be named twice, or use 'cpu')"
             )
         devices = [f"gpu:{i}" for i in range(count)]
-    if isinstance(devices, str | int) or not isinstance(devices, Sequence):
-        raise ArgumentError(f"devices={devices!r}: pass a list with one device per worker")
-    if len(devices) != count:
-        raise ArgumentError(
-            f"devices has {len(devices)} entries but per_device_args has {count}; give "
-            "one device per worker"
-        )
     contexts = pinning.active_contexts()
     indices: list[int | None] = []
     for position, spec in enumerate(devices):
@@ -155,16 +153,19 @@ def _gpu_index(text: Any, position: int, spec: Any) -> int | None:
             f"devices[{position}]={spec!r} is a {type(spec).__name__}; give a GPU ('gpu:1', "
             "'cuda1', 1), 'cpu', or a context name"
         )
-    if isinstance(text, int) and text >= 0:
+    if isinstance(text, int):
+        if text < 0:
+            raise ArgumentError(
+                f"devices[{position}]={spec!r}: a GPU index is >= 0; use 'cpu' for the CPU"
+            )
         return text
-    if isinstance(text, str):
-        # Read as resolve_device reads it, but only the local spellings.
-        parsed = pinning._parse_spec(text.strip())
-        if parsed is not None and parsed.job in (None, "localhost"):
-            if parsed.device_type == "CPU":
-                return None
-            if parsed.device_type == "GPU":
-                return parsed.device_index
+    # Read as resolve_device reads it, but only the local spellings.
+    parsed = pinning._parse_spec(text.strip())
+    if parsed is not None and parsed.job in (None, "localhost"):
+        if parsed.device_type == "CPU":
+            return None
+        if parsed.device_type == "GPU":
+            return parsed.device_index
     raise DeviceError(
         f"devices[{position}]={spec!r} is not a local device for a worker; use a GPU "
         "('gpu:1', 'cuda1', 1), 'cpu', or a context name that maps to one"
@@ -225,31 +226,22 @@ def run_per_device(
         or a context name mapped to one), or ``"cpu"``. A device may appear
         more than once. Default: GPU ``i`` for worker ``i``, or the CPU for
         every worker on a machine without GPUs.
-      timeout: seconds the whole run may take; None for no limit.
+      timeout: seconds the whole run may take, a finite number > 0; None for
+        no limit.
 
     Returns:
       The workers' return values, in `per_device_args` order.
 
     Raises:
-      ArgumentError: bad arguments, or `fn` or the arguments cannot be pickled.
+      ArgumentError: an argument has the wrong type or value (the message names
+        it and the fix), checked before any worker starts; or `fn` or the
+        arguments cannot be pickled.
       DeviceError: a device is not a local GPU or the CPU, or does not exist.
       WorkerError: a worker raised (the message has its device and traceback),
         exited without a result, or the timeout passed. Every other worker has
         been stopped by then.
     """
-    if not callable(fn):
-        raise ArgumentError(f"run_per_device(fn={fn!r}): fn must be callable")
-    if isinstance(per_device_args, str | bytes) or not isinstance(per_device_args, Sequence):
-        raise ArgumentError(
-            f"per_device_args={per_device_args!r}: pass a list with one argument per worker"
-        )
-    if not per_device_args:
-        raise ArgumentError("per_device_args is empty; give one argument per worker")
-    shared = dict(shared or {})
-    if any(not isinstance(k, str) for k in shared):
-        raise ArgumentError(f"shared={shared!r}: keys are keyword-argument names (str)")
-    if timeout is not None and not timeout > 0:
-        raise ArgumentError(f"timeout={timeout!r}: give seconds > 0, or None for no limit")
+    shared, timeout = _check_arguments(fn, per_device_args, shared, devices, timeout)
     count = len(per_device_args)
     placements = _placements(devices, count)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -278,6 +270,61 @@ def run_per_device(
         _stop(processes, wait=finished)
         for reader in readers:
             reader.close()
+
+
+def _check_arguments(
+    fn: Any, per_device_args: Any, shared: Any, devices: Any, timeout: Any
+) -> tuple[dict[str, Any], float | None]:
+    """Checks run_per_device's arguments before any worker starts.
+
+    Returns:
+      ``shared`` as a dict, and ``timeout``.
+    """
+    if not callable(fn):
+        raise ArgumentError(
+            f"fn={fn!r} is not callable; pass a function defined at the top level of a module"
+        )
+    if isinstance(per_device_args, str | bytes) or not isinstance(per_device_args, Sequence):
+        raise ArgumentError(
+            f"per_device_args={per_device_args!r} is a {type(per_device_args).__name__}; "
+            "pass a list with one argument per worker (list(x) for an array or a generator)"
+        )
+    if not per_device_args:
+        raise ArgumentError("per_device_args is empty; give one argument per worker")
+    if shared is not None and not isinstance(shared, Mapping):
+        raise ArgumentError(
+            f"shared={shared!r} is a {type(shared).__name__}; pass a dict of the keyword "
+            "arguments every worker gets, e.g. shared={'steps': 100}"
+        )
+    shared = dict(shared or {})
+    bad_keys = [k for k in shared if not isinstance(k, str) or not k.isidentifier()]
+    if bad_keys:
+        raise ArgumentError(
+            f"shared has keys {bad_keys!r}; its keys are keyword-argument names of fn, like 'steps'"
+        )
+    if devices is not None:
+        if isinstance(devices, str | bytes | int) or not isinstance(devices, Sequence):
+            raise ArgumentError(
+                f"devices={devices!r}: pass a list with one device per worker, "
+                "e.g. ['gpu:0', 'cpu']"
+            )
+        if len(devices) != len(per_device_args):
+            raise ArgumentError(
+                f"devices has {len(devices)} entries but per_device_args has "
+                f"{len(per_device_args)}; give one device per worker"
+            )
+    if timeout is None:
+        return shared, None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise ArgumentError(
+            f"timeout={timeout!r} is a {type(timeout).__name__}; give the seconds as a "
+            "number > 0, or None for no limit"
+        )
+    if not 0 < timeout < math.inf:
+        raise ArgumentError(
+            f"timeout={timeout!r}: give a finite number of seconds > 0, or None for no limit"
+        )
+    return shared, timeout
 
 
 def _start(process: Any, placement: _Placement, index: int) -> None:
