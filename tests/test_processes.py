@@ -8,6 +8,7 @@ live at the top level of this module: the workers import it to find them.
 import multiprocessing
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -46,6 +47,32 @@ def _exit_abruptly(arg):
     if arg == "die":
         os._exit(3)
     time.sleep(600)
+
+
+def _start_grandchild(then, *, pid_dir, ignore_term=False):
+    """Starts a process that outlives this worker unless its group is ended, then `then`."""
+    command = ["sleep", "60"]
+    if ignore_term:  # an ignored signal stays ignored across exec
+        command = ["sh", "-c", "trap '' TERM; exec sleep 60"]
+    child = subprocess.Popen(command)
+    (pid_dir / f"grandchild-{os.getpid()}").write_text(str(child.pid))
+    if then == "hang":
+        time.sleep(600)
+    return child.pid
+
+
+def _gone(pid, seconds=10.0):
+    """True once pid is gone or a zombie (init reaps what it inherits, on its own time)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 @pytest.fixture
@@ -114,6 +141,31 @@ def test_workers_past_the_timeout_are_stopped(worker_pids):
         processes.run_per_device(_sleep, [0, 1], devices=["cpu", "cpu"], timeout=2)
     assert time.monotonic() - start < 2 + 2 * processes._GRACE_S
     assert len(worker_pids) == 2
+    _assert_all_gone(worker_pids)
+
+
+def test_processes_a_worker_started_end_with_it_on_timeout(worker_pids, tmp_path):
+    # The worker needs a few seconds to import TensorFlow before it starts its child.
+    with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=20 s"):
+        processes.run_per_device(
+            _start_grandchild, ["hang"], shared={"pid_dir": tmp_path}, devices=["cpu"], timeout=20
+        )
+    [pid_file] = tmp_path.glob("grandchild-*")
+    assert _gone(int(pid_file.read_text()))
+    _assert_all_gone(worker_pids)
+
+
+def test_processes_a_worker_started_end_after_a_normal_exit(worker_pids, tmp_path, monkeypatch):
+    # One child ignores SIGTERM, so ending it takes the SIGKILL after the grace.
+    monkeypatch.setattr(processes, "_GRACE_S", 0.5)
+    grandchildren = processes.run_per_device(
+        _start_grandchild,
+        ["return", "return"],
+        shared={"pid_dir": tmp_path, "ignore_term": True},
+        devices=["cpu", "cpu"],
+        timeout=120,
+    )
+    assert all(_gone(pid, seconds=5) for pid in grandchildren)
     _assert_all_gone(worker_pids)
 
 

@@ -37,7 +37,11 @@ How it works, and why:
   its own pipe. The first failure, an exit without a result, or the timeout
   stops every other worker (SIGTERM, then SIGKILL after a grace period) and
   raises `WorkerError` naming the worker's device. No worker outlives the call,
-  whatever happens, also on KeyboardInterrupt.
+  whatever happens, also on KeyboardInterrupt, and neither does a process a
+  worker started: each worker leads its own session (``os.setsid``), and the
+  whole process group is signalled, also after a normal exit (POSIX only).
+  A Ctrl-C in a terminal therefore reaches only the parent, which then stops
+  the workers.
 
 `fn`, the arguments and the results travel by pickle: `fn` must be a function
 defined at the top level of an importable module (or of the script being run,
@@ -179,7 +183,12 @@ def _worker_main(
     shared: Mapping[str, Any],
     memory_limit_mb: int | None = None,
 ) -> None:
-    """The body of a worker process: run, then send one pickled report."""
+    """The body of a worker process: run, then send one pickled report.
+
+    It first leads a new session, so its process group holds every process
+    it starts and the parent can end them all (`_stop`).
+    """
+    os.setsid()
     try:
         if memory_limit_mb is not None:
             _limit_gpu_memory(memory_limit_mb)
@@ -431,24 +440,43 @@ def _died(process: Any, i: int, count: int, placement: _Placement) -> WorkerErro
 
 
 def _stop(processes: list[Any], wait: bool) -> None:
-    """Ends every worker: those still running get SIGTERM, then SIGKILL.
+    """Ends every worker and what it started: SIGTERM, then SIGKILL.
 
-    With `wait` (every worker reported), they first get the grace period to
-    exit by themselves.
+    Each worker leads its own process group (`_worker_main`), so signalling
+    the group also reaches the processes the worker started, which outlive
+    the worker itself otherwise. With `wait` (every worker reported), the
+    workers first get the grace period to exit by themselves; what they leave
+    running is ended all the same.
     """
     started = [p for p in processes if p.pid is not None]
+    groups = [p.pid for p in started]  # a group keeps its id while a member lives
     if wait:
         deadline = time.monotonic() + _GRACE_S
         for process in started:
             process.join(max(0.0, deadline - time.monotonic()))
     for process in started:
         if process.is_alive():
-            process.terminate()
+            process.terminate()  # also before the worker made its group
+    for group in groups:
+        _signal_group(group, signal.SIGTERM)
     deadline = time.monotonic() + _GRACE_S
     for process in started:
         process.join(max(0.0, deadline - time.monotonic()))
+    while any(_signal_group(g, 0) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for process in started:
         if process.is_alive():
             process.kill()
             process.join()
         process.close()
+    for group in groups:
+        _signal_group(group, signal.SIGKILL)
+
+
+def _signal_group(group: int, signum: int) -> bool:
+    """Sends a signal to a process group; False when the group is gone."""
+    try:
+        os.killpg(group, signum)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
