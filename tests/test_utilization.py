@@ -277,6 +277,34 @@ def test_hung_nvidia_smi_is_killed(nvidia_smi_driver_hangs):
         os.kill(pid, 0)
 
 
+def test_hung_nvidia_smi_is_killed_with_what_it_started(nvidia_smi_driver_hangs, tmp_path):
+    # A wrapper script runs nvidia-smi as its child; killing only the wrapper left the
+    # hung nvidia-smi running, one per failed call.
+    wrapper = tmp_path / "wrapper" / "nvidia-smi"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\n"{FAKE}" "$@"\necho "nvidia-smi exited with $?"\n')
+    wrapper.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(UtilizationError, match=r"did not answer within 2 s and was killed"):
+        utilization.query(wrapper, timeout=2)
+    assert time.monotonic() - start < 10
+    assert _gone(int((nvidia_smi_driver_hangs / "pid").read_text()))
+
+
+def _gone(pid: int, seconds: float = 5.0) -> bool:
+    """True once pid is gone or a zombie (init reaps what it inherits, on its own time)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 @pytest.mark.parametrize(
     ("scenario", "message"),
     [

@@ -36,12 +36,14 @@ used, so a GPU at 100 % may still have room; below the threshold it is certainly
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -324,7 +326,9 @@ def query(
     Args:
         nvidia_smi: The executable to run; defaults to ``$TFSHARD_NVIDIA_SMI``, then
             ``nvidia-smi`` on ``PATH``.
-        timeout: Seconds to wait before ``nvidia-smi`` is killed and counted as hung.
+        timeout: Seconds to wait before ``nvidia-smi`` is killed and counted as hung. It
+            runs in its own session, and the kill reaches every process it (or a wrapper
+            script given as ``nvidia_smi``) started.
 
     Returns:
         The readings in ``nvidia-smi`` order, with `GpuReading.device` set for this
@@ -340,17 +344,8 @@ def query(
     command = [_find_executable(nvidia_smi), *_QUERY_ARGS]
     shown = shlex.join(command)
     try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            encoding="utf-8",
-            errors="replace",
-            timeout=timeout,
-            check=False,
-        )
+        done = _run(command, timeout)
     except subprocess.TimeoutExpired as err:
-        # subprocess.run has already killed and reaped the child.
         raise UtilizationError(
             f"`{shown}` did not answer within {timeout:g} s and was killed; the driver may be "
             f"stuck (a GPU in a bad state, or a driver being reloaded){_outputs(err)}"
@@ -374,6 +369,32 @@ def query(
         raise UtilizationError(
             f"`{shown}` printed output tfshard cannot read ({err}){_outputs(done)}"
         ) from None
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Runs ``command`` in a new session; on timeout kills all of it and reaps ``command``.
+
+    A wrapper script around nvidia-smi, or nvidia-smi's own helpers, would survive a kill of
+    the direct child alone, one per failed call; the session's process group holds them all.
+    """
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except BaseException:  # the timeout, or KeyboardInterrupt while waiting
+            # Gone already when it and all it started ended in between.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _find_executable(nvidia_smi: str | os.PathLike[str] | None) -> str:
