@@ -1,4 +1,4 @@
-"""How ``nvidia-smi``, CUDA and TensorFlow number the same GPUs.
+"""How ``nvidia-smi``, CUDA and TensorFlow number the same GPUs, and which GPUs a spec names.
 
 ``nvidia-smi`` numbers GPUs in PCI bus order. TensorFlow's ``GPU:N`` is CUDA's device N
 (unless TensorFlow's configuration hides or splits GPUs, below), which follows
@@ -53,6 +53,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from tfshard.errors import ArgumentError
+
+# A GPU named by nvidia-smi index (0, "0"), UUID or prefix ("GPU-8f3a"), or TensorFlow name.
+DeviceSpec = int | str
+
+_TF_GPU_NAME = re.compile(
+    r"(?:/job:localhost(?:/replica:0)?(?:/task:0)?)?/?(?:device:)?GPU:([0-9]+)", re.IGNORECASE
+)
+
 
 class Gpu(Protocol):
     """A GPU as ``nvidia-smi`` lists it (`tfshard.utilization.GpuReading` is one)."""
@@ -65,6 +74,9 @@ class Gpu(Protocol):
 
     @property
     def name(self) -> str | None: ...
+
+    @property
+    def devices(self) -> tuple[str, ...]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,3 +223,55 @@ def _strtoul(text: str) -> int:
     """
     match = re.match(r"[+-]?[0-9]+", text)
     return int(match.group()) if match else -1
+
+
+# --- which GPUs a user names ------------------------------------------------------------
+
+
+def device_specs(devices: DeviceSpec | Sequence[DeviceSpec] | None) -> tuple[DeviceSpec, ...]:
+    """Checks the ``devices=`` of a Monitor: one spec or a sequence of them, or None (all)."""
+    if devices is None:
+        return ()
+    specs = (devices,) if isinstance(devices, int | str) else tuple(devices)
+    for spec in specs:
+        if isinstance(spec, bool) or not isinstance(spec, int | str):
+            raise ArgumentError(
+                f"devices={devices!r} holds {spec!r}; give nvidia-smi indices (0), UUIDs "
+                "('GPU-8f3a...') or TensorFlow names ('GPU:1')"
+            )
+    if not specs:
+        raise ArgumentError("devices=[] follows no GPU; pass None to follow every GPU")
+    return specs
+
+
+def select(readings: Sequence[Gpu], specs: Sequence[DeviceSpec]) -> frozenset[int]:
+    """The nvidia-smi indices the specs name; every GPU when there are no specs."""
+    if not specs:
+        return frozenset(r.index for r in readings)
+    chosen = set()
+    for spec in specs:
+        matches = [r for r in readings if _matches(r, spec)]
+        if len(matches) != 1:
+            seen = "; ".join(
+                f"{r.index} {r.uuid} ({', '.join(r.devices) or 'no TF device'})" for r in readings
+            )
+            problem = "names no GPU" if not matches else "names several GPUs"
+            raise ArgumentError(
+                f"devices entry {spec!r} {problem}; nvidia-smi sees: {seen or 'no GPU'}"
+            )
+        chosen.add(matches[0].index)
+    return frozenset(chosen)
+
+
+def _matches(reading: Gpu, spec: DeviceSpec) -> bool:
+    if isinstance(spec, int) or (spec.isascii() and spec.isdigit()):
+        return reading.index == int(spec)
+    if spec.startswith("GPU-"):
+        return reading.uuid is not None and reading.uuid.startswith(spec)
+    match = _TF_GPU_NAME.fullmatch(spec)
+    if match is None:
+        raise ArgumentError(
+            f"cannot read device spec {spec!r}; give an nvidia-smi index (0), a UUID "
+            "('GPU-8f3a...') or a TensorFlow name ('GPU:1', '/device:GPU:1')"
+        )
+    return f"/device:GPU:{int(match.group(1))}" in reading.devices

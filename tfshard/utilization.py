@@ -92,11 +92,6 @@ _QUOTE_LIMIT = 1000
 _THREAD_NAME = "tfshard-utilization-monitor"
 
 _NUMBER = re.compile(r"[0-9]+(?:\.[0-9]+)?")
-_TF_GPU_NAME = re.compile(
-    r"(?:/job:localhost(?:/replica:0)?(?:/task:0)?)?/?(?:device:)?GPU:([0-9]+)", re.IGNORECASE
-)
-
-_DeviceSpec = int | str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,7 +533,7 @@ class Monitor:
     def __init__(
         self,
         interval: float = 0.5,
-        devices: _DeviceSpec | Sequence[_DeviceSpec] | None = None,
+        devices: _gpu_ids.DeviceSpec | Sequence[_gpu_ids.DeviceSpec] | None = None,
         *,
         nvidia_smi: str | os.PathLike[str] | None = None,
         timeout: float = _DEFAULT_TIMEOUT_S,
@@ -546,7 +541,7 @@ class Monitor:
         check_positive("interval", interval)
         check_positive("timeout", timeout)
         self._interval = float(interval)
-        self._specs = _device_specs(devices)
+        self._specs = _gpu_ids.device_specs(devices)
         self._nvidia_smi = nvidia_smi
         self._timeout = float(timeout)
         self._lock = threading.Lock()
@@ -568,7 +563,7 @@ class Monitor:
         if self._thread is not None:
             raise UtilizationError("this Monitor is already running; use a new Monitor to nest")
         probe = query(self._nvidia_smi, timeout=self._timeout)
-        selected = _select(probe, self._specs)
+        selected = _gpu_ids.select(probe, self._specs)
         with self._lock:
             self._stats = {}
             self._selected = selected
@@ -625,54 +620,6 @@ class Monitor:
             self._generation += 1
 
 
-def _device_specs(devices: _DeviceSpec | Sequence[_DeviceSpec] | None) -> tuple[_DeviceSpec, ...]:
-    if devices is None:
-        return ()
-    specs = (devices,) if isinstance(devices, int | str) else tuple(devices)
-    for spec in specs:
-        if isinstance(spec, bool) or not isinstance(spec, int | str):
-            raise ArgumentError(
-                f"devices={devices!r} holds {spec!r}; give nvidia-smi indices (0), UUIDs "
-                "('GPU-8f3a...') or TensorFlow names ('GPU:1')"
-            )
-    if not specs:
-        raise ArgumentError("devices=[] follows no GPU; pass None to follow every GPU")
-    return specs
-
-
-def _select(readings: Sequence[GpuReading], specs: Sequence[_DeviceSpec]) -> frozenset[int]:
-    """The nvidia-smi indices the specs name; every GPU when there are no specs."""
-    if not specs:
-        return frozenset(r.index for r in readings)
-    chosen = set()
-    for spec in specs:
-        matches = [r for r in readings if _matches(r, spec)]
-        if len(matches) != 1:
-            seen = "; ".join(
-                f"{r.index} {r.uuid} ({', '.join(r.devices) or 'no TF device'})" for r in readings
-            )
-            problem = "names no GPU" if not matches else "names several GPUs"
-            raise ArgumentError(
-                f"devices entry {spec!r} {problem}; nvidia-smi sees: {seen or 'no GPU'}"
-            )
-        chosen.add(matches[0].index)
-    return frozenset(chosen)
-
-
-def _matches(reading: GpuReading, spec: _DeviceSpec) -> bool:
-    if isinstance(spec, int) or (spec.isascii() and spec.isdigit()):
-        return reading.index == int(spec)
-    if spec.startswith("GPU-"):
-        return reading.uuid is not None and reading.uuid.startswith(spec)
-    match = _TF_GPU_NAME.fullmatch(spec)
-    if match is None:
-        raise ArgumentError(
-            f"cannot read device spec {spec!r}; give an nvidia-smi index (0), a UUID "
-            "('GPU-8f3a...') or a TensorFlow name ('GPU:1', '/device:GPU:1')"
-        )
-    return f"/device:GPU:{int(match.group(1))}" in reading.devices
-
-
 # --- the verdict -----------------------------------------------------------------------
 
 
@@ -682,7 +629,7 @@ def check(
     threshold: float = DEFAULT_THRESHOLD,
     duration: float = 5.0,
     interval: float = 0.5,
-    devices: _DeviceSpec | Sequence[_DeviceSpec] | None = None,
+    devices: _gpu_ids.DeviceSpec | Sequence[_gpu_ids.DeviceSpec] | None = None,
     nvidia_smi: str | os.PathLike[str] | None = None,
 ) -> list[Verdict]:
     """Measures whether ``fn`` keeps each GPU busy enough that more GPUs can help.
