@@ -8,9 +8,11 @@ live at the top level of this module: the workers import it to find them.
 import multiprocessing
 import os
 import signal
+import subprocess
 import time
 
 import pytest
+import tensorflow as tf
 
 from tfshard import processes
 from tfshard.errors import ArgumentError, DeviceError, TfshardError
@@ -45,6 +47,32 @@ def _exit_abruptly(arg):
     if arg == "die":
         os._exit(3)
     time.sleep(600)
+
+
+def _start_grandchild(then, *, pid_dir, ignore_term=False):
+    """Starts a process that outlives this worker unless its group is ended, then `then`."""
+    command = ["sleep", "60"]
+    if ignore_term:  # an ignored signal stays ignored across exec
+        command = ["sh", "-c", "trap '' TERM; exec sleep 60"]
+    child = subprocess.Popen(command)
+    (pid_dir / f"grandchild-{os.getpid()}").write_text(str(child.pid))
+    if then == "hang":
+        time.sleep(600)
+    return child.pid
+
+
+def _gone(pid, seconds=10.0):
+    """True once pid is gone or a zombie (init reaps what it inherits, on its own time)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 @pytest.fixture
@@ -116,6 +144,31 @@ def test_workers_past_the_timeout_are_stopped(worker_pids):
     _assert_all_gone(worker_pids)
 
 
+def test_processes_a_worker_started_end_with_it_on_timeout(worker_pids, tmp_path):
+    # The worker needs a few seconds to import TensorFlow before it starts its child.
+    with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=20 s"):
+        processes.run_per_device(
+            _start_grandchild, ["hang"], shared={"pid_dir": tmp_path}, devices=["cpu"], timeout=20
+        )
+    [pid_file] = tmp_path.glob("grandchild-*")
+    assert _gone(int(pid_file.read_text()))
+    _assert_all_gone(worker_pids)
+
+
+def test_processes_a_worker_started_end_after_a_normal_exit(worker_pids, tmp_path, monkeypatch):
+    # One child ignores SIGTERM, so ending it takes the SIGKILL after the grace.
+    monkeypatch.setattr(processes, "_GRACE_S", 0.5)
+    grandchildren = processes.run_per_device(
+        _start_grandchild,
+        ["return", "return"],
+        shared={"pid_dir": tmp_path, "ignore_term": True},
+        devices=["cpu", "cpu"],
+        timeout=120,
+    )
+    assert all(_gone(pid, seconds=5) for pid in grandchildren)
+    _assert_all_gone(worker_pids)
+
+
 def test_worker_that_exits_without_a_result_is_reported(worker_pids):
     with pytest.raises(
         processes.WorkerError,
@@ -129,19 +182,85 @@ def test_worker_that_exits_without_a_result_is_reported(worker_pids):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
+    ("args", "kwargs", "error", "match"),
     [
-        (dict(devices=["cpu"]), ArgumentError, "devices has 1 entries but per_device_args has 2"),
-        (dict(devices=["gpu:99", "cpu"]), DeviceError, r"devices\[0\]='gpu:99': this process has"),
-        (dict(devices=["tpu:0", "cpu"]), DeviceError, "is not a local device for a worker"),
-        (dict(timeout=0), ArgumentError, "timeout=0"),
+        (
+            (),
+            dict(devices=["cpu"]),
+            ArgumentError,
+            "devices has 1 entries but per_device_args has 2",
+        ),
+        (
+            (),
+            dict(devices=["gpu:99", "cpu"]),
+            DeviceError,
+            r"devices\[0\]='gpu:99': this process has",
+        ),
+        ((), dict(devices=["tpu:0", "cpu"]), DeviceError, "is not a local device for a worker"),
+        ((), dict(devices="cpu"), ArgumentError, r"devices='cpu': pass a list with one device"),
+        ((), dict(devices=0), ArgumentError, r"devices=0: pass a list"),
+        (
+            (),
+            dict(devices=[1.0, "cpu"]),
+            ArgumentError,
+            r"devices\[0\]=1\.0 is a float; give a GPU",
+        ),
+        ((), dict(devices=[True, "cpu"]), ArgumentError, r"devices\[0\]=True is a bool"),
+        ((), dict(devices=[None, "cpu"]), ArgumentError, r"devices\[0\]=None is a NoneType"),
+        ((), dict(devices=[-1, "cpu"]), ArgumentError, r"devices\[0\]=-1: a GPU index is >= 0"),
+        ((), dict(timeout=0), ArgumentError, r"timeout=0: give a finite number of seconds > 0"),
+        ((), dict(timeout=-5), ArgumentError, r"timeout=-5: give a finite number"),
+        ((), dict(timeout=float("nan")), ArgumentError, r"timeout=nan: give a finite number"),
+        ((), dict(timeout=float("inf")), ArgumentError, r"timeout=inf: give a finite number"),
+        (
+            (),
+            dict(timeout="5"),
+            ArgumentError,
+            r"timeout='5' is a str; give the seconds as a number",
+        ),
+        ((), dict(timeout=True), ArgumentError, r"timeout=True is a bool; give the seconds"),
+        (
+            (),
+            dict(shared=["steps", 3]),
+            ArgumentError,
+            r"shared=\['steps', 3\] is a list; pass a dict",
+        ),
+        ((), dict(shared="steps=3"), ArgumentError, r"shared='steps=3' is a str; pass a dict"),
+        (
+            (),
+            dict(shared={1: 2}),
+            ArgumentError,
+            r"shared has keys \[1\]; its keys are keyword-arg",
+        ),
+        ((), dict(shared={"a-b": 2}), ArgumentError, r"shared has keys \['a-b'\]"),
+        (
+            ("fn", [0, 1]),
+            {},
+            ArgumentError,
+            r"fn='fn' is not callable; pass a function defined at the top",
+        ),
+        ((_sleep, "ab"), {}, ArgumentError, r"per_device_args='ab' is a str; pass a list with one"),
+        ((_sleep, range(2).__iter__()), {}, ArgumentError, r"is a range_iterator; pass a list"),
+        (
+            (_sleep, []),
+            {},
+            ArgumentError,
+            r"per_device_args is empty; give one argument per worker",
+        ),
     ],
-    ids=["devices_length_mismatch", "missing_gpu", "not_a_worker_device", "zero_timeout"],
 )
-def test_bad_arguments_fail_before_any_worker_starts(worker_pids, kwargs, error, match):
+def test_bad_arguments_fail_before_any_worker_starts(worker_pids, args, kwargs, error, match):
+    args = args or (_sleep, [0, 1])
     with pytest.raises(error, match=match):
-        processes.run_per_device(_sleep, [0, 1], **kwargs)
+        processes.run_per_device(*args, **kwargs)
     assert worker_pids == []
+
+
+def test_devices_may_be_tensorflow_device_objects(monkeypatch, fake_gpus):
+    fake_gpus(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    devices = [tf.config.LogicalDevice("/device:GPU:1", "GPU"), tf.DeviceSpec.from_string("/cpu:0")]
+    assert [p.visible for p in processes._placements(devices, 2)] == ["1", ""]
 
 
 def test_unpicklable_function_fails_in_the_parent(worker_pids):
@@ -150,9 +269,42 @@ def test_unpicklable_function_fails_in_the_parent(worker_pids):
     _assert_all_gone(worker_pids)
 
 
-def test_gpu_workers_see_only_their_gpu(monkeypatch):
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Fakes this process's tf.config: physical GPUs, the visible ones, logical splits.
+
+    Call it with the number of physical GPUs, optionally visible=[ordinals] (as
+    tf.config.set_visible_devices leaves them) and splits={ordinal: [memory limits]} (as
+    tfshard.virtual_devices(n, "GPU", memory_limit_mb=...) configures them).
+    """
+
+    def fake(physical, visible=None, splits=None):
+        devices = [
+            tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in range(physical)
+        ]
+        shown = devices if visible is None else [devices[i] for i in visible]
+        configs = {
+            devices[i]: [tf.config.LogicalDeviceConfiguration(memory_limit=m) for m in limits]
+            for i, limits in (splits or {}).items()
+        }
+
+        def listing(devices):
+            return lambda device_type=None: list(devices) if device_type == "GPU" else []
+
+        monkeypatch.setattr(tf.config, "list_physical_devices", listing(devices))
+        monkeypatch.setattr(tf.config, "get_visible_devices", listing(shown))
+        monkeypatch.setattr(tf.config, "get_logical_device_configuration", configs.get)
+
+    return fake
+
+
+def _environs(placements):
+    return [dict(p.environ) for p in placements]
+
+
+def test_gpu_workers_see_only_their_gpu(monkeypatch, fake_gpus):
     # Placement only, no worker started: GPU i is entry i of the parent's list.
-    monkeypatch.setattr(processes.pinning, "num_gpus", lambda: 4)
+    fake_gpus(4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7")
     placements = processes._placements(["gpu:1", "cuda3", 0, "cpu"], 4)
     assert [p.visible for p in placements] == ["3", "7", "2", ""]
@@ -162,11 +314,87 @@ def test_gpu_workers_see_only_their_gpu(monkeypatch):
         processes._placements(None, 5)
 
 
-def test_context_names_map_workers_to_devices(monkeypatch):
-    monkeypatch.setattr(processes.pinning, "num_gpus", lambda: 2)
+def test_context_names_map_workers_to_devices(monkeypatch, fake_gpus):
+    fake_gpus(2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:0;dev1->gpu:1;dev2->gpu:5")
     placements = processes._placements(["dev0", "dev1"], 2)
     assert [p.visible for p in placements] == ["", "1"]
     with pytest.raises(DeviceError, match=r"devices\[0\]='dev2': this process has 2 GPU"):
         processes._placements(["dev2", "cpu"], 2)
+
+
+def test_a_split_gpu_maps_each_logical_gpu_to_its_physical_gpu(monkeypatch, fake_gpus):
+    # Two physical GPUs, the first split in two: GPU:0 and GPU:1 are physical GPU 0,
+    # GPU:2 is physical GPU 1. Before, gpu:2 became CUDA_VISIBLE_DEVICES=2: no GPU at all.
+    fake_gpus(2, splits={0: [1024, 2048]})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    placements = processes._placements(["gpu:2", "gpu:0", "gpu:1"], 3)
+    assert [p.visible for p in placements] == ["1", "0", "0"]
+    # The two workers on physical GPU 0 keep their logical GPU's memory limit.
+    assert [p.memory_limit_mb for p in placements] == [None, 1024, 2048]
+    assert all("TF_FORCE_GPU_ALLOW_GROWTH" not in env for env in _environs(placements))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,4")
+    assert [p.visible for p in processes._placements(["gpu:2", "gpu:1"], 2)] == ["4", "6"]
+    with pytest.raises(DeviceError, match=r"devices\[0\]='gpu:3': this process has 3 GPU"):
+        processes._placements(["gpu:3"], 1)
+
+
+def test_a_visible_subset_maps_to_the_parents_entries(monkeypatch, fake_gpus):
+    # tf.config.set_visible_devices(physical[1:]) in a parent started with "4,6,7":
+    # GPU:0 is physical GPU 1, entry "6".
+    fake_gpus(3, visible=[1, 2])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6,7")
+    placements = processes._placements(["gpu:0", "gpu:1", "cpu"], 3)
+    assert _environs(placements) == [
+        {"CUDA_VISIBLE_DEVICES": "6"},
+        {"CUDA_VISIBLE_DEVICES": "7"},
+        {"CUDA_VISIBLE_DEVICES": ""},
+    ]
+    assert [p.visible for p in processes._placements(None, 2)] == ["6", "7"]
+
+
+def test_workers_sharing_a_gpu_allow_memory_growth(monkeypatch, fake_gpus):
+    fake_gpus(2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,GPU-bbbb")
+    placements = processes._placements(["gpu:1", "gpu:0", "gpu:1", "cpu"], 4)
+    assert _environs(placements) == [
+        {"CUDA_VISIBLE_DEVICES": "GPU-bbbb", "TF_FORCE_GPU_ALLOW_GROWTH": "true"},
+        {"CUDA_VISIBLE_DEVICES": "GPU-aaaa"},
+        {"CUDA_VISIBLE_DEVICES": "GPU-bbbb", "TF_FORCE_GPU_ALLOW_GROWTH": "true"},
+        {"CUDA_VISIBLE_DEVICES": ""},
+    ]
+    # Two logical GPUs of one split GPU, with no memory limit: growth too.
+    fake_gpus(1, splits={0: [None, None]})
+    placements = processes._placements(["gpu:0", "gpu:1"], 2)
+    assert [p.environ.get("TF_FORCE_GPU_ALLOW_GROWTH") for p in placements] == ["true"] * 2
+
+
+def test_the_environment_is_set_for_the_spawn_only(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
+    seen = {}
+
+    class Recorder:
+        def start(self):
+            seen.update(
+                (k, os.environ.get(k))
+                for k in ("CUDA_VISIBLE_DEVICES", "TF_FORCE_GPU_ALLOW_GROWTH")
+            )
+
+    env = {"CUDA_VISIBLE_DEVICES": "1", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
+    processes._start(Recorder(), processes._Placement("gpu:1", "1", env), 0)
+    assert seen == env
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in os.environ
+
+
+def test_a_worker_gives_its_gpu_the_logical_memory_limit(monkeypatch, fake_gpus):
+    fake_gpus(1)
+    calls = []
+    monkeypatch.setattr(
+        tf.config, "set_logical_device_configuration", lambda *args: calls.append(args)
+    )
+    processes._limit_gpu_memory(1024)
+    [(device, [config])] = calls
+    assert device.name == "/physical_device:GPU:0" and config.memory_limit == 1024

@@ -6,10 +6,7 @@ answers only the exact query tfshard runs. No test needs TensorFlow or a GPU.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import stat
 import statistics
 import subprocess
 import sys
@@ -19,15 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fake_nvidia_smi import fake
 
 from tfshard import utilization
 from tfshard.errors import ArgumentError, TfshardError, UtilizationError
 from tfshard.utilization import GpuReading, Monitor
 
-REPO = Path(__file__).resolve().parents[1]
-FAKE_DIR = Path(__file__).resolve().parent / "fake_nvidia_smi"
-FAKE = FAKE_DIR / "nvidia-smi"
-SCENARIOS = FAKE_DIR / "scenarios"
+FAKE = fake.FAKE
+SCENARIOS = fake.SCENARIOS
 THREAD_NAME = "tfshard-utilization-monitor"
 
 A100 = "NVIDIA A100-SXM4-40GB"
@@ -35,14 +31,6 @@ U0 = "GPU-8f3a2c1e-5b7d-4e9f-a0c2-1d3e5f7a9b0c"
 U1 = "GPU-8f3b9d04-22c6-0a1b-7e35-c4d2f09e8a61"
 U2 = "GPU-3c71e0a9-9f2d-5b48-1c6e-a7b3d58f2e90"
 U3 = "GPU-d4e2b6f8-1a3c-47d9-8e05-6b9c2f1a7d34"
-
-
-def _fake_executable() -> Path:
-    # git keeps the exec bit, but a checkout through an archive or a copy may drop it.
-    mode = FAKE.stat().st_mode
-    if not mode & stat.S_IXUSR:
-        FAKE.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return FAKE
 
 
 @pytest.fixture(autouse=True)
@@ -58,21 +46,7 @@ def fake_nvidia_smi(monkeypatch, tmp_path) -> Callable[[str], Path]:
 
     The fake counts its calls in the returned state directory (files "calls" and "pid").
     """
-    _fake_executable()
-    # The interpreter's own directory comes next so the fake's `env python3` starts fast
-    # (a pyenv shim costs 0.1 s a call) and runs a Python that exists.
-    path = os.pathsep.join([str(FAKE_DIR), str(Path(sys.executable).parent), os.environ["PATH"]])
-    monkeypatch.setenv("PATH", path)
-    monkeypatch.setenv("FAKE_NVIDIA_SMI_STATE", str(tmp_path))
-    for name in ("TFSHARD_NVIDIA_SMI", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
-        monkeypatch.delenv(name, raising=False)
-
-    def use(scenario: str) -> Path:
-        assert (SCENARIOS / f"{scenario}.txt").is_file(), scenario
-        monkeypatch.setenv("FAKE_NVIDIA_SMI_SCENARIO", scenario)
-        return tmp_path
-
-    return use
+    return fake.install(monkeypatch, tmp_path)
 
 
 @pytest.fixture
@@ -129,8 +103,7 @@ def no_nvidia_driver(monkeypatch, tmp_path):
     monkeypatch.delenv("TFSHARD_NVIDIA_SMI", raising=False)
 
 
-def _calls(state: Path) -> int:
-    return int((state / "calls").read_text())
+_calls = fake.calls
 
 
 def _monitor_threads() -> list[threading.Thread]:
@@ -157,7 +130,7 @@ def test_fake_rejects_any_other_command_line(nvidia_smi_several_gpus_busy):
 
 
 def test_fake_is_executable_for_git():
-    assert os.access(_fake_executable(), os.X_OK)
+    assert os.access(fake.executable(), os.X_OK)
     assert FAKE.read_text().startswith("#!/usr/bin/env python3\n")
 
 
@@ -253,7 +226,7 @@ def test_missing_driver_says_what_to_install(no_nvidia_driver):
 def test_path_can_be_overridden_by_argument_and_environment(
     no_nvidia_driver, monkeypatch, tmp_path
 ):
-    _fake_executable()
+    fake.executable()
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     monkeypatch.setenv("FAKE_NVIDIA_SMI_SCENARIO", "several_gpus_busy")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -304,6 +277,34 @@ def test_hung_nvidia_smi_is_killed(nvidia_smi_driver_hangs):
         os.kill(pid, 0)
 
 
+def test_hung_nvidia_smi_is_killed_with_what_it_started(nvidia_smi_driver_hangs, tmp_path):
+    # A wrapper script runs nvidia-smi as its child; killing only the wrapper left the
+    # hung nvidia-smi running, one per failed call.
+    wrapper = tmp_path / "wrapper" / "nvidia-smi"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\n"{FAKE}" "$@"\necho "nvidia-smi exited with $?"\n')
+    wrapper.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(UtilizationError, match=r"did not answer within 2 s and was killed"):
+        utilization.query(wrapper, timeout=2)
+    assert time.monotonic() - start < 10
+    assert _gone(int((nvidia_smi_driver_hangs / "pid").read_text()))
+
+
+def _gone(pid: int, seconds: float = 5.0) -> bool:
+    """True once pid is gone or a zombie (init reaps what it inherits, on its own time)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 @pytest.mark.parametrize(
     ("scenario", "message"),
     [
@@ -328,59 +329,6 @@ def test_query_rejects_a_bad_timeout(timeout):
 
 # --- which TensorFlow device is which GPU -------------------------------------------------
 
-FOUR = (SCENARIOS / "several_gpus_busy.txt").read_text()
-MIXED = (SCENARIOS / "mixed_models.txt").read_text()
-
-
-def _devices(text: str, **environ: str) -> dict[int, str]:
-    return {r.index: r.device for r in utilization.parse(text, environ=environ) if r.device}
-
-
-@pytest.mark.parametrize(
-    ("visible", "expected"),
-    [
-        (None, {0: "GPU:0", 1: "GPU:1", 2: "GPU:2", 3: "GPU:3"}),
-        ("2,0", {2: "GPU:0", 0: "GPU:1"}),
-        (" 3, 1", {3: "GPU:0", 1: "GPU:1"}),  # blanks around entries are skipped
-        ("1gpu,3", {1: "GPU:0", 3: "GPU:1"}),  # strtoul reads the leading number
-        ("", {}),  # empty: no GPU visible
-        ("-1", {}),
-        ("1,-1,3", {1: "GPU:0"}),  # a negative entry stops the list
-        ("1,7,2", {1: "GPU:0"}),  # so does one out of range
-        ("1,x,2", {1: "GPU:0"}),  # and one that is not a number
-        ("0,1,0", {}),  # a repeated GPU hides every GPU
-        (f"{U3},GPU-8f3a", {3: "GPU:0", 0: "GPU:1"}),  # UUIDs and unique prefixes
-        (f"{U2},GPU-8f3,{U1}", {2: "GPU:0"}),  # an ambiguous prefix stops the list
-        (f"{U2},GPU-ffff,{U1}", {2: "GPU:0"}),  # so does an unknown UUID
-        (f"{U1},2", {1: "GPU:0"}),  # and an entry of another kind
-        (f"{U1},GPU-8f3b", {}),  # the same GPU twice hides every GPU
-        ("0,GPU-8f3a", {0: "GPU:0"}),
-        (f"MIG-{U0}/1/0,MIG-{U0}/2/0", {}),  # MIG slices are not whole GPUs
-    ],
-)
-def test_cuda_visible_devices_maps_gpus_to_tf_names(visible, expected):
-    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
-    want = {index: f"/device:{name}" for index, name in expected.items()}
-    assert _devices(FOUR, **environ) == want
-    assert _devices(FOUR, CUDA_DEVICE_ORDER="PCI_BUS_ID", **environ) == want
-
-
-def test_mixed_models_in_fastest_first_order_are_not_guessed():
-    # CUDA puts the faster model first by a heuristic nvidia-smi does not show.
-    assert _devices(MIXED) == {}
-    assert _devices(MIXED, CUDA_VISIBLE_DEVICES="1,0") == {}
-    assert _devices(MIXED, CUDA_DEVICE_ORDER="FASTEST_FIRST") == {}
-    # UUIDs name the GPU whatever the order; PCI_BUS_ID order is nvidia-smi's.
-    uuid_a6000 = "GPU-99ff88ee-77dd-66cc-55bb-44aa33221100"
-    assert _devices(MIXED, CUDA_VISIBLE_DEVICES=uuid_a6000) == {1: "/device:GPU:0"}
-    assert _devices(MIXED, CUDA_DEVICE_ORDER="PCI_BUS_ID") == {
-        0: "/device:GPU:0",
-        1: "/device:GPU:1",
-    }
-    assert _devices(MIXED, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES="1") == {
-        1: "/device:GPU:0"
-    }
-
 
 def test_query_maps_devices_from_this_process_environment(
     nvidia_smi_several_gpus_busy, monkeypatch
@@ -392,6 +340,66 @@ def test_query_maps_devices_from_this_process_environment(
         None,
         "/device:GPU:0",
     ]
+
+
+@pytest.fixture
+def tf_two_gpus_first_split(monkeypatch):
+    """This process's TensorFlow sees two physical GPUs and splits the first in two."""
+    tf = pytest.importorskip("tensorflow")
+    physical = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in (0, 1)]
+    split = [tf.config.LogicalDeviceConfiguration(memory_limit=1024)] * 2
+    visible = list(physical)
+
+    def kind_gpu(devices):
+        return lambda device_type=None: list(devices) if device_type == "GPU" else []
+
+    monkeypatch.setattr(tf.config, "list_physical_devices", kind_gpu(physical))
+    monkeypatch.setattr(tf.config, "get_visible_devices", kind_gpu(visible))
+    monkeypatch.setattr(
+        tf.config,
+        "get_logical_device_configuration",
+        lambda device: split if device == physical[0] else None,
+    )
+    return visible  # a test may hide GPUs, as tf.config.set_visible_devices would
+
+
+def test_query_names_every_logical_gpu_of_a_split_gpu(
+    nvidia_smi_several_gpus_busy, monkeypatch, tf_two_gpus_first_split
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    readings = utilization.query()
+    assert [r.devices for r in readings] == [
+        (),
+        ("/device:GPU:2",),
+        (),
+        ("/device:GPU:0", "/device:GPU:1"),
+    ]
+    assert [r.device for r in readings] == [None, "/device:GPU:2", None, "/device:GPU:0"]
+    # Either half of the split GPU follows nvidia-smi's GPU 3.
+    with Monitor(interval=60, devices=["GPU:1"]) as monitor:
+        pass
+    [summary] = monitor.summaries
+    assert (summary.index, summary.devices) == (3, ("/device:GPU:0", "/device:GPU:1"))
+    [verdict] = utilization.check(devices="GPU:0", duration=0)
+    assert "(/device:GPU:0, /device:GPU:1)" in str(verdict)
+
+
+def test_query_leaves_gpus_hidden_by_set_visible_devices_unnamed(
+    nvidia_smi_several_gpus_busy, monkeypatch, tf_two_gpus_first_split
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    del tf_two_gpus_first_split[0]  # tf.config.set_visible_devices(physical[1:], "GPU")
+    assert [r.devices for r in utilization.query()] == [(), ("/device:GPU:0",), (), ()]
+    with pytest.raises(ArgumentError, match=r"devices entry 'GPU:1' names no GPU; .*1 GPU-8f3b"):
+        Monitor(devices="GPU:1").__enter__()
+
+
+def test_a_reading_fills_device_from_devices_and_back():
+    by_device = GpuReading(0, None, None, None, None, None, None, "/device:GPU:0")
+    by_devices = GpuReading(0, None, None, None, None, None, None, devices=("/device:GPU:0",))
+    assert by_device == by_devices and by_device.devices == ("/device:GPU:0",)
+    with pytest.raises(ArgumentError, match=r"device='/device:GPU:1' is not the first of"):
+        GpuReading(0, None, None, None, None, None, None, "/device:GPU:1", ("/device:GPU:0",))
 
 
 # --- Monitor -------------------------------------------------------------------------------
@@ -614,144 +622,3 @@ def test_check_fails_before_running_fn_without_a_driver(no_nvidia_driver):
 def test_check_rejects_bad_arguments(args, kwargs, message):
     with pytest.raises(ArgumentError, match=message):
         utilization.check(*args, **kwargs)
-
-
-# --- the command line ----------------------------------------------------------------------
-
-
-def test_run_cli_prints_a_table_and_exits_0_when_every_gpu_is_busy(
-    nvidia_smi_several_gpus_busy, capsys
-):
-    assert utilization.run_cli() == 0
-    assert capsys.readouterr().out == (
-        "gpu  tf device      name                   util %  mem util %  memory MiB     vs 90 %\n"
-        "  0  /device:GPU:0  NVIDIA A100-SXM4-40GB      97          41  15012 / 40960  ok\n"
-        "  1  /device:GPU:1  NVIDIA A100-SXM4-40GB      93          38  14876 / 40960  ok\n"
-        "  2  /device:GPU:2  NVIDIA A100-SXM4-40GB     100          52  15012 / 40960  ok\n"
-        "  3  /device:GPU:3  NVIDIA A100-SXM4-40GB      91          36  14990 / 40960  ok\n"
-    )
-
-
-def test_run_cli_exits_1_below_the_threshold(nvidia_smi_one_gpu_idle, capsys):
-    assert utilization.run_cli() == 1
-    assert capsys.readouterr().out.splitlines()[2].endswith("below")
-    assert utilization.run_cli(threshold=2) == 0
-    assert utilization.run_cli(threshold=97) == 1
-
-
-def test_run_cli_json_uses_reading_field_names(nvidia_smi_not_supported_fields, capsys):
-    assert utilization.run_cli(as_json=True) == 1  # no utilisation reported: not busy
-    rows = json.loads(capsys.readouterr().out)
-    names = [field.name for field in dataclasses.fields(GpuReading)]
-    assert [list(row) for row in rows] == [names, names]
-    assert rows[1]["utilization_gpu"] is None and rows[1]["memory_total_mib"] == 11441
-
-
-def test_run_cli_watch_refreshes_count_times(nvidia_smi_utilization_changes, capsys):
-    assert utilization.run_cli(watch=0.01, count=3) == 1  # last refresh: 90 % and 50 %
-    out = capsys.readouterr().out
-    assert out.count("gpu  tf device") == 3
-    assert _calls(nvidia_smi_utilization_changes) == 3
-
-
-def test_run_cli_exits_2_when_no_reading_can_be_taken(nvidia_smi_no_devices, capsys):
-    assert utilization.run_cli(as_json=True) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert "exit status 6" in captured.err and "No devices were found" in captured.err
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"threshold": 150}, r"threshold=150; give a percentage from 0 to 100"),
-        ({"watch": 0}, r"watch=0; give a positive number"),
-        ({"count": 2}, r"count=2; give a count >= 0 together with watch"),
-        ({"watch": 1, "count": -1}, r"count=-1"),
-    ],
-)
-def test_run_cli_rejects_bad_arguments(kwargs, message):
-    with pytest.raises(ArgumentError, match=message):
-        utilization.run_cli(**kwargs)
-
-
-def test_main_rejects_positional_arguments(capsys):
-    assert utilization.main(["tfshard.utilization", "extra"]) == 2
-    assert "unexpected arguments ['extra']" in capsys.readouterr().err
-
-
-# Through a real `python -m`. Each run pays for importing the tfshard package, so the runs
-# start together, once per module, and the tests below read their results.
-
-_NO_DRIVER = "<no nvidia-smi on PATH>"
-_CLI_RUNS = {
-    "flags": ("utilization_changes", "--watch=0.01", "--count=3", "--json", "--threshold=50"),
-    "below_threshold": ("one_gpu_idle",),
-    "no_driver": (_NO_DRIVER,),
-    "bad_flag": ("several_gpus_busy", "--no-such-flag"),
-}
-
-
-@pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory) -> dict[str, tuple[int, str, str, Path]]:
-    """Runs `python -m tfshard.utilization` for each case; (status, stdout, stderr, state)."""
-    _fake_executable()
-    started = {}
-    for case, (scenario, *args) in _CLI_RUNS.items():
-        state = tmp_path_factory.mktemp(case)
-        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "TFSHARD_"))}
-        env.update(PYTHONPATH=pythonpath, FAKE_NVIDIA_SMI_STATE=str(state))
-        if scenario == _NO_DRIVER:
-            env["PATH"] = str(state)
-        else:
-            env["FAKE_NVIDIA_SMI_SCENARIO"] = scenario
-            env["PATH"] = os.pathsep.join([str(FAKE_DIR), str(Path(sys.executable).parent)])
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tfshard.utilization", *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        started[case] = (process, state)
-    runs = {}
-    for case, (process, state) in started.items():
-        out, err = process.communicate(timeout=120)
-        runs[case] = (process.returncode, out, err, state)
-    return runs
-
-
-def test_cli_flags_watch_count_json_threshold(cli_runs):
-    status, out, err, state = cli_runs["flags"]
-    assert status == 0, err  # the last refresh has 90 % and 50 %, the threshold is 50
-    lists = [json.loads(line) for line in out.splitlines()]
-    assert [[row["utilization_gpu"] for row in rows] for rows in lists] == [
-        [10.0, 0.0],
-        [60.0, None],
-        [90.0, 50.0],
-    ]
-    assert list(lists[0][0]) == [field.name for field in dataclasses.fields(GpuReading)]
-    assert _calls(state) == 3
-
-
-def test_cli_exits_1_when_a_gpu_is_below_the_threshold(cli_runs):
-    status, out, err, _ = cli_runs["below_threshold"]
-    assert status == 1, err
-    assert out.splitlines()[2].endswith("below")
-
-
-def test_cli_without_driver_exits_2_without_traceback(cli_runs):
-    status, out, err, _ = cli_runs["no_driver"]
-    assert status == 2
-    assert "tfshard.utilization: no NVIDIA driver found" in err
-    assert "Traceback" not in err
-    assert out == ""
-
-
-def test_cli_flag_errors_exit_2(cli_runs):
-    # absl's own exit status for a flag error is 1, which would read as "not busy".
-    status, _, err, _ = cli_runs["bad_flag"]
-    assert status == 2
-    assert "no-such-flag" in err and "Traceback" not in err

@@ -23,11 +23,25 @@ How it works, and why:
   its GPU is ``GPU:0`` inside the worker. A ``"cpu"`` worker gets
   ``CUDA_VISIBLE_DEVICES=""`` and sees no GPU. (The variable is set in the
   parent's environment for the moment each worker is spawned, under a lock.)
+- ``"gpu:k"`` is the parent's logical GPU k, as ``tf.config`` describes it
+  before the runtime starts: after ``tfshard.virtual_devices`` splits a GPU or
+  ``tf.config.set_visible_devices`` hides some, logical GPU k is mapped to its
+  physical GPU and that GPU's entry in the parent's ``CUDA_VISIBLE_DEVICES``
+  (its CUDA index when the variable is unset). A worker whose logical GPU has
+  a memory limit gives its ``GPU:0`` that limit before ``fn`` runs (importing
+  TensorFlow to do so). When two or more workers share a physical GPU and
+  have no memory limit, each gets ``TF_FORCE_GPU_ALLOW_GROWTH=true``, so each
+  TensorFlow takes memory as it needs it instead of nearly all of the GPU at
+  start, which would leave the next worker none.
 - Each worker sends back its result, or its exception and traceback, through
   its own pipe. The first failure, an exit without a result, or the timeout
   stops every other worker (SIGTERM, then SIGKILL after a grace period) and
   raises `WorkerError` naming the worker's device. No worker outlives the call,
-  whatever happens, also on KeyboardInterrupt.
+  whatever happens, also on KeyboardInterrupt, and neither does a process a
+  worker started: each worker leads its own session (``os.setsid``), and the
+  whole process group is signalled, also after a normal exit (POSIX only).
+  A Ctrl-C in a terminal therefore reaches only the parent, which then stops
+  the workers.
 
 `fn`, the arguments and the results travel by pickle: `fn` must be a function
 defined at the top level of an importable module (or of the script being run,
@@ -37,8 +51,10 @@ under ``if __name__ == "__main__":``), not a lambda or a nested function.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
+import numbers
 import os
 import pickle
 import signal
@@ -48,7 +64,9 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from tfshard import pinning
+import tensorflow as tf
+
+from tfshard import _gpu_ids, pinning
 from tfshard.errors import ArgumentError, DeviceError, WorkerError
 
 __all__ = ("WorkerError", "run_per_device")
@@ -56,6 +74,7 @@ __all__ = ("WorkerError", "run_per_device")
 _log = logging.getLogger("tfshard")
 
 _VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+_GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"
 # How long a stopped (SIGTERM) worker may take to exit before it is killed, and
 # how long a worker that reported its result may take to exit by itself.
 _GRACE_S = 5.0
@@ -66,61 +85,91 @@ _spawn_lock = threading.Lock()
 class _Placement(NamedTuple):
     label: str  # what the user gave, for messages
     visible: str  # the worker's CUDA_VISIBLE_DEVICES
+    # Variables set in the worker's environment, CUDA_VISIBLE_DEVICES among them.
+    environ: Mapping[str, str]
+    # The memory limit the worker gives its GPU:0: that of the logical GPU it was given.
+    memory_limit_mb: int | None = None
 
 
 def _placements(devices: Sequence[Any] | None, count: int) -> list[_Placement]:
-    gpus = pinning.num_gpus()
+    """Where each worker runs, and the environment that shows it only its device.
+
+    ``devices`` is None or has ``count`` entries (`_check_arguments` saw to it).
+    """
+    layout = _gpu_ids.logical_gpus(tf)
+    gpus = len(layout)
     if devices is None:
         if not gpus:
             _log.info("no GPU: the %d worker(s) run on the CPU", count)
-            return [_Placement("cpu", "")] * count
+            return [_Placement("cpu", "", {_VISIBLE_ENV: ""})] * count
         if gpus < count:
             raise DeviceError(
                 f"{count} workers but this process has {gpus} GPU(s); pass devices= with "
                 "one device per worker (a GPU may be named twice, or use 'cpu')"
             )
         devices = [f"gpu:{i}" for i in range(count)]
-    if isinstance(devices, str | int) or not isinstance(devices, Sequence):
-        raise ArgumentError(f"devices={devices!r}: pass a list with one device per worker")
-    if len(devices) != count:
-        raise ArgumentError(
-            f"devices has {len(devices)} entries but per_device_args has {count}; give "
-            "one device per worker"
-        )
-    parent_visible = os.environ.get(_VISIBLE_ENV)
-    visible_list = parent_visible.split(",") if parent_visible else None
     contexts = pinning.active_contexts()
-    placements = []
+    indices: list[int | None] = []
     for position, spec in enumerate(devices):
         text = spec
         if isinstance(spec, str) and contexts is not None and spec.strip() in contexts:
             text = contexts[spec.strip()]
         index = _gpu_index(text, position, spec)
-        if index is None:
-            placements.append(_Placement(str(spec), ""))
-            continue
-        if index >= gpus:
+        if index is not None and index >= gpus:
             raise DeviceError(
                 f"devices[{position}]={spec!r}: this process has {gpus} GPU(s); use 'cpu' "
                 "for a worker on the CPU"
             )
-        visible = visible_list[index] if visible_list else str(index)
-        placements.append(_Placement(str(spec), visible.strip()))
+        indices.append(index)
+    return _gpu_placements(devices, indices, layout)
+
+
+def _gpu_placements(
+    devices: Sequence[Any], indices: Sequence[int | None], layout: Sequence[_gpu_ids.LogicalGpu]
+) -> list[_Placement]:
+    """Maps logical GPU k to its physical GPU, then to the parent's entry for it."""
+    entries = _gpu_ids.cuda_visible_entries(os.environ)
+    physical = [None if i is None else layout[i].physical for i in indices]
+    placements = []
+    for spec, index, ordinal in zip(devices, indices, physical):
+        if index is None or ordinal is None:
+            placements.append(_Placement(str(spec), "", {_VISIBLE_ENV: ""}))
+            continue
+        visible = entries[ordinal] if entries is not None else str(ordinal)
+        environ = {_VISIBLE_ENV: visible}
+        limit = layout[index].memory_limit_mb
+        if limit is None and physical.count(ordinal) > 1:
+            # Each TensorFlow takes nearly all of a GPU's memory at start; the second
+            # worker on it would fail to allocate.
+            environ[_GROWTH_ENV] = "true"
+        placements.append(_Placement(str(spec), visible, environ, limit))
     return placements
 
 
 def _gpu_index(text: Any, position: int, spec: Any) -> int | None:
     """The GPU index a worker device names, or None for the CPU."""
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+    if isinstance(text, tf.config.LogicalDevice):
+        text = text.name
+    elif isinstance(text, tf.DeviceSpec):
+        text = text.to_string()
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise ArgumentError(
+            f"devices[{position}]={spec!r} is a {type(spec).__name__}; give a GPU ('gpu:1', "
+            "'cuda1', 1), 'cpu', or a context name"
+        )
+    if isinstance(text, int):
+        if text < 0:
+            raise ArgumentError(
+                f"devices[{position}]={spec!r}: a GPU index is >= 0; use 'cpu' for the CPU"
+            )
         return text
-    if isinstance(text, str):
-        # Read as resolve_device reads it, but only the local spellings.
-        parsed = pinning._parse_spec(text.strip())
-        if parsed is not None and parsed.job in (None, "localhost"):
-            if parsed.device_type == "CPU":
-                return None
-            if parsed.device_type == "GPU":
-                return parsed.device_index
+    # Read as resolve_device reads it, but only the local spellings.
+    parsed = pinning._parse_spec(text.strip())
+    if parsed is not None and parsed.job in (None, "localhost"):
+        if parsed.device_type == "CPU":
+            return None
+        if parsed.device_type == "GPU":
+            return parsed.device_index
     raise DeviceError(
         f"devices[{position}]={spec!r} is not a local device for a worker; use a GPU "
         "('gpu:1', 'cuda1', 1), 'cpu', or a context name that maps to one"
@@ -132,15 +181,31 @@ def _worker_main(
     fn: Callable[..., Any],
     arg: Any,
     shared: Mapping[str, Any],
+    memory_limit_mb: int | None = None,
 ) -> None:
-    """The body of a worker process: run, then send one pickled report."""
+    """The body of a worker process: run, then send one pickled report.
+
+    It first leads a new session, so its process group holds every process
+    it starts and the parent can end them all (`_stop`).
+    """
+    os.setsid()
     try:
+        if memory_limit_mb is not None:
+            _limit_gpu_memory(memory_limit_mb)
         report = pickle.dumps(("ok", fn(arg, **shared)))
     except BaseException as error:  # noqa: BLE001 - every failure goes to the parent.
         summary = f"{type(error).__name__}: {error}"
         report = pickle.dumps(("error", summary, traceback.format_exc()))
     conn.send_bytes(report)
     conn.close()
+
+
+def _limit_gpu_memory(memory_limit_mb: int) -> None:
+    """Gives the worker's GPU:0 the memory limit of the parent's logical GPU it stands for."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        config = tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)
+        tf.config.set_logical_device_configuration(gpus[0], [config])
 
 
 def run_per_device(
@@ -170,31 +235,22 @@ def run_per_device(
         or a context name mapped to one), or ``"cpu"``. A device may appear
         more than once. Default: GPU ``i`` for worker ``i``, or the CPU for
         every worker on a machine without GPUs.
-      timeout: seconds the whole run may take; None for no limit.
+      timeout: seconds the whole run may take, a finite number > 0; None for
+        no limit.
 
     Returns:
       The workers' return values, in `per_device_args` order.
 
     Raises:
-      ArgumentError: bad arguments, or `fn` or the arguments cannot be pickled.
+      ArgumentError: an argument has the wrong type or value (the message names
+        it and the fix), checked before any worker starts; or `fn` or the
+        arguments cannot be pickled.
       DeviceError: a device is not a local GPU or the CPU, or does not exist.
       WorkerError: a worker raised (the message has its device and traceback),
         exited without a result, or the timeout passed. Every other worker has
         been stopped by then.
     """
-    if not callable(fn):
-        raise ArgumentError(f"run_per_device(fn={fn!r}): fn must be callable")
-    if isinstance(per_device_args, str | bytes) or not isinstance(per_device_args, Sequence):
-        raise ArgumentError(
-            f"per_device_args={per_device_args!r}: pass a list with one argument per worker"
-        )
-    if not per_device_args:
-        raise ArgumentError("per_device_args is empty; give one argument per worker")
-    shared = dict(shared or {})
-    if any(not isinstance(k, str) for k in shared):
-        raise ArgumentError(f"shared={shared!r}: keys are keyword-argument names (str)")
-    if timeout is not None and not timeout > 0:
-        raise ArgumentError(f"timeout={timeout!r}: give seconds > 0, or None for no limit")
+    shared, timeout = _check_arguments(fn, per_device_args, shared, devices, timeout)
     count = len(per_device_args)
     placements = _placements(devices, count)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -208,7 +264,7 @@ def run_per_device(
             readers.append(reader)
             process = context.Process(
                 target=_worker_main,
-                args=(writer, fn, arg, shared),
+                args=(writer, fn, arg, shared, placement.memory_limit_mb),
                 name=f"tfshard-worker-{i}",
             )
             processes.append(process)
@@ -225,10 +281,65 @@ def run_per_device(
             reader.close()
 
 
+def _check_arguments(
+    fn: Any, per_device_args: Any, shared: Any, devices: Any, timeout: Any
+) -> tuple[dict[str, Any], float | None]:
+    """Checks run_per_device's arguments before any worker starts.
+
+    Returns:
+      ``shared`` as a dict, and ``timeout``.
+    """
+    if not callable(fn):
+        raise ArgumentError(
+            f"fn={fn!r} is not callable; pass a function defined at the top level of a module"
+        )
+    if isinstance(per_device_args, str | bytes) or not isinstance(per_device_args, Sequence):
+        raise ArgumentError(
+            f"per_device_args={per_device_args!r} is a {type(per_device_args).__name__}; "
+            "pass a list with one argument per worker (list(x) for an array or a generator)"
+        )
+    if not per_device_args:
+        raise ArgumentError("per_device_args is empty; give one argument per worker")
+    if shared is not None and not isinstance(shared, Mapping):
+        raise ArgumentError(
+            f"shared={shared!r} is a {type(shared).__name__}; pass a dict of the keyword "
+            "arguments every worker gets, e.g. shared={'steps': 100}"
+        )
+    shared = dict(shared or {})
+    bad_keys = [k for k in shared if not isinstance(k, str) or not k.isidentifier()]
+    if bad_keys:
+        raise ArgumentError(
+            f"shared has keys {bad_keys!r}; its keys are keyword-argument names of fn, like 'steps'"
+        )
+    if devices is not None:
+        if isinstance(devices, str | bytes | int) or not isinstance(devices, Sequence):
+            raise ArgumentError(
+                f"devices={devices!r}: pass a list with one device per worker, "
+                "e.g. ['gpu:0', 'cpu']"
+            )
+        if len(devices) != len(per_device_args):
+            raise ArgumentError(
+                f"devices has {len(devices)} entries but per_device_args has "
+                f"{len(per_device_args)}; give one device per worker"
+            )
+    if timeout is None:
+        return shared, None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise ArgumentError(
+            f"timeout={timeout!r} is a {type(timeout).__name__}; give the seconds as a "
+            "number > 0, or None for no limit"
+        )
+    if not 0 < timeout < math.inf:
+        raise ArgumentError(
+            f"timeout={timeout!r}: give a finite number of seconds > 0, or None for no limit"
+        )
+    return shared, timeout
+
+
 def _start(process: Any, placement: _Placement, index: int) -> None:
     with _spawn_lock:
-        saved = os.environ.get(_VISIBLE_ENV)
-        os.environ[_VISIBLE_ENV] = placement.visible
+        saved = {name: os.environ.get(name) for name in placement.environ}
+        os.environ.update(placement.environ)
         try:
             process.start()
         except (pickle.PicklingError, AttributeError, TypeError) as error:
@@ -238,10 +349,11 @@ def _start(process: Any, placement: _Placement, index: int) -> None:
                 f"function): {error}"
             ) from None
         finally:
-            if saved is None:
-                del os.environ[_VISIBLE_ENV]
-            else:
-                os.environ[_VISIBLE_ENV] = saved
+            for name, value in saved.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
 
 
 def _where(i: int, count: int, placement: _Placement) -> str:
@@ -328,24 +440,43 @@ def _died(process: Any, i: int, count: int, placement: _Placement) -> WorkerErro
 
 
 def _stop(processes: list[Any], wait: bool) -> None:
-    """Ends every worker: those still running get SIGTERM, then SIGKILL.
+    """Ends every worker and what it started: SIGTERM, then SIGKILL.
 
-    With `wait` (every worker reported), they first get the grace period to
-    exit by themselves.
+    Each worker leads its own process group (`_worker_main`), so signalling
+    the group also reaches the processes the worker started, which outlive
+    the worker itself otherwise. With `wait` (every worker reported), the
+    workers first get the grace period to exit by themselves; what they leave
+    running is ended all the same.
     """
     started = [p for p in processes if p.pid is not None]
+    groups = [p.pid for p in started]  # a group keeps its id while a member lives
     if wait:
         deadline = time.monotonic() + _GRACE_S
         for process in started:
             process.join(max(0.0, deadline - time.monotonic()))
     for process in started:
         if process.is_alive():
-            process.terminate()
+            process.terminate()  # also before the worker made its group
+    for group in groups:
+        _signal_group(group, signal.SIGTERM)
     deadline = time.monotonic() + _GRACE_S
     for process in started:
         process.join(max(0.0, deadline - time.monotonic()))
+    while any(_signal_group(g, 0) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for process in started:
         if process.is_alive():
             process.kill()
             process.join()
         process.close()
+    for group in groups:
+        _signal_group(group, signal.SIGKILL)
+
+
+def _signal_group(group: int, signum: int) -> bool:
+    """Sends a signal to a process group; False when the group is gone."""
+    try:
+        os.killpg(group, signum)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

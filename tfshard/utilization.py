@@ -13,41 +13,21 @@ standard library (absl is used by the command line only).
   scale out, or not, with the reason and what to change.
 - ``python -m tfshard.utilization`` prints a table (``--watch SECONDS`` to refresh,
   ``--threshold``, ``--json``); it exits 0 when every GPU meets the threshold, 1 when one
-  does not, 2 when no reading could be taken.
+  does not, 2 when no reading could be taken. The command line, with `format_table` and
+  `run_cli`, lives in ``tfshard/_utilization_cli.py``.
 
 The ``nvidia-smi`` executable is, in order: the ``nvidia_smi=`` argument, the
 ``TFSHARD_NVIDIA_SMI`` environment variable, ``nvidia-smi`` on ``PATH``.
 
 Which TensorFlow device is which GPU
 ------------------------------------
-``nvidia-smi`` numbers GPUs in PCI bus order. TensorFlow's ``GPU:N`` is CUDA's device N,
-which follows ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``. `GpuReading.device` is
-filled in by these rules (CUDA's, as PyTorch's ``torch.cuda`` also reimplements them):
-
-- ``CUDA_VISIBLE_DEVICES`` unset: every GPU is visible, in CUDA order.
-- Set: a comma-separated list, and the i-th entry that parses becomes ``GPU:i``. The kind of
-  the first entry sets the kind of the list:
-
-  - indices (``"2,0"``): read like C's ``strtoul`` (``"1gpu"`` is 1); an index refers to CUDA
-    order, not to ``nvidia-smi``'s;
-  - UUIDs (``"GPU-8f3a..."``): any prefix that starts with ``GPU-`` and names one GPU;
-  - MIG instances (``"MIG-..."``): each takes a ``GPU:i`` slot but is a slice of a GPU, so no
-    whole-GPU reading maps to it.
-
-  Parsing stops at the first entry that is invalid (negative, out of range, an ambiguous or
-  unknown UUID, an entry of another kind); a repeated GPU hides every GPU; an empty value
-  hides every GPU.
-- ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: CUDA order is ``nvidia-smi`` order.
-- Otherwise CUDA orders ``FASTEST_FIRST``, by a heuristic NVIDIA does not specify, breaking
-  ties in PCI order. When every GPU on the machine has the same name (one model), that is
-  ``nvidia-smi`` order. With mixed models the order is not knowable from ``nvidia-smi``, so
-  GPUs reached through an index (or through an unset ``CUDA_VISIBLE_DEVICES``) get
-  ``device=None`` rather than a guess; UUID entries still map exactly. Set
-  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (or use UUIDs) to make the mapping exact.
-
-What the mapping does not see: ``tf.config.set_visible_devices`` calls inside a process, GPUs
-TensorFlow skips (too old a compute capability), which shift later ``GPU:N`` names, and MIG
-mode with ``CUDA_VISIBLE_DEVICES`` unset. It assumes the text lists every GPU on the machine.
+``nvidia-smi`` numbers GPUs in PCI bus order; TensorFlow's ``GPU:N`` is CUDA's device N, which
+follows ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``. `GpuReading.devices` applies CUDA's
+rules, written out in ``tfshard/_gpu_ids.py``, and, when this process has imported TensorFlow,
+its configuration: GPUs hidden with ``tf.config.set_visible_devices`` have no name, and a GPU
+split into logical GPUs has several. Where the rules cannot tell (mixed GPU models in CUDA's
+default order) a GPU has no name rather than a guess. Set ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or
+list UUIDs in ``CUDA_VISIBLE_DEVICES`` to make the mapping exact.
 
 Utilisation is ``nvidia-smi``'s ``utilization.gpu``: the share of the driver's last sample
 period (1/6 s to 1 s) in which any kernel ran. It does not say how much of the GPU a kernel
@@ -56,21 +36,26 @@ used, so a GPU at 100 % may still have room; below the threshold it is certainly
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import math
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from tfshard import _gpu_ids
 from tfshard.errors import ArgumentError, UtilizationError
+
+if TYPE_CHECKING:
+    from tfshard._utilization_cli import format_table, run_cli
 
 __all__ = (
     "GpuReading",
@@ -101,16 +86,12 @@ _ENV_EXECUTABLE = "TFSHARD_NVIDIA_SMI"
 # Without persistence mode every nvidia-smi call initialises the driver, which takes
 # seconds on a machine with many GPUs; longer than this means it hangs.
 _DEFAULT_TIMEOUT_S = 10.0
-_DEFAULT_THRESHOLD = 90.0
+# Shared with the command line (tfshard/_utilization_cli.py).
+DEFAULT_THRESHOLD = 90.0
 _QUOTE_LIMIT = 1000
 _THREAD_NAME = "tfshard-utilization-monitor"
 
 _NUMBER = re.compile(r"[0-9]+(?:\.[0-9]+)?")
-_TF_GPU_NAME = re.compile(
-    r"(?:/job:localhost(?:/replica:0)?(?:/task:0)?)?/?(?:device:)?GPU:([0-9]+)", re.IGNORECASE
-)
-
-_DeviceSpec = int | str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +112,11 @@ class GpuReading:
         memory_total_mib: Memory on the GPU, in MiB.
         device: The TensorFlow device name of this GPU in this process, for example
             ``"/device:GPU:0"``, or None when TensorFlow cannot see it or the mapping is not
-            knowable (see the module docstring).
+            knowable (see the module docstring). The first of ``devices``.
+        devices: Every TensorFlow device name of this GPU in this process: one, or several
+            when it is split into logical GPUs (``tfshard.virtual_devices(2, "GPU", ...)``
+            makes one GPU ``/device:GPU:0`` and ``/device:GPU:1``); empty when ``device`` is
+            None. Given one of ``device`` and ``devices``, the other is filled in.
     """
 
     index: int
@@ -142,6 +127,18 @@ class GpuReading:
     memory_used_mib: int | None
     memory_total_mib: int | None
     device: str | None = None
+    devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.devices and self.device is None:
+            object.__setattr__(self, "device", self.devices[0])
+        elif self.device is not None and not self.devices:
+            object.__setattr__(self, "devices", (self.device,))
+        elif self.devices and self.device != self.devices[0]:
+            raise ArgumentError(
+                f"device={self.device!r} is not the first of devices={self.devices!r}; "
+                "give one of them"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +161,7 @@ class GpuSummary:
         utilization_memory_max: Highest ``utilization.memory``.
         memory_used_peak_mib: Highest ``memory.used``, in MiB.
         memory_total_mib: ``memory.total``, in MiB.
+        devices: Every TensorFlow device name (see `GpuReading.devices`).
     """
 
     index: int
@@ -178,6 +176,7 @@ class GpuSummary:
     utilization_memory_max: float | None
     memory_used_peak_mib: int | None
     memory_total_mib: int | None
+    devices: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +197,7 @@ class Verdict:
 
     def __str__(self) -> str:
         s = self.summary
-        where = s.device or "no TensorFlow device in this process"
+        where = ", ".join(s.devices) or s.device or "no TensorFlow device in this process"
         state = "busy enough to scale out" if self.busy else "not busy enough to scale out"
         name = s.name or "unnamed GPU"
         return f"GPU {s.index} {name} ({where}): {state}\n  {self.reason}\n  hint: {self.hint}"
@@ -228,7 +227,9 @@ def parse(text: str, environ: Mapping[str, str] | None = None) -> list[GpuReadin
     Args:
         text: The output, one GPU per line.
         environ: The environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``
-            decide `GpuReading.device`; defaults to this process's ``os.environ``.
+            decide `GpuReading.device`; defaults to this process's ``os.environ``, and then,
+            when this process has imported TensorFlow and it lists GPUs, its configuration
+            (``tf.config.set_visible_devices``, logical GPUs) applies too.
 
     Returns:
         The readings, in the order of the text.
@@ -255,8 +256,11 @@ def parse(text: str, environ: Mapping[str, str] | None = None) -> list[GpuReadin
             )
         seen.add(reading.index)
         readings.append(reading)
-    devices = _tf_devices(readings, os.environ if environ is None else environ)
-    return [dataclasses.replace(r, device=devices.get(r.index)) for r in readings]
+    if environ is None:
+        names = _gpu_ids.tf_device_names(readings, os.environ, _gpu_ids.this_process_logical_gpus())
+    else:
+        names = _gpu_ids.tf_device_names(readings, environ)
+    return [dataclasses.replace(r, device=None, devices=names.get(r.index, ())) for r in readings]
 
 
 def _parse_line(line: str) -> GpuReading | None:
@@ -306,71 +310,6 @@ def _whole(value: float | None) -> int | None:
     return None if value is None else round(value)
 
 
-# --- which TensorFlow device each GPU is -----------------------------------------------
-
-
-def _tf_devices(readings: Sequence[GpuReading], environ: Mapping[str, str]) -> dict[int, str]:
-    """Maps nvidia-smi index to TensorFlow device name by the rules in the module docstring."""
-    by_index = sorted(readings, key=lambda r: r.index)
-    pci_order = environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
-    one_model = len({r.name for r in by_index}) <= 1 and all(r.name for r in by_index)
-    # CUDA's own order of the GPUs, or None when it cannot be known from nvidia-smi.
-    cuda_order = by_index if pci_order or one_model else None
-    spec = environ.get("CUDA_VISIBLE_DEVICES")
-    if spec is None:
-        visible = list(cuda_order) if cuda_order is not None else []
-    else:
-        visible = _visible(spec, by_index, cuda_order)
-    return {
-        gpu.index: f"/device:GPU:{ordinal}"
-        for ordinal, gpu in enumerate(visible)
-        if gpu is not None
-    }
-
-
-def _visible(
-    spec: str, gpus: Sequence[GpuReading], cuda_order: Sequence[GpuReading] | None
-) -> list[GpuReading | None]:
-    """Applies CUDA_VISIBLE_DEVICES: entry i is the GPU that becomes GPU:i (None: unknown)."""
-    visible: list[GpuReading | None] = []
-    seen: set[object] = set()
-    kind = "GPU-" if spec.startswith("GPU-") else "MIG-" if spec.startswith("MIG-") else None
-    for raw in spec.split(","):
-        key: object
-        if kind is None:
-            ordinal = _strtoul(raw.strip())
-            if ordinal < 0 or ordinal >= len(gpus):
-                break
-            key = ordinal
-            gpu = cuda_order[ordinal] if cuda_order is not None else None
-        elif not raw.startswith(kind):
-            break
-        elif kind == "MIG-":
-            # A MIG instance is its own CUDA device, not the whole GPU nvidia-smi reports.
-            key, gpu = raw, None
-        else:
-            matches = [g for g in gpus if g.uuid is not None and g.uuid.startswith(raw)]
-            if len(matches) != 1:
-                break
-            gpu = matches[0]
-            key = gpu.index
-        if key in seen:
-            return []
-        seen.add(key)
-        visible.append(gpu)
-    return visible
-
-
-def _strtoul(text: str) -> int:
-    """The leading integer of text, sign included, or -1 when it starts with no digits.
-
-    C's strtoul, which CUDA uses, reads "1gpu" as 1 and stops there; a negative entry ends the
-    list either way.
-    """
-    match = re.match(r"[+-]?[0-9]+", text)
-    return int(match.group()) if match else -1
-
-
 # --- running nvidia-smi ----------------------------------------------------------------
 
 
@@ -382,7 +321,9 @@ def query(
     Args:
         nvidia_smi: The executable to run; defaults to ``$TFSHARD_NVIDIA_SMI``, then
             ``nvidia-smi`` on ``PATH``.
-        timeout: Seconds to wait before ``nvidia-smi`` is killed and counted as hung.
+        timeout: Seconds to wait before ``nvidia-smi`` is killed and counted as hung. It
+            runs in its own session, and the kill reaches every process it (or a wrapper
+            script given as ``nvidia_smi``) started.
 
     Returns:
         The readings in ``nvidia-smi`` order, with `GpuReading.device` set for this
@@ -394,21 +335,12 @@ def query(
         UtilizationError: No ``nvidia-smi`` was found (no NVIDIA driver), it failed, hung or
             printed something that is not the expected CSV. The message quotes its output.
     """
-    _check_positive("timeout", timeout)
+    check_positive("timeout", timeout)
     command = [_find_executable(nvidia_smi), *_QUERY_ARGS]
     shown = shlex.join(command)
     try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            encoding="utf-8",
-            errors="replace",
-            timeout=timeout,
-            check=False,
-        )
+        done = _run(command, timeout)
     except subprocess.TimeoutExpired as err:
-        # subprocess.run has already killed and reaped the child.
         raise UtilizationError(
             f"`{shown}` did not answer within {timeout:g} s and was killed; the driver may be "
             f"stuck (a GPU in a bad state, or a driver being reloaded){_outputs(err)}"
@@ -432,6 +364,32 @@ def query(
         raise UtilizationError(
             f"`{shown}` printed output tfshard cannot read ({err}){_outputs(done)}"
         ) from None
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Runs ``command`` in a new session; on timeout kills all of it and reaps ``command``.
+
+    A wrapper script around nvidia-smi, or nvidia-smi's own helpers, would survive a kill of
+    the direct child alone, one per failed call; the session's process group holds them all.
+    """
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except BaseException:  # the timeout, or KeyboardInterrupt while waiting
+            # Gone already when it and all it started ended in between.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _find_executable(nvidia_smi: str | os.PathLike[str] | None) -> str:
@@ -523,6 +481,7 @@ class _Stats:
             uuid=last.uuid,
             name=last.name,
             device=last.device,
+            devices=last.devices,
             samples=self.samples,
             utilization_gpu_mean=self.gpu.mean,
             utilization_gpu_min=self.gpu.low,
@@ -574,15 +533,15 @@ class Monitor:
     def __init__(
         self,
         interval: float = 0.5,
-        devices: _DeviceSpec | Sequence[_DeviceSpec] | None = None,
+        devices: _gpu_ids.DeviceSpec | Sequence[_gpu_ids.DeviceSpec] | None = None,
         *,
         nvidia_smi: str | os.PathLike[str] | None = None,
         timeout: float = _DEFAULT_TIMEOUT_S,
     ) -> None:
-        _check_positive("interval", interval)
-        _check_positive("timeout", timeout)
+        check_positive("interval", interval)
+        check_positive("timeout", timeout)
         self._interval = float(interval)
-        self._specs = _device_specs(devices)
+        self._specs = _gpu_ids.device_specs(devices)
         self._nvidia_smi = nvidia_smi
         self._timeout = float(timeout)
         self._lock = threading.Lock()
@@ -604,7 +563,7 @@ class Monitor:
         if self._thread is not None:
             raise UtilizationError("this Monitor is already running; use a new Monitor to nest")
         probe = query(self._nvidia_smi, timeout=self._timeout)
-        selected = _select(probe, self._specs)
+        selected = _gpu_ids.select(probe, self._specs)
         with self._lock:
             self._stats = {}
             self._selected = selected
@@ -661,62 +620,16 @@ class Monitor:
             self._generation += 1
 
 
-def _device_specs(devices: _DeviceSpec | Sequence[_DeviceSpec] | None) -> tuple[_DeviceSpec, ...]:
-    if devices is None:
-        return ()
-    specs = (devices,) if isinstance(devices, int | str) else tuple(devices)
-    for spec in specs:
-        if isinstance(spec, bool) or not isinstance(spec, int | str):
-            raise ArgumentError(
-                f"devices={devices!r} holds {spec!r}; give nvidia-smi indices (0), UUIDs "
-                "('GPU-8f3a...') or TensorFlow names ('GPU:1')"
-            )
-    if not specs:
-        raise ArgumentError("devices=[] follows no GPU; pass None to follow every GPU")
-    return specs
-
-
-def _select(readings: Sequence[GpuReading], specs: Sequence[_DeviceSpec]) -> frozenset[int]:
-    """The nvidia-smi indices the specs name; every GPU when there are no specs."""
-    if not specs:
-        return frozenset(r.index for r in readings)
-    chosen = set()
-    for spec in specs:
-        matches = [r for r in readings if _matches(r, spec)]
-        if len(matches) != 1:
-            seen = "; ".join(f"{r.index} {r.uuid} ({r.device or 'no TF device'})" for r in readings)
-            problem = "names no GPU" if not matches else "names several GPUs"
-            raise ArgumentError(
-                f"devices entry {spec!r} {problem}; nvidia-smi sees: {seen or 'no GPU'}"
-            )
-        chosen.add(matches[0].index)
-    return frozenset(chosen)
-
-
-def _matches(reading: GpuReading, spec: _DeviceSpec) -> bool:
-    if isinstance(spec, int) or (spec.isascii() and spec.isdigit()):
-        return reading.index == int(spec)
-    if spec.startswith("GPU-"):
-        return reading.uuid is not None and reading.uuid.startswith(spec)
-    match = _TF_GPU_NAME.fullmatch(spec)
-    if match is None:
-        raise ArgumentError(
-            f"cannot read device spec {spec!r}; give an nvidia-smi index (0), a UUID "
-            "('GPU-8f3a...') or a TensorFlow name ('GPU:1', '/device:GPU:1')"
-        )
-    return reading.device == f"/device:GPU:{int(match.group(1))}"
-
-
 # --- the verdict -----------------------------------------------------------------------
 
 
 def check(
     fn: Callable[..., Any] | None = None,
     *args: Any,
-    threshold: float = _DEFAULT_THRESHOLD,
+    threshold: float = DEFAULT_THRESHOLD,
     duration: float = 5.0,
     interval: float = 0.5,
-    devices: _DeviceSpec | Sequence[_DeviceSpec] | None = None,
+    devices: _gpu_ids.DeviceSpec | Sequence[_gpu_ids.DeviceSpec] | None = None,
     nvidia_smi: str | os.PathLike[str] | None = None,
 ) -> list[Verdict]:
     """Measures whether ``fn`` keeps each GPU busy enough that more GPUs can help.
@@ -750,7 +663,7 @@ def check(
         raise ArgumentError(f"fn={fn!r} is not callable; pass a function, or None to sample")
     if fn is None and args:
         raise ArgumentError(f"arguments {args!r} were given without fn; pass fn first")
-    _check_threshold(threshold)
+    check_threshold(threshold)
     if not (isinstance(duration, int | float) and 0 <= duration < math.inf):
         raise ArgumentError(f"duration={duration!r}; give the seconds to measure, >= 0")
     with Monitor(interval, devices, nvidia_smi=nvidia_smi) as monitor:
@@ -805,190 +718,35 @@ def _verdict(summary: GpuSummary, threshold: float) -> Verdict:
     return Verdict(summary, busy=False, reason=reason, hint=hint)
 
 
-def _check_positive(name: str, value: float) -> None:
+# The two checks below are shared with the command line.
+
+
+def check_positive(name: str, value: float) -> None:
     if isinstance(value, bool) or not (isinstance(value, int | float) and 0 < value < math.inf):
         raise ArgumentError(f"{name}={value!r}; give a positive number of seconds")
 
 
-def _check_threshold(threshold: float) -> None:
+def check_threshold(threshold: float) -> None:
     if isinstance(threshold, bool) or not (
         isinstance(threshold, int | float) and 0 <= threshold <= 100
     ):
         raise ArgumentError(f"threshold={threshold!r}; give a percentage from 0 to 100")
 
 
-# --- the command line ------------------------------------------------------------------
+# The command line lives in tfshard/_utilization_cli.py, which imports this module; its public
+# names load from there on first use (PEP 562), so the library does not load the CLI.
+_CLI_NAMES = ("format_table", "run_cli")
 
 
-def format_table(readings: Iterable[GpuReading], threshold: float = _DEFAULT_THRESHOLD) -> str:
-    """Formats readings as the table ``python -m tfshard.utilization`` prints.
+def __getattr__(name: str) -> Any:
+    if name in _CLI_NAMES:
+        from tfshard import _utilization_cli
 
-    >>> reading = GpuReading(0, "GPU-8f3a", "NVIDIA A100-SXM4-40GB", 93.0, 41.0, 15012, 40960,
-    ...                      "/device:GPU:0")
-    >>> print(format_table([reading]))
-    gpu  tf device      name                   util %  mem util %  memory MiB     vs 90 %
-      0  /device:GPU:0  NVIDIA A100-SXM4-40GB      93          41  15012 / 40960  ok
-
-    Args:
-        readings: The readings to show.
-        threshold: The utilisation bar, in percent, for the last column.
-
-    Returns:
-        The table, one line per GPU under a header line, without a final newline.
-    """
-    rows = [
-        ("gpu", "tf device", "name", "util %", "mem util %", "memory MiB", f"vs {threshold:g} %")
-    ]
-    for r in readings:
-        if r.utilization_gpu is None:
-            status = "n/a"
-        else:
-            status = "ok" if r.utilization_gpu >= threshold else "below"
-        rows.append(
-            (
-                str(r.index),
-                r.device or "-",
-                r.name or "?",
-                _show(r.utilization_gpu),
-                _show(r.utilization_memory),
-                f"{_show(r.memory_used_mib)} / {_show(r.memory_total_mib)}",
-                status,
-            )
-        )
-    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
-    right = {0, 3, 4}  # numbers line up on the right
-    lines = []
-    for row in rows:
-        cells = [
-            cell.rjust(width) if col in right else cell.ljust(width)
-            for col, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _show(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:g}"
-
-
-def _exit_status(readings: Sequence[GpuReading], threshold: float) -> int:
-    if not readings:
-        return 2
-    meets = all(r.utilization_gpu is not None and r.utilization_gpu >= threshold for r in readings)
-    return 0 if meets else 1
-
-
-def run_cli(
-    *,
-    threshold: float = _DEFAULT_THRESHOLD,
-    watch: float | None = None,
-    count: int = 0,
-    as_json: bool = False,
-    nvidia_smi: str | os.PathLike[str] | None = None,
-) -> int:
-    """Does what ``python -m tfshard.utilization`` does and returns its exit status.
-
-    Args:
-        threshold: The utilisation bar in percent.
-        watch: Seconds between refreshes; None prints once.
-        count: With ``watch``, stop after this many refreshes; 0 runs until interrupted.
-        as_json: Print a JSON list of readings (field names of `GpuReading`) instead of a
-            table; with ``watch``, one list per line.
-        nvidia_smi: The executable, as in `query`.
-
-    Returns:
-        0 when every GPU met the threshold in the last refresh, 1 when one did not, 2 when
-        no reading could be taken (the reason goes to stderr).
-
-    Raises:
-        ArgumentError: ``threshold``, ``watch`` or ``count`` is out of range.
-    """
-    _check_threshold(threshold)
-    if watch is not None:
-        _check_positive("watch", watch)
-    if count < 0 or (count and watch is None):
-        raise ArgumentError(f"count={count}; give a count >= 0 together with watch")
-    clear = watch is not None and not as_json and sys.stdout.isatty()
-    status, refreshes = 2, 0
-    try:
-        while True:
-            try:
-                readings = query(nvidia_smi)
-            except UtilizationError as err:
-                print(f"tfshard.utilization: {err}", file=sys.stderr)
-                return 2
-            status = _exit_status(readings, threshold)
-            if as_json:
-                rows = [dataclasses.asdict(r) for r in readings]
-                print(json.dumps(rows, indent=None if watch else 2))
-            else:
-                if clear:
-                    print("\x1b[H\x1b[2J", end="")
-                if watch is not None:
-                    print(time.strftime("%Y-%m-%d %H:%M:%S"))
-                print(format_table(readings, threshold))
-            if not readings:
-                print("tfshard.utilization: nvidia-smi lists no GPU", file=sys.stderr)
-            sys.stdout.flush()
-            refreshes += 1
-            if watch is None or refreshes == count:
-                return status
-            time.sleep(watch)
-    except KeyboardInterrupt:
-        return status
-
-
-def main(argv: Sequence[str]) -> int:
-    """The entry point of ``python -m tfshard.utilization``, after absl parsed the flags.
-
-    Args:
-        argv: The program name and any arguments left after the flags.
-
-    Returns:
-        The exit status, as `run_cli` returns it (2 for unexpected arguments).
-    """
-    from absl import flags
-
-    if len(argv) > 1:
-        print(f"tfshard.utilization: unexpected arguments {argv[1:]}", file=sys.stderr)
-        return 2
-    values = flags.FLAGS
-    try:
-        return run_cli(
-            threshold=values.threshold,
-            watch=values.watch,
-            count=values.count,
-            as_json=values.json,
-        )
-    except ArgumentError as err:
-        print(f"tfshard.utilization: {err}", file=sys.stderr)
-        return 2
-
-
-def _define_flags() -> None:
-    # Defined only when run as a script: importing the library must not add flags to an
-    # application's global absl FLAGS, where names like --json and --threshold would clash.
-    from absl import flags
-
-    flags.DEFINE_float("threshold", _DEFAULT_THRESHOLD, "Percent utilisation that counts as busy.")
-    flags.DEFINE_float("watch", None, "Refresh the table every this many seconds.")
-    flags.DEFINE_integer("count", 0, "With --watch, stop after this many refreshes (0: never).")
-    flags.DEFINE_bool("json", False, "Print the readings as JSON (GpuReading field names).")
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    # absl exits 1 on a flag error, which here would read as "a GPU is not busy".
-    from absl import flags
-
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as err:
-        print(f"tfshard.utilization: {err}; see --help", file=sys.stderr)
-        sys.exit(2)
+        return getattr(_utilization_cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
-    from absl import app
+    from tfshard import _utilization_cli
 
-    _define_flags()
-    app.run(main, flags_parser=_parse_flags)
+    _utilization_cli.run_as_script()

@@ -1,0 +1,216 @@
+"""Tests of ``python -m tfshard.utilization`` (tfshard/_utilization_cli.py).
+
+The readings come from the fake nvidia-smi in tests/fake_nvidia_smi, as in
+tests/test_utilization.py; `run_cli` and `format_table` are reached through their public home,
+tfshard.utilization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_nvidia_smi import fake
+
+from tfshard import _utilization_cli, utilization
+from tfshard.errors import ArgumentError
+from tfshard.utilization import GpuReading, format_table, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+_calls = fake.calls
+
+
+@pytest.fixture
+def fake_nvidia_smi(monkeypatch, tmp_path):
+    return fake.install(monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def nvidia_smi_several_gpus_busy(fake_nvidia_smi):
+    return fake_nvidia_smi("several_gpus_busy")
+
+
+@pytest.fixture
+def nvidia_smi_one_gpu_idle(fake_nvidia_smi):
+    return fake_nvidia_smi("one_gpu_idle")
+
+
+@pytest.fixture
+def nvidia_smi_not_supported_fields(fake_nvidia_smi):
+    return fake_nvidia_smi("not_supported_fields")
+
+
+@pytest.fixture
+def nvidia_smi_utilization_changes(fake_nvidia_smi):
+    return fake_nvidia_smi("utilization_changes")
+
+
+@pytest.fixture
+def nvidia_smi_no_devices(fake_nvidia_smi):
+    return fake_nvidia_smi("no_devices")
+
+
+def test_public_names_live_on_in_tfshard_utilization():
+    assert utilization.format_table is format_table is _utilization_cli.format_table
+    assert utilization.run_cli is run_cli is _utilization_cli.run_cli
+    assert {"format_table", "run_cli"} <= set(utilization.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'main'"):
+        utilization.main  # noqa: B018 - the CLI's entry point is not public
+
+
+def test_format_table_shows_a_dash_for_a_gpu_tensorflow_does_not_see():
+    reading = GpuReading(3, None, None, None, 12.0, 1, 2)
+    assert format_table([reading], threshold=50).splitlines()[1].split() == [
+        "3",
+        "-",
+        "?",
+        "n/a",
+        "12",
+        "1",
+        "/",
+        "2",
+        "n/a",
+    ]
+
+
+def test_run_cli_prints_a_table_and_exits_0_when_every_gpu_is_busy(
+    nvidia_smi_several_gpus_busy, capsys
+):
+    assert run_cli() == 0
+    assert capsys.readouterr().out == (
+        "gpu  tf device      name                   util %  mem util %  memory MiB     vs 90 %\n"
+        "  0  /device:GPU:0  NVIDIA A100-SXM4-40GB      97          41  15012 / 40960  ok\n"
+        "  1  /device:GPU:1  NVIDIA A100-SXM4-40GB      93          38  14876 / 40960  ok\n"
+        "  2  /device:GPU:2  NVIDIA A100-SXM4-40GB     100          52  15012 / 40960  ok\n"
+        "  3  /device:GPU:3  NVIDIA A100-SXM4-40GB      91          36  14990 / 40960  ok\n"
+    )
+
+
+def test_run_cli_exits_1_below_the_threshold(nvidia_smi_one_gpu_idle, capsys):
+    assert run_cli() == 1
+    assert capsys.readouterr().out.splitlines()[2].endswith("below")
+    assert run_cli(threshold=2) == 0
+    assert run_cli(threshold=97) == 1
+
+
+def test_run_cli_json_uses_reading_field_names(nvidia_smi_not_supported_fields, capsys):
+    assert run_cli(as_json=True) == 1  # no utilisation reported: not busy
+    rows = json.loads(capsys.readouterr().out)
+    names = [field.name for field in dataclasses.fields(GpuReading)]
+    assert [list(row) for row in rows] == [names, names]
+    assert rows[1]["utilization_gpu"] is None and rows[1]["memory_total_mib"] == 11441
+
+
+def test_run_cli_watch_refreshes_count_times(nvidia_smi_utilization_changes, capsys):
+    assert run_cli(watch=0.01, count=3) == 1  # last refresh: 90 % and 50 %
+    out = capsys.readouterr().out
+    assert out.count("gpu  tf device") == 3
+    assert _calls(nvidia_smi_utilization_changes) == 3
+
+
+def test_run_cli_exits_2_when_no_reading_can_be_taken(nvidia_smi_no_devices, capsys):
+    assert run_cli(as_json=True) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "exit status 6" in captured.err and "No devices were found" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"threshold": 150}, r"threshold=150; give a percentage from 0 to 100"),
+        ({"watch": 0}, r"watch=0; give a positive number"),
+        ({"count": 2}, r"count=2; give a count >= 0 together with watch"),
+        ({"watch": 1, "count": -1}, r"count=-1"),
+    ],
+)
+def test_run_cli_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        run_cli(**kwargs)
+
+
+def test_main_rejects_positional_arguments(capsys):
+    assert _utilization_cli.main(["tfshard.utilization", "extra"]) == 2
+    assert "unexpected arguments ['extra']" in capsys.readouterr().err
+
+
+# Through a real `python -m`. Each run pays for importing the tfshard package, so the runs
+# start together, once per module, and the tests below read their results.
+
+_NO_DRIVER = "<no nvidia-smi on PATH>"
+_CLI_RUNS = {
+    "flags": ("utilization_changes", "--watch=0.01", "--count=3", "--json", "--threshold=50"),
+    "below_threshold": ("one_gpu_idle",),
+    "no_driver": (_NO_DRIVER,),
+    "bad_flag": ("several_gpus_busy", "--no-such-flag"),
+}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory) -> dict[str, tuple[int, str, str, Path]]:
+    """Runs `python -m tfshard.utilization` for each case; (status, stdout, stderr, state)."""
+    fake.executable()
+    started = {}
+    for case, (scenario, *args) in _CLI_RUNS.items():
+        state = tmp_path_factory.mktemp(case)
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "TFSHARD_"))}
+        env.update(PYTHONPATH=pythonpath, FAKE_NVIDIA_SMI_STATE=str(state))
+        if scenario == _NO_DRIVER:
+            env["PATH"] = str(state)
+        else:
+            env["FAKE_NVIDIA_SMI_SCENARIO"] = scenario
+            env["PATH"] = fake.search_path()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tfshard.utilization", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started[case] = (process, state)
+    runs = {}
+    for case, (process, state) in started.items():
+        out, err = process.communicate(timeout=120)
+        runs[case] = (process.returncode, out, err, state)
+    return runs
+
+
+def test_cli_flags_watch_count_json_threshold(cli_runs):
+    status, out, err, state = cli_runs["flags"]
+    assert status == 0, err  # the last refresh has 90 % and 50 %, the threshold is 50
+    lists = [json.loads(line) for line in out.splitlines()]
+    assert [[row["utilization_gpu"] for row in rows] for rows in lists] == [
+        [10.0, 0.0],
+        [60.0, None],
+        [90.0, 50.0],
+    ]
+    assert list(lists[0][0]) == [field.name for field in dataclasses.fields(GpuReading)]
+    assert _calls(state) == 3
+
+
+def test_cli_exits_1_when_a_gpu_is_below_the_threshold(cli_runs):
+    status, out, err, _ = cli_runs["below_threshold"]
+    assert status == 1, err
+    assert out.splitlines()[2].endswith("below")
+
+
+def test_cli_without_driver_exits_2_without_traceback(cli_runs):
+    status, out, err, _ = cli_runs["no_driver"]
+    assert status == 2
+    assert "tfshard.utilization: no NVIDIA driver found" in err
+    assert "Traceback" not in err
+    assert out == ""
+
+
+def test_cli_flag_errors_exit_2(cli_runs):
+    # absl's own exit status for a flag error is 1, which would read as "not busy".
+    status, _, err, _ = cli_runs["bad_flag"]
+    assert status == 2
+    assert "no-such-flag" in err and "Traceback" not in err
