@@ -6,6 +6,7 @@ References: the tensor path of the same ShardedFunction, and a single-device
 
 import collections
 import io
+import threading
 
 import numpy as np
 import pytest
@@ -570,3 +571,41 @@ def test_a_failing_shard_in_a_reduced_stream_names_its_device():
     ds = tf.data.Dataset.range(10).map(lambda n: tf.cast(n, tf.float32))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"shard 0 on /device:CPU:0"):
         f(ds, batch_size=10)
+
+
+def test_a_dataset_inside_a_tf_function_is_refused_with_the_working_form():
+    f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(6).batch(4)
+
+    @tf.function
+    def whole():
+        return f(ds)
+
+    with pytest.raises(
+        ArgumentError,
+        match=r"<lambda>\(dataset\) inside a tf.function: .*"
+        r"`for batch in dataset: <lambda>\(batch\)`",
+    ):
+        whole()
+
+    @tf.function
+    def per_batch():
+        total = tf.constant(0, tf.int64)
+        for batch in ds:
+            total += tf.reduce_sum(f(batch))
+        return total
+
+    assert per_batch().numpy() == 2 * sum(range(6))
+
+
+def test_concurrent_first_calls_on_a_dataset_trace_one_loop():
+    f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(40).batch(8)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(f(ds).numpy())) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4 and all(r.tolist() == list(range(1, 41)) for r in results)
+    assert f.trace_count == 1

@@ -808,3 +808,49 @@ def test_whole_shard_outputs_without_a_row_per_row_are_refused(n):
     )
     with pytest.raises(ArgumentError, match=r"outputs on shard 0 .* has 1 rows for 4"):
         f_sum(np.ones([8, 3], np.float32))
+
+
+# ------------------------------------------------------- bad input, census
+
+
+def test_weights_whose_sum_overflows_still_plan():
+    big = np.finfo(np.float64).max / 2
+    f = tfshard.parallelize(lambda s: s, devices=CPUS[:3], weights=[big, big, big / 2])
+    assert f.plan(10) == [4, 4, 2]
+    assert f(np.arange(10.0)).numpy().tolist() == list(range(10))
+
+
+def test_a_batch_of_2_31_rows_is_refused_before_the_graph():
+    f = tfshard.parallelize(lambda s: s, devices=CPUS[:2])
+    with pytest.raises(ArgumentError, match=r"s has 2147483648 rows; .*fewer than 2\*\*31 rows"):
+        f(np.zeros([2**31, 0], np.float32))  # no elements: nothing is allocated
+
+
+def test_split_arguments_of_different_rows_inside_a_tf_function():
+    f = tfshard.parallelize(lambda a, b: a + b, devices=CPUS[:2])
+
+    @tf.function(input_signature=[tf.TensorSpec([None]), tf.TensorSpec([None])])
+    def outer(a, b):
+        return f(a, b=b)
+
+    assert outer(tf.ones([3]), tf.ones([3])).numpy().tolist() == [2.0] * 3
+    # The check fails while the user's own tf.function runs: its message says it all.
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"(?s)split arguments with different numbers of rows: a, b .*same leading "
+        r"dimension.*broadcast=.*\[3 4\]",
+    ):
+        outer(tf.ones([3]), tf.ones([4]))
+
+
+def test_a_shard_error_shows_the_users_frames_once_and_not_tfshards():
+    def my_step(block):
+        return tf.debugging.check_numerics(tf.math.log(block - 5.0), "log of a negative")
+
+    f = tfshard.parallelize(my_step, per_sample=False, devices=CPUS[:2])
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        f(np.arange(10, dtype=np.float32))
+    message = str(raised.value)
+    assert "log of a negative" in message and "in tf__my_step" in message
+    assert "tfshard/_sharding.py" not in message and "tfshard/parallel.py" not in message
+    assert message.count("Detected at node CheckNumerics") == 1

@@ -24,6 +24,9 @@ import tensorflow as tf
 from tfshard import _trees
 from tfshard.errors import ArgumentError
 
+# tf.split's sizes and the plan's arithmetic are exact below this many rows.
+MAX_ROWS = 2**31
+
 
 class LeafKey(NamedTuple):
     """What a trace depends on of one leaf."""
@@ -71,6 +74,15 @@ class Template(NamedTuple):
             built.append(_trees.build(structure, iter(leaves)))
         args = built[: self.num_positional]
         return args, dict(zip(self.kwarg_names, built[self.num_positional :]))
+
+    def split_paths(self) -> list[str]:
+        """The readable path of every split leaf, in the graph's input order."""
+        return [
+            path
+            for name, structure, kinds in zip(self.names, self.structures, self.kinds)
+            for path, kind in zip(_trees.paths(name, structure), kinds)
+            if kind == "split"
+        ]
 
     def element_kinds(self, count: int) -> list[str]:
         """The leaf kinds of the first `count` top-level arguments, flattened."""
@@ -212,6 +224,12 @@ class Arguments:
                     leaf_statics.append(leaf)
             kinds.append(tuple(leaf_kinds))
             statics.append(tuple(leaf_statics))
+        if found.rows is not None and found.rows >= MAX_ROWS:
+            raise ArgumentError(
+                f"{found.rows_from} has {found.rows} rows; tfshard splits batches of fewer "
+                f"than 2**31 rows: call {self.name} on parts of it (or stream it as a "
+                "tf.data.Dataset of batches)"
+            )
         if not found.split:
             raise ArgumentError(
                 f"{self.name}() got no tensor or array to split across devices; pass "

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _trees, collect, pinning
-from tfshard.errors import ArgumentError, TfshardError, shard_error
+from tfshard import _arguments, _trees, cluster, collect
+from tfshard.errors import ArgumentError, TfshardError, shard_error, user_frames
 
 # Integer weights are used as they are; other weights are scaled to integers
 # with this total, so a plan is exact integer arithmetic, the same in the graph
@@ -33,9 +33,11 @@ from tfshard.errors import ArgumentError, TfshardError, shard_error
 WEIGHT_SCALE = 1 << 24
 SHARD_SCOPE = "tfshard_shard_"
 _SHARD_NODE_RE = re.compile(SHARD_SCOPE + r"(\d+)/")
-MAX_ROWS = 2**31
+MAX_ROWS = _arguments.MAX_ROWS
 # Marks the in-graph check that a whole-shard function returned one row per row.
 ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
+# Marks the in-graph check that split arguments have the same rows (inside a tf.function).
+INPUTS_DIFFER = "tfshard: split arguments with different numbers of rows:"
 
 
 # ------------------------------------------------------------------- plans
@@ -56,13 +58,15 @@ def integer_weights(weights: Sequence[float] | None) -> tuple[int, ...] | None:
         if w < 0:
             raise ArgumentError(f"weights[{i}]={w!r} is negative; weights are relative speeds >= 0")
         values.append(w)
-    if not values or sum(values) <= 0:
+    if not any(w > 0 for w in values):
         raise ArgumentError(
             f"weights={list(weights)!r}: at least one weight must be > 0 "
             "(they are relative device speeds, e.g. [3, 1])"
         )
-    if all(float(w).is_integer() for w in values) and sum(values) <= WEIGHT_SCALE:
-        return tuple(int(w) for w in values)
+    if all(float(w).is_integer() for w in values):
+        exact = [int(w) for w in values]  # Python ints: their sum cannot overflow
+        if sum(exact) <= WEIGHT_SCALE:
+            return tuple(exact)
     # Scale by the largest first: a sum of finite floats can overflow to inf.
     top = float(max(values))
     total = math.fsum(float(w) / top for w in values)
@@ -244,6 +248,8 @@ class Engine:
         """A failed call's error, naming the shard and, for a dead worker, the remedy."""
         if ROWS_DIFFER in error.message:
             return self._rows_error(error.message)
+        if INPUTS_DIFFER in error.message:
+            return self._inputs_error(error.message)
         match = _SHARD_NODE_RE.search(error.message)
         wrapped = error
         if match is not None:
@@ -256,25 +262,34 @@ class Engine:
                 where = "its slice of the batch"
             wrapped = shard_error(
                 error,
-                f"{self.name}: shard {k} on {self.devices[k]} ({where}) failed: {error.message}",
+                f"{self.name}: shard {k} on {self.devices[k]} ({where}) failed: "
+                f"{user_frames(error.message)}",
             )
-        hint = pinning.explain_remote_error(error)  # None unless a worker is down
+        hint = cluster.explain_remote_error(error)  # None unless a worker is down
         if hint is not None:
             wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
         return wrapped
 
+    def _inputs_error(self, message: str) -> ArgumentError:
+        """The failed in-graph check of the split arguments' rows as an ArgumentError."""
+        paths = _assert_text(message, INPUTS_DIFFER).split(", ")
+        got, want, k = _assert_vectors(message)
+        if k is None or k >= len(paths):
+            differ = "the split arguments have different numbers of rows"
+        else:
+            differ = f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
+        return ArgumentError(
+            f"{self.name}: {differ}; every split argument needs the same leading dimension "
+            "(name an argument in broadcast=(...) to copy it whole to each device)"
+        )
+
     def _rows_error(self, message: str) -> ArgumentError:
         """The failed check of `_check_rows` as an ArgumentError naming shard and fix."""
-        # TF prints the assert's message with its quotes escaped.
-        path = message.split(ROWS_DIFFER, 1)[1].split(" :end", 1)[0].strip().replace("\\'", "'")
-        # assert_equal prints both vectors: "[x (...) = ] [1 4] [y (...) = ] [4 4]".
-        vectors = re.findall(r"= \] \[([-\d\s]*)\]", message)
+        path = _assert_text(message, ROWS_DIFFER)
+        got, want, k = _assert_vectors(message)
         where = ""
-        if len(vectors) >= 2:
-            got, want = ([int(v) for v in vector.split()] for vector in vectors[:2])
-            k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
-            if k is not None:
-                where = f" on shard {k} ({self.devices[k]}) has {got[k]} rows for {want[k]}"
+        if k is not None:
+            where = f" on shard {k} ({self.devices[k]}) has {got[k]} rows for {want[k]}"
         return ArgumentError(
             f"{self.name}: {path}{where or ' has the wrong number of rows'}; with "
             "per_sample=False each output must have one row per input row to be gathered "
@@ -307,9 +322,8 @@ class Engine:
         count = len(self.devices)
         inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
         host = host_cpu(self.output)
-        total = row_count(inputs[0], split_devices[0] or None, host)
-        with tf.device(host):  # the plan: int64 arithmetic on the host, never on a GPU
-            sizes = plan_sizes(total, count, self.weights)
+        total, sizes = self._plan(inputs, split_devices, template.split_paths(), host)
+        with tf.device(host):
             per_shard = tf.unstack(sizes, num=count)
             has_rows = [size > 0 for size in per_shard]
         pieces = []
@@ -332,6 +346,31 @@ class Engine:
             results = self._collect(structure, flat, per_shard, total)
             return _trees.build(structure, iter(results))
 
+    def _plan(
+        self, inputs: Sequence[Any], split_devices: Sequence[str], paths: list[str], host: str
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """The rows and the shard sizes, on the host (int64 arithmetic never runs on a GPU).
+
+        Inside a tf.function the split arguments' rows are unknown to Python, so the
+        plan waits for a check that they are equal.
+        """
+        counts = [row_count(t, d or None, host) for t, d in zip(inputs, split_devices)]
+        with tf.device(host):
+            checks = []
+            if len(counts) > 1:
+                checks.append(
+                    tf.debugging.assert_equal(
+                        tf.stack(counts),
+                        tf.fill([len(counts)], counts[0]),
+                        message=f"{INPUTS_DIFFER} {', '.join(paths)} :end (their rows, then "
+                        "the first's: every split argument needs the same leading dimension; "
+                        "name one in broadcast=(...) to copy it whole to each device)",
+                        summarize=len(counts),
+                    )
+                )
+            with tf.control_dependencies(checks):
+                return counts[0], plan_sizes(counts[0], len(self.devices), self.weights)
+
     def _check_rows(
         self, structure: Hashable, flat: list[list[Any]], sizes: list[tf.Tensor], host: str
     ) -> None:
@@ -349,7 +388,9 @@ class Engine:
                 tf.debugging.assert_equal(
                     tf.stack(counts),
                     tf.stack(sizes),
-                    message=f"{ROWS_DIFFER} {path} :end",
+                    message=f"{ROWS_DIFFER} {path} :end (each shard's, then its input rows: "
+                    "with per_sample=False an output needs one row per input row, or a "
+                    "fixed shape under reduce=)",
                     summarize=len(counts),
                 )
 
@@ -463,6 +504,22 @@ class Engine:
             return tf.cond(has_rows, lambda: each(rows_in), lambda: collect.empty(signature))
 
         return guarded
+
+
+def _assert_text(message: str, marker: str) -> str:
+    """The text after `marker` in a failed assert's message (TF escapes its quotes)."""
+    return message.split(marker, 1)[1].split(" :end", 1)[0].strip().replace("\\'", "'")
+
+
+def _assert_vectors(message: str) -> tuple[list[int], list[int], int | None]:
+    """The two vectors a failed assert_equal printed, and their first differing index."""
+    # assert_equal prints both: "[x (...) = ] [1 4] [y (...) = ] [4 4]".
+    vectors = re.findall(r"= \] \[([-\d\s]*)\]", message)
+    if len(vectors) < 2:
+        return [], [], None
+    got, want = ([int(v) for v in vector.split()] for vector in vectors[:2])
+    k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    return got, want, k
 
 
 def per_row(value: Any) -> bool:

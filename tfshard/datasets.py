@@ -211,6 +211,17 @@ def _split_element(element: Any) -> tuple[Any, ...]:
     return element if type(element) is tuple else (element,)
 
 
+def _check_eager(name: str, how: str) -> None:
+    """Refuses a stream inside a tf.function: it runs Python per chunk of batches."""
+    if not tf.executing_eagerly():
+        raise ArgumentError(
+            f"{name}{how} inside a tf.function: streaming a dataset runs Python between "
+            "its calls (progress, Ctrl-C, sizing), which a traced function cannot; there, "
+            f"loop over the batches yourself, `for batch in dataset: {name}(batch)` (each "
+            f"batch is split like a tensor), or call {name}{how} outside the tf.function"
+        )
+
+
 def _check_specs(arguments: Arguments, dataset: tf.data.Dataset, args: tuple, kwargs: dict) -> None:
     """Fails early when the element structure does not fit the function."""
     params = arguments.signature
@@ -247,6 +258,7 @@ def iterate(
     progress: bool | TextIO = False,
 ) -> Iterator[tuple[Any, int]]:
     """``(result, rows)`` for each global batch, in order, as they are computed."""
+    _check_eager(engine.name, ".iterate(dataset)")
     _check_specs(arguments, dataset, args, kwargs)
     batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
     return _batches(engine, arguments, batches, args, kwargs, progress)
@@ -302,6 +314,7 @@ def run(
     progress: bool | TextIO = False,
 ) -> Any:
     """All of the dataset through the engine: outputs concatenated in order, or reduced."""
+    _check_eager(engine.name, "(dataset)")
     _check_specs(arguments, dataset, args, kwargs)
     if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
         raise ArgumentError(

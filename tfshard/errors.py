@@ -10,12 +10,21 @@ This module imports no TensorFlow: `tfshard.utilization` uses it without TF.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
+
+# Frames in this folder are tfshard's own: a shard's error leaves them out.
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class TfshardError(Exception):
     """Base class of every error tfshard raises."""
+
+    # Autograph re-raises an error from inside a user's tf.function as its own type
+    # only when that type's constructor is Exception's (else as a StagingError, which
+    # no `except ArgumentError` catches); ValueError's would be found first.
+    __init__ = Exception.__init__
 
 
 class DeviceError(TfshardError, ValueError):
@@ -90,7 +99,9 @@ class _ShardTypes:
         with self._lock:
             cls = self._types.get(error_type)
             if cls is None:
-                cls = type(f"Shard{error_type.__name__}", (ShardError, error_type), {})
+                # The TF error's constructor, not TfshardError's plain one.
+                namespace = {"__init__": error_type.__init__}
+                cls = type(f"Shard{error_type.__name__}", (ShardError, error_type), namespace)
                 cls.__module__ = __name__
                 self._types[error_type] = cls
             return cls
@@ -102,3 +113,36 @@ _shard_types = _ShardTypes()
 def shard_error(error: Any, message: str) -> Any:
     """`error` (a `tf.errors.OpError`) with a new message, as a ShardError of its TF type."""
     return _shard_types.of(type(error))(error.node_def, error.op, message)
+
+
+def user_frames(message: str) -> str:
+    """A TF graph error's message without tfshard's own frames, each node's stack once.
+
+    TensorFlow prints "Detected at node N defined at (most recent call last):"
+    and the stack that built N once per root error; tfshard's frames in it
+    (its trace, body and shard functions) say nothing to the user. The user's
+    frames, the failing op and TF's own summary stay.
+    """
+    lines = message.split("\n")
+    kept: list[str] = []
+    seen: set[tuple[str, ...]] = set()
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("Detected at node "):
+            kept.append(lines[i])
+            i += 1
+            continue
+        end = i + 1
+        while end < len(lines) and (lines[end].startswith("  File ") or not lines[end]):
+            end += 1
+        frames = [
+            line
+            for line in lines[i + 1 : end]
+            if line.startswith("  File ") and _OWN_DIR not in line
+        ]
+        section = (lines[i], *frames)
+        if section not in seen:
+            seen.add(section)
+            kept.extend([lines[i], *frames, ""])
+        i = end
+    return "\n".join(kept)

@@ -34,10 +34,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _sharding, collect, datasets, pinning
+from tfshard import _arguments, _sharding, cluster, collect, datasets, pinning
 from tfshard.errors import ArgumentError
 
 __all__ = ("ShardedFunction", "parallelize")
+
+# A user's tf.function converts what it calls with autograph, tfshard's own
+# methods too; they are plain Python that traces graphs, so they opt out.
+_not_converted = tf.autograph.experimental.do_not_convert
 
 
 class ShardedFunction:
@@ -109,6 +113,7 @@ class ShardedFunction:
         """How many graphs have been traced so far (loops over datasets included)."""
         return 0 if self._built is None else self._built.trace_count
 
+    @_not_converted
     def plan(self, n: int) -> list[int]:
         """The shard sizes for a batch of `n` rows, one per device, summing to `n`.
 
@@ -124,6 +129,7 @@ class ShardedFunction:
             raise ArgumentError(f"plan(n={n}): batches of 2**31 rows or more are not supported")
         return self._engine().plan(n)
 
+    @_not_converted
     def explain(self, *args: Any, **kwargs: Any) -> str:
         """A readable plan for a call with these arguments: which rows go where.
 
@@ -170,7 +176,7 @@ class ShardedFunction:
             lands = output if device == output else f"-> {output}"
             if remote[k] or pinning.is_remote(output):
                 # Rows go out to the shard and results come back, once per call.
-                lands += f"  (network: {pinning.host_of(device) or pinning.host_of(output)})"
+                lands += f"  (network: {cluster.host_of(device) or cluster.host_of(output)})"
             lines.append(
                 f"  {k:<5}  {device:<{width}}  {rows_cells[k]:<{rows_width}}  "
                 f"{size:>{size_width}}  {lands}"
@@ -186,6 +192,7 @@ class ShardedFunction:
             )
         return "\n".join(line.rstrip() for line in lines)
 
+    @_not_converted
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the function on the batch, split across the devices.
 
@@ -202,6 +209,7 @@ class ShardedFunction:
         call = self._arguments.classify(args, kwargs)
         return self._engine().call(call)
 
+    @_not_converted
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
         """The traced `tf.function` graph a call with these arguments runs, as in `tf.function`.
 
@@ -215,6 +223,7 @@ class ShardedFunction:
         """
         return self._engine().trace(self._arguments.classify(args, kwargs))
 
+    @_not_converted
     def iterate(
         self,
         dataset: tf.data.Dataset,

@@ -164,7 +164,7 @@ def _gpu_index(text: Any, position: int, spec: Any) -> int | None:
             )
         return text
     # Read as resolve_device reads it, but only the local spellings.
-    parsed = pinning._parse_spec(text.strip())
+    parsed = pinning.parse_spec(text.strip())
     if parsed is not None and parsed.job in (None, "localhost"):
         if parsed.device_type == "CPU":
             return None
