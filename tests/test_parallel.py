@@ -854,3 +854,53 @@ def test_a_shard_error_shows_the_users_frames_once_and_not_tfshards():
     assert "log of a negative" in message and "in tf__my_step" in message
     assert "tfshard/_sharding.py" not in message and "tfshard/parallel.py" not in message
     assert message.count("Detected at node CheckNumerics") == 1
+
+
+def test_scalar_per_sample_outputs_on_every_path():
+    # Vectorized: numbers. tf.map_fn (ragged=True): string work, which pfor cannot vectorize.
+    square_sum = tfshard.parallelize(lambda s: tf.reduce_sum(s * s), devices=CPUS)
+    assert square_sum(np.arange(10.0).reshape(5, 2)).numpy().tolist() == [1, 13, 41, 85, 145]
+    words = np.array([b"a b c", b"d", b"", b"e f", b"g"])
+    size = tfshard.parallelize(lambda s: tf.size(tf.strings.split(s)), devices=CPUS, ragged=True)
+    assert size(words).numpy().tolist() == [3, 1, 0, 2, 1]
+    both = tfshard.parallelize(
+        lambda s: (tf.size(tf.strings.split(s)), tf.strings.split(s)), devices=CPUS, ragged=True
+    )
+    count, split = both(words[:3])  # 3 rows on 4 devices: an empty shard too
+    assert count.numpy().tolist() == [3, 1, 0]
+    assert split.to_list() == [[b"a", b"b", b"c"], [b"d"], []]
+
+
+def test_a_pfor_failure_suggests_ragged():
+    size = tfshard.parallelize(lambda s: tf.size(tf.strings.split(s)), devices=CPUS[:2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)vectorized_map.*ragged=True"):
+        size(np.array([b"a b c", b"d", b"", b"e f"]))
+
+
+def test_random_noise_keyed_by_row_equals_one_device():
+    """The documented recipe: stateless ops seeded by (seed, row id) give each row its own
+    noise, the same on any number of devices as on one."""
+
+    def noisy(sample, row):
+        return sample + tf.random.stateless_normal([3], seed=tf.stack([7, row]))
+
+    x = np.zeros([9, 3], np.float32)
+    rows = np.arange(9, dtype=np.int64)
+    f = tfshard.parallelize(noisy, devices=CPUS)
+    out = f(x, rows).numpy()
+    with tf.device("/device:CPU:0"):
+        one = tf.vectorized_map(lambda a: noisy(*a), (tf.constant(x), tf.constant(rows))).numpy()
+    np.testing.assert_allclose(out, one, rtol=RTOL)
+    assert len({tuple(r) for r in out.round(6)}) == 9  # no two rows share noise
+
+
+def test_a_fixed_seed_repeats_per_shard_as_documented():
+    # One traced function runs on every shard: an op-seeded random op gives each
+    # shard the same stream (as MirroredStrategy does). README: "Random ops".
+    f = tfshard.parallelize(
+        lambda b: tf.random.stateless_uniform(tf.shape(b), seed=[1, 2]),
+        per_sample=False,
+        devices=CPUS[:2],
+    )
+    out = f(np.zeros([8], np.float32)).numpy()
+    assert out[:4].tolist() == out[4:].tolist()

@@ -266,6 +266,12 @@ class Engine:
                 f"{user_frames(error.message)}",
             )
         hint = cluster.explain_remote_error(error)  # None unless a worker is down
+        if hint is None and self.per_sample and not self.ragged and "/pfor/" in error.message:
+            hint = (
+                "It failed inside tf.vectorized_map (pfor), which cannot vectorize every op "
+                "(string ops and shapes that vary by sample among them): pass ragged=True "
+                "to map the function over one sample at a time (tf.map_fn) instead"
+            )
         if hint is not None:
             wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
         return wrapped
@@ -548,8 +554,9 @@ def sample_signature(call: Callable[..., Any], example: Sequence[Any], ragged: b
                     "a shape in the function (tf.ensure_shape(value, [None]))"
                 )
             return tf.TensorSpec(value.shape, value.dtype)
-        if ragged or not value.shape.is_fully_defined():
-            # Per-sample shapes that can vary are stacked as a ragged tensor.
+        if value.shape.rank > 0 and (ragged or not value.shape.is_fully_defined()):
+            # Per-sample shapes that can vary are stacked as a ragged tensor; a scalar
+            # per sample has one shape and stacks to a dense [N], ragged=True or not.
             return tf.RaggedTensorSpec(value.shape, value.dtype, ragged_rank=0)
         return tf.TensorSpec(value.shape, value.dtype)
 

@@ -471,8 +471,9 @@ def parallelize(
         such as weights or a lookup table.
       ragged: True when per-sample outputs differ in shape; the result is then a
         `tf.RaggedTensor` in input order (also chosen by itself when the output
-        shape of one sample is not fully known). Uses `tf.map_fn`, which is
-        slower than vectorising.
+        shape of one sample is not fully known); a scalar per sample still
+        stacks to a dense ``[N]``. Uses `tf.map_fn`, which is slower than
+        vectorising.
       jit_compile: compile each shard with XLA. Each new shard size compiles
         again (seconds each on first use), so it pays off for repeated calls at
         a few fixed batch sizes; functions with ops XLA cannot compile (strings,
