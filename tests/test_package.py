@@ -1,5 +1,7 @@
 """The public surface changes only on purpose."""
 
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -73,3 +75,20 @@ def test_unknown_attribute():
         assert "no_such_name" in str(error)
     else:
         raise AssertionError("expected AttributeError")
+
+
+def _readme_block(after: str, language: str) -> str:
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split(after, 1)[1]
+    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_first_snippet_runs_as_written_and_prints_its_table():
+    code = _readme_block("## What it does", "python")
+    shown = _readme_block("The snippet prints", "")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == shown.strip()

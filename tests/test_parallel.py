@@ -904,3 +904,22 @@ def test_a_fixed_seed_repeats_per_shard_as_documented():
     )
     out = f(np.zeros([8], np.float32)).numpy()
     assert out[:4].tolist() == out[4:].tolist()
+
+
+def test_a_saved_model_exports_the_tf_function_that_calls_it(tmp_path):
+    class Embedder(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(tf.reshape(tf.range(6.0), [3, 2]))
+            self.embed = tfshard.parallelize(self.one, devices=CPUS[:2])
+            self.serve = tf.function(self.embed, input_signature=[tf.TensorSpec([None, 3])])
+
+        def one(self, sample):
+            return tf.linalg.matvec(self.w, sample, transpose_a=True)
+
+    module = Embedder()
+    x = rng.normal(size=[5, 3]).astype(np.float32)
+    tf.saved_model.save(module, str(tmp_path))
+    loaded = tf.saved_model.load(str(tmp_path))
+    assert not hasattr(loaded, "embed")  # a ShardedFunction is not a tf.function: not exported
+    np.testing.assert_allclose(loaded.serve(x).numpy(), x @ module.w.numpy(), rtol=RTOL)

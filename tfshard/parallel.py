@@ -47,6 +47,10 @@ _not_converted = tf.autograph.experimental.do_not_convert
 class ShardedFunction:
     """A function that splits its batch across devices; made by `parallelize`.
 
+    It is not a `tf.function`: `tf.saved_model.save` does not export one stored
+    on a module. Export a `tf.function` that calls it instead, e.g.
+    ``module.serve = tf.function(f, input_signature=[tf.TensorSpec([None, 3])])``.
+
     Attributes:
       devices: the canonical device names, one shard each, in shard order.
       trace_count: how many graphs have been traced (one per distinct argument
