@@ -245,3 +245,23 @@ def test_cores_script_measures_the_machines_own_ceiling(tmp_path):
     match = re.search(r"2 workers get through (\d+\.\d+)x the work of one", proc.stdout)
     assert match, proc.stdout
     assert 0.0 < float(match.group(1)) < 4.0
+
+
+def test_first_call_script_measures_every_configuration(tmp_path):
+    out = tmp_path / "first.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "first_call.py"),
+            "--devices=1,2",
+            "--leaves=2",
+            f"--json={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["devices"], r["leaves"]) for r in rows] == [(1, 2), (2, 2)]
+    assert all(r["first_s"] > r["later_s"] > 0 and r["first_in_tf_function_s"] > 0 for r in rows)

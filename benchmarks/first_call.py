@@ -1,0 +1,84 @@
+r"""The first call's cost: tracing, against device count and input size.
+
+A parallelized function traces its graph on the first call with a new
+argument signature; later calls reuse it. This script times first calls of
+fresh functions (each a new Python function, so nothing is cached) whose
+argument is a dict of L leaves of [8, 3] rows, each leaf a per-sample matmul,
+on K logical CPU devices, called directly and from inside a `tf.function`, and
+one later call for comparison. It prints a table and, with --json, the numbers.
+
+  python benchmarks/first_call.py                          # K = 1, 2, 4; L = 1, 10, 50
+  python benchmarks/first_call.py --leaves=1,100 --devices=4
+  PYTHONPATH=../other-checkout python benchmarks/first_call.py   # another version of tfshard
+
+Only tfshard's public API is used, so any version of it can be measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from absl import app, flags
+
+_DEVICES = flags.DEFINE_list("devices", ["1", "2", "4"], "Device counts K to measure.")
+_LEAVES = flags.DEFINE_list("leaves", ["1", "10", "50"], "Leaves L of the argument.")
+_JSON = flags.DEFINE_string("json", None, "Write the numbers here.")
+
+
+def first_calls(tfshard, tf, np, k: int, leaves: int) -> dict[str, float]:
+    """Seconds of the first call (direct, inside a tf.function) and of a later one."""
+    devices = [f"/device:CPU:{i}" for i in range(k)]
+    x = {f"leaf{i:04d}": np.ones([8, 3], np.float32) for i in range(leaves)}
+    weight = tf.ones([3, 2])
+
+    def make():  # a new function each time: nothing of an earlier trace is reused
+        def fn(sample):
+            return {k: tf.linalg.matvec(weight, v, transpose_a=True) for k, v in sample.items()}
+
+        return tfshard.parallelize(fn, devices=devices)
+
+    direct = make()
+    began = time.perf_counter()
+    direct(x)
+    first = time.perf_counter() - began
+    began = time.perf_counter()
+    direct(x)
+    later = time.perf_counter() - began
+
+    inner = make()
+    outer = tf.function(lambda value: inner(value))
+    began = time.perf_counter()
+    outer(x)
+    in_function = time.perf_counter() - began
+    return {"first_s": first, "later_s": later, "first_in_tf_function_s": in_function}
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    counts = [int(k) for k in _DEVICES.value]
+    import tfshard  # after flags: --help stays fast
+
+    tfshard.virtual_devices(max(counts))
+    import numpy as np
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    rows = []
+    print(f"{'K':>2} {'leaves':>6} {'first s':>8} {'in tf.function s':>17} {'later s':>8}")
+    for leaves in (int(n) for n in _LEAVES.value):
+        for k in counts:
+            times = first_calls(tfshard, tf, np, k, leaves)
+            rows.append({"devices": k, "leaves": leaves, **times})
+            print(
+                f"{k:>2} {leaves:>6} {times['first_s']:>8.2f} "
+                f"{times['first_in_tf_function_s']:>17.2f} {times['later_s']:>8.4f}",
+                flush=True,
+            )
+    if _JSON.value:
+        with open(_JSON.value, "w") as out:
+            json.dump({"tfshard": tfshard.__file__, "rows": rows}, out, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
