@@ -61,20 +61,6 @@ def _start_grandchild(then, *, pid_dir, ignore_term=False):
     return child.pid
 
 
-def _gone(pid, seconds=10.0):
-    """True once pid is gone or a zombie (init reaps what it inherits, on its own time)."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.fixture
 def worker_pids(monkeypatch):
     """The pids of the workers the test starts, recorded as they are spawned."""
@@ -144,18 +130,20 @@ def test_workers_past_the_timeout_are_stopped(worker_pids):
     _assert_all_gone(worker_pids)
 
 
-def test_processes_a_worker_started_end_with_it_on_timeout(worker_pids, tmp_path):
+def test_processes_a_worker_started_end_with_it_on_timeout(worker_pids, tmp_path, process_gone):
     # The worker needs a few seconds to import TensorFlow before it starts its child.
     with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=20 s"):
         processes.run_per_device(
             _start_grandchild, ["hang"], shared={"pid_dir": tmp_path}, devices=["cpu"], timeout=20
         )
     [pid_file] = tmp_path.glob("grandchild-*")
-    assert _gone(int(pid_file.read_text()))
+    assert process_gone(int(pid_file.read_text()))
     _assert_all_gone(worker_pids)
 
 
-def test_processes_a_worker_started_end_after_a_normal_exit(worker_pids, tmp_path, monkeypatch):
+def test_processes_a_worker_started_end_after_a_normal_exit(
+    worker_pids, tmp_path, monkeypatch, process_gone
+):
     # One child ignores SIGTERM, so ending it takes the SIGKILL after the grace.
     monkeypatch.setattr(processes, "_GRACE_S", 0.5)
     grandchildren = processes.run_per_device(
@@ -165,7 +153,7 @@ def test_processes_a_worker_started_end_after_a_normal_exit(worker_pids, tmp_pat
         devices=["cpu", "cpu"],
         timeout=120,
     )
-    assert all(_gone(pid, seconds=5) for pid in grandchildren)
+    assert all(process_gone(pid, seconds=5) for pid in grandchildren)
     _assert_all_gone(worker_pids)
 
 

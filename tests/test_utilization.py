@@ -41,60 +41,6 @@ def no_monitor_thread_left():
 
 
 @pytest.fixture
-def fake_nvidia_smi(monkeypatch, tmp_path) -> Callable[[str], Path]:
-    """Puts the fake first on PATH; returns a function that picks a scenario.
-
-    The fake counts its calls in the returned state directory (files "calls" and "pid").
-    """
-    return fake.install(monkeypatch, tmp_path)
-
-
-@pytest.fixture
-def nvidia_smi_several_gpus_busy(fake_nvidia_smi):
-    return fake_nvidia_smi("several_gpus_busy")
-
-
-@pytest.fixture
-def nvidia_smi_units_and_header(fake_nvidia_smi):
-    return fake_nvidia_smi("several_gpus_busy_with_units_and_header")
-
-
-@pytest.fixture
-def nvidia_smi_one_gpu_idle(fake_nvidia_smi):
-    return fake_nvidia_smi("one_gpu_idle")
-
-
-@pytest.fixture
-def nvidia_smi_not_supported_fields(fake_nvidia_smi):
-    return fake_nvidia_smi("not_supported_fields")
-
-
-@pytest.fixture
-def nvidia_smi_mig_enabled(fake_nvidia_smi):
-    return fake_nvidia_smi("mig_enabled")
-
-
-@pytest.fixture
-def nvidia_smi_utilization_changes(fake_nvidia_smi):
-    return fake_nvidia_smi("utilization_changes")
-
-
-@pytest.fixture
-def nvidia_smi_driver_library_mismatch(fake_nvidia_smi):
-    return fake_nvidia_smi("driver_library_mismatch")
-
-
-@pytest.fixture
-def nvidia_smi_driver_hangs(fake_nvidia_smi):
-    return fake_nvidia_smi("driver_hangs")
-
-
-@pytest.fixture
-def nvidia_smi_no_devices(fake_nvidia_smi):
-    return fake_nvidia_smi("no_devices")
-
-
-@pytest.fixture
 def no_nvidia_driver(monkeypatch, tmp_path):
     """A PATH with no nvidia-smi on it, as on this machine."""
     empty = tmp_path / "empty-bin"
@@ -277,7 +223,9 @@ def test_hung_nvidia_smi_is_killed(nvidia_smi_driver_hangs):
         os.kill(pid, 0)
 
 
-def test_hung_nvidia_smi_is_killed_with_what_it_started(nvidia_smi_driver_hangs, tmp_path):
+def test_hung_nvidia_smi_is_killed_with_what_it_started(
+    nvidia_smi_driver_hangs, tmp_path, process_gone
+):
     # A wrapper script runs nvidia-smi as its child; killing only the wrapper left the
     # hung nvidia-smi running, one per failed call.
     wrapper = tmp_path / "wrapper" / "nvidia-smi"
@@ -288,21 +236,7 @@ def test_hung_nvidia_smi_is_killed_with_what_it_started(nvidia_smi_driver_hangs,
     with pytest.raises(UtilizationError, match=r"did not answer within 2 s and was killed"):
         utilization.query(wrapper, timeout=2)
     assert time.monotonic() - start < 10
-    assert _gone(int((nvidia_smi_driver_hangs / "pid").read_text()))
-
-
-def _gone(pid: int, seconds: float = 5.0) -> bool:
-    """True once pid is gone or a zombie (init reaps what it inherits, on its own time)."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
+    assert process_gone(int((nvidia_smi_driver_hangs / "pid").read_text()))
 
 
 @pytest.mark.parametrize(

@@ -25,36 +25,6 @@ REPO = Path(__file__).resolve().parents[1]
 _calls = fake.calls
 
 
-@pytest.fixture
-def fake_nvidia_smi(monkeypatch, tmp_path):
-    return fake.install(monkeypatch, tmp_path)
-
-
-@pytest.fixture
-def nvidia_smi_several_gpus_busy(fake_nvidia_smi):
-    return fake_nvidia_smi("several_gpus_busy")
-
-
-@pytest.fixture
-def nvidia_smi_one_gpu_idle(fake_nvidia_smi):
-    return fake_nvidia_smi("one_gpu_idle")
-
-
-@pytest.fixture
-def nvidia_smi_not_supported_fields(fake_nvidia_smi):
-    return fake_nvidia_smi("not_supported_fields")
-
-
-@pytest.fixture
-def nvidia_smi_utilization_changes(fake_nvidia_smi):
-    return fake_nvidia_smi("utilization_changes")
-
-
-@pytest.fixture
-def nvidia_smi_no_devices(fake_nvidia_smi):
-    return fake_nvidia_smi("no_devices")
-
-
 def test_public_names_live_on_in_tfshard_utilization():
     assert utilization.format_table is format_table is _utilization_cli.format_table
     assert utilization.run_cli is run_cli is _utilization_cli.run_cli
