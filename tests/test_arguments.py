@@ -137,3 +137,15 @@ def test_row_spec():
     deeper = tf.ragged.constant([[[1], [2, 3]], [[4]]])
     assert _arguments.row_spec(deeper) == tf.RaggedTensorSpec([None, None], tf.int32, 1)
     assert _arguments.row_spec(tf.zeros([5, 2])) == tf.TensorSpec([2], tf.float32)
+
+
+@pytest.mark.parametrize(
+    "batch", [[np.str_("ab"), np.str_("c")], [np.float32(1), np.float32(2)], list(tf.range(2))]
+)
+def test_a_list_of_scalars_says_to_stack_it(batch):
+    with pytest.raises(
+        ArgumentError,
+        match=r"x\[0\] is a scalar \(rank 0\): x is a Python list of scalars.*"
+        r"np\.asarray\(x\) \(or tf\.stack\(x\)\) to split it as a batch of 2 rows",
+    ):
+        _arguments.Arguments(fn, (), "fn").classify((batch,), {})

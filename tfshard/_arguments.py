@@ -286,10 +286,18 @@ class Arguments:
                 "every shard all of it"
             )
         if tensor.shape.rank == 0:
+            where = _trees.path(name, structure, i)
+            if _is_sequence(structure):
+                raise ArgumentError(
+                    f"{where} is a scalar (rank 0): {name} is a Python {structure[0].__name__} "
+                    "of scalars, which tfshard reads as a structure of separate values, not a "
+                    f"batch; pass np.asarray({name}) (or tf.stack({name})) to split it as a "
+                    f"batch of {len(structure[1])} rows"
+                )
             raise ArgumentError(
-                f"{_trees.path(name, structure, i)} is a scalar (rank 0), so it has no rows "
-                f"to split; pass it in broadcast=({name!r},) to give every shard the same "
-                "value, or as a Python number"
+                f"{where} is a scalar (rank 0), so it has no rows to split; pass it in "
+                f"broadcast=({name!r},) to give every shard the same value, or as a Python "
+                "number"
             )
         n = tensor.shape[0]
         if n is not None:
@@ -304,6 +312,15 @@ class Arguments:
         found.split.append(tensor)
         found.keys.append(LeafKey("split", spec_key(tensor, split=True), device_of(tensor)))
         return "split"
+
+
+def _is_sequence(structure: Hashable) -> bool:
+    """Whether a structure key is a plain list or tuple (not a namedtuple)."""
+    return (
+        structure is not _trees.LEAF
+        and issubclass(structure[0], list | tuple)
+        and not hasattr(structure[0], "_fields")
+    )
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
