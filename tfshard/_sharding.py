@@ -331,7 +331,9 @@ class Engine:
         total, sizes = self._plan(inputs, split_devices, template.split_paths(), host)
         with tf.device(host):
             per_shard = tf.unstack(sizes, num=count)
-            has_rows = [size > 0 for size in per_shard]
+            # Only a per-sample shard skips its function when empty (a whole-shard
+            # function sees its empty batch); None keeps the predicate out of the graph.
+            has_rows = [size > 0 if self.per_sample else None for size in per_shard]
         pieces = []
         for tensor, device in zip(inputs, split_devices):
             # Split where the input lives, so each shard crosses to its device once.
@@ -343,14 +345,16 @@ class Engine:
             with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device):
                 outputs.append(shard([p[k] for p in pieces], has_rows[k]))
         structure, flat = check_outputs(outputs, self.devices, concatenated=self.reduce is None)
+        counted: dict[int, tf.Tensor] = {}
+        if gather:
+            with tf.name_scope("tfshard_collect"), tf.device(self.output):
+                results, counted = self._collect(structure, flat, per_shard, total)
         if not self.per_sample:
             with tf.name_scope("tfshard_rows"):
-                self._check_rows(structure, flat, per_shard, host)
+                self._check_rows(structure, flat, sizes, host, counted)
         if not gather:
             return outputs
-        with tf.name_scope("tfshard_collect"), tf.device(self.output):
-            results = self._collect(structure, flat, per_shard, total)
-            return _trees.build(structure, iter(results))
+        return _trees.build(structure, iter(results))
 
     def _plan(
         self, inputs: Sequence[Any], split_devices: Sequence[str], paths: list[str], host: str
@@ -377,22 +381,31 @@ class Engine:
                 return counts[0], plan_sizes(counts[0], len(self.devices), self.weights)
 
     def _check_rows(
-        self, structure: Hashable, flat: list[list[Any]], sizes: list[tf.Tensor], host: str
+        self,
+        structure: Hashable,
+        flat: list[list[Any]],
+        sizes: tf.Tensor,
+        host: str,
+        counted: dict[int, tf.Tensor],
     ) -> None:
         """Checks, on the host, that per-row outputs of whole shards have one row per row.
 
         Gathered outputs are all per-row; under a reduction, those whose first
-        dimension is unknown when traced (as the shard's rows are) are.
+        dimension is unknown when traced (as the shard's rows are) are. A
+        gathered output's counts come from its gather (`counted`); others get
+        a Shape op per shard.
         """
         for i, first in enumerate(flat[0]):
             if self.reduce is not None and not per_row(first):
                 continue
             path = _trees.path("outputs", structure, i)
-            counts = [row_count(flat[k][i], d, host) for k, d in enumerate(self.devices)]
+            got = counted.get(i)
+            if got is None:
+                got = tf.stack([row_count(flat[k][i], d, host) for k, d in enumerate(self.devices)])
             with tf.device(host):  # one check per output, all shards at once
                 host_assert(
-                    tf.stack(counts),
-                    tf.stack(sizes),
+                    got,
+                    sizes,
                     f"{ROWS_DIFFER} {path} :end (each shard's, then its input rows: with "
                     "per_sample=False an output needs one row per input row, or a fixed "
                     "shape under reduce=)",
@@ -400,13 +413,21 @@ class Engine:
 
     def _collect(
         self, structure: Hashable, flat: list[list[Any]], sizes: list[tf.Tensor], total: tf.Tensor
-    ) -> list[Any]:
-        """Each output leaf gathered in shard order, or reduced over all samples."""
-        results = []
+    ) -> tuple[list[Any], dict[int, tf.Tensor]]:
+        """Each output leaf gathered in shard order, or reduced over all samples.
+
+        Returns:
+          The results, and for gathered leaves the row count of each shard's
+          output as the gather saw it (by leaf index; none for unknown rank).
+        """
+        results, counted = [], {}
         for i in range(len(flat[0])):
             per_shard = [leaves[i] for leaves in flat]
             if self.reduce is None:
-                results.append(collect.gather(per_shard))
+                result, lengths = collect.gather_counted(per_shard)
+                results.append(result)
+                if lengths is not None:
+                    counted[i] = lengths
                 continue
             path = _trees.path("outputs", structure, i)
             collect.check_reducible(per_shard[0], self.reduce_label or self.reduce, path)
@@ -419,7 +440,7 @@ class Engine:
                         collect.shard_partial(per_shard[k], sizes[k], self.reduce, by_row)
                     )
             results.append(collect.combine(partials, total, self.reduce))
-        return results
+        return results, counted
 
     def user_fn(self) -> Callable[..., Any]:
         """The function with autograph applied, as `tf.function` would apply it."""
@@ -469,7 +490,7 @@ class Engine:
             per_shard = self._vectorized(call, example)
         else:
 
-            def per_shard(rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
+            def per_shard(rows_in: Sequence[Any], has_rows: None) -> Any:
                 return call(rows_in)  # the function's batch is the whole shard
 
         if not once:
@@ -529,7 +550,7 @@ def host_assert(got: tf.Tensor, want: tf.Tensor, message: str) -> tf.Operation:
     return tf.raw_ops.Assert(
         condition=tf.reduce_all(tf.equal(got, want)),
         data=[tf.constant(message), got, want],
-        summarize=int(got.shape[0]),
+        summarize=int(want.shape[0]),  # K: a row count per shard
     )
 
 

@@ -37,34 +37,52 @@ def gather(values: Sequence[tf.Tensor | tf.RaggedTensor]) -> tf.Tensor | tf.Ragg
     Returns:
       A tensor whose rows are shard 0's rows, then shard 1's, and so on.
     """
+    return gather_counted(values)[0]
+
+
+def gather_counted(values: Sequence[Any]) -> tuple[Any, tf.Tensor | None]:
+    """`gather`, and each shard's row count as the gather itself saw it.
+
+    The counts are the lengths the TensorList concat computes anyway (an int64
+    vector, one per shard), so checking them costs no extra op per shard;
+    None for outputs of unknown rank.
+    """
     if isinstance(values[0], tf.RaggedTensor):
         # A ragged tensor is its flat values plus one row-lengths vector per
         # ragged dimension; gathering each part in order gathers the whole.
-        flat = _concat([v.flat_values for v in values])
-        lengths = [
+        flat, _ = _concat([v.flat_values for v in values])
+        parts = [
             _concat([v.nested_row_lengths()[level] for v in values])
             for level in range(values[0].ragged_rank)
         ]
-        return tf.RaggedTensor.from_nested_row_lengths(flat, lengths, validate=False)
+        lengths = [part for part, _ in parts]
+        result = tf.RaggedTensor.from_nested_row_lengths(flat, lengths, validate=False)
+        return result, parts[0][1]  # a shard's rows: entries of its outer row lengths
     return _concat(list(values))
 
 
-def _concat(values: list[tf.Tensor]) -> tf.Tensor:
-    # [n_k, *inner] x K -> [sum n_k, *inner]
+def _concat(values: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor | None]:
+    # [n_k, *inner] x K -> [sum n_k, *inner], and the n_k
     if any(value.shape.rank is None for value in values):
-        return _concat_unknown_rank(values)
+        return _concat_unknown_rank(values), None
     inner = values[0].shape[1:]
     for value in values[1:]:
         inner = inner.most_specific_compatible_shape(value.shape[1:])
+    element_shape = tf.TensorShape([None]).concatenate(inner)
     array = tf.TensorArray(
-        values[0].dtype,
-        size=len(values),
-        infer_shape=False,
-        element_shape=tf.TensorShape([None]).concatenate(inner),
+        values[0].dtype, size=len(values), infer_shape=False, element_shape=element_shape
     )
     for k, value in enumerate(values):
         array = array.write(k, value)
-    return array.concat()
+    # TensorArray.concat drops the op's second output, the rows of each entry.
+    result, lengths = tf.raw_ops.TensorListConcatV2(
+        input_handle=array.flow,
+        element_dtype=values[0].dtype,
+        element_shape=tf.constant([-1 if d is None else d for d in element_shape], tf.int64),
+        leading_dims=tf.zeros([0], tf.int64),
+    )
+    result.set_shape(element_shape)
+    return result, lengths
 
 
 def _concat_unknown_rank(values: list[tf.Tensor]) -> tf.Tensor:
