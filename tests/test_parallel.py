@@ -923,3 +923,36 @@ def test_a_saved_model_exports_the_tf_function_that_calls_it(tmp_path):
     loaded = tf.saved_model.load(str(tmp_path))
     assert not hasattr(loaded, "embed")  # a ShardedFunction is not a tf.function: not exported
     np.testing.assert_allclose(loaded.serve(x).numpy(), x @ module.w.numpy(), rtol=RTOL)
+
+
+def test_a_keras_model_built_first_trains_through_tfshard_as_on_one_device():
+    model = tf.keras.Sequential([tf.keras.Input([6]), tf.keras.layers.Dense(3)])  # built
+    x = rng.normal(size=[10, 6]).astype(np.float32)
+    y = rng.normal(size=[10, 3]).astype(np.float32)
+
+    def loss(batch, target):
+        return tf.reduce_mean(tf.square(model(batch) - target))
+
+    f = tfshard.parallelize(loss, per_sample=False, reduce="mean", devices=CPUS[:3])
+    with tf.GradientTape() as tape:
+        sharded = f(x, y)
+    grads = tape.gradient(sharded, model.trainable_variables)
+    with tf.GradientTape() as tape:
+        one = loss(x, y)
+    expected = tape.gradient(one, model.trainable_variables)
+    assert all(g is not None for g in grads)
+    for g, e in zip(grads, expected):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_batch_norm_updates_its_moving_statistics_once_per_shard_as_documented():
+    bn = tf.keras.layers.BatchNormalization(momentum=0.5, epsilon=0.0)
+    bn.build((None, 1))
+    x = np.array([[0.0], [2.0], [10.0], [14.0]], np.float32)  # shard means 1 and 12
+    f = tfshard.parallelize(lambda b: bn(b, training=True), per_sample=False, devices=CPUS[:2])
+    f(x)
+    # Each shard moves the mean halfway to its own batch mean, one after the other.
+    either_order = [0.5 * (0.5 * 1.0) + 0.5 * 12.0, 0.5 * (0.5 * 12.0) + 0.5 * 1.0]
+    moved = float(bn.moving_mean.numpy()[0])
+    assert any(moved == pytest.approx(v) for v in either_order), moved
+    assert moved != pytest.approx(0.5 * x.mean())  # what one device's update gives
