@@ -247,9 +247,9 @@ class Engine:
     def call_error(self, error: tf.errors.OpError, rows: int | None) -> Exception:
         """A failed call's error, naming the shard and, for a dead worker, the remedy."""
         if ROWS_DIFFER in error.message:
-            return self._rows_error(error.message)
+            return rows_error(self.name, self.devices, error.message)
         if INPUTS_DIFFER in error.message:
-            return self._inputs_error(error.message)
+            return inputs_error(self.name, error.message)
         match = _SHARD_NODE_RE.search(error.message)
         wrapped = error
         if match is not None:
@@ -275,33 +275,6 @@ class Engine:
         if hint is not None:
             wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
         return wrapped
-
-    def _inputs_error(self, message: str) -> ArgumentError:
-        """The failed in-graph check of the split arguments' rows as an ArgumentError."""
-        paths = _assert_text(message, INPUTS_DIFFER).split(", ")
-        got, want, k = _assert_vectors(message)
-        if k is None or k >= len(paths):
-            differ = "the split arguments have different numbers of rows"
-        else:
-            differ = f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
-        return ArgumentError(
-            f"{self.name}: {differ}; every split argument needs the same leading dimension "
-            "(name an argument in broadcast=(...) to copy it whole to each device)"
-        )
-
-    def _rows_error(self, message: str) -> ArgumentError:
-        """The failed check of `_check_rows` as an ArgumentError naming shard and fix."""
-        path = _assert_text(message, ROWS_DIFFER)
-        got, want, k = _assert_vectors(message)
-        where = ""
-        if k is not None:
-            where = f" on shard {k} ({self.devices[k]}) has {got[k]} rows for {want[k]}"
-        return ArgumentError(
-            f"{self.name}: {path}{where or ' has the wrong number of rows'}; with "
-            "per_sample=False each output must have one row per input row to be gathered "
-            "in order (return a [rows, ...] tensor), or be of fixed shape under reduce= "
-            "(a shard's value: pass reduce='sum'/'mean'/'max'/'min')"
-        )
 
     # ------------------------------------------------------------- body
 
@@ -442,20 +415,6 @@ class Engine:
             results.append(collect.combine(partials, total, self.reduce))
         return results, counted
 
-    def user_fn(self) -> Callable[..., Any]:
-        """The function with autograph applied, as `tf.function` would apply it."""
-        if self._converted is None:
-            fn = self.fn
-            # A bound method converts as its function, then binds again.
-            bound_to = fn.__self__ if isinstance(fn, types.MethodType) else None
-            plain = fn.__func__ if bound_to is not None else fn
-            if not hasattr(plain, "get_concrete_function"):
-                # Not convertible: call it as written.
-                with contextlib.suppress(Exception):
-                    plain = tf.autograph.to_graph(plain)
-            self._converted = plain if bound_to is None else types.MethodType(plain, bound_to)
-        return self._converted
-
     def _shard_fn(
         self,
         template: _arguments.Template,
@@ -467,7 +426,9 @@ class Engine:
 
         With `once`, a `tf.function` traced on the first shard and called by all.
         """
-        fn, name, per_sample = self.user_fn(), self.name, self.per_sample
+        if self._converted is None:
+            self._converted = autographed(self.fn)
+        fn, name, per_sample = self._converted, self.name, self.per_sample
 
         def call(rows_in: Sequence[Any]) -> Any:
             args, kwargs = template.rebuild(rows_in, shared)
@@ -487,7 +448,7 @@ class Engine:
             return to_tensors(outputs, name)
 
         if per_sample:
-            per_shard = self._vectorized(call, example)
+            per_shard = vectorized(call, example, self.ragged)
         else:
 
             def per_shard(rows_in: Sequence[Any], has_rows: None) -> Any:
@@ -501,38 +462,78 @@ class Engine:
         # so each call's tf.device scope places them (K traces cost K times as long).
         return tf.function(per_shard, autograph=False, jit_compile=self.jit_compile or None)
 
-    def _vectorized(
-        self, call: Callable[[Sequence[Any]], Any], example: Sequence[Any]
-    ) -> Callable[[Sequence[Any], tf.Tensor], Any]:
-        """`call` of one sample, mapped over the rows of a shard."""
-        signature = sample_signature(call, example, self.ragged)
-        leaves, _ = _trees.flatten(signature)
-        # Rows of different lengths in or out: vectorize cannot stack them.
-        ragged = (
-            self.ragged
-            or any(isinstance(t, tf.RaggedTensor) for t in example)
-            or any(isinstance(s, tf.RaggedTensorSpec) for s in leaves)
-        )
 
-        def each(rows_in: Sequence[Any]) -> Any:
-            if ragged:
-                return tf.map_fn(
-                    call, tuple(rows_in), fn_output_signature=signature, name="per_sample"
-                )
-            return tf.vectorized_map(call, tuple(rows_in), fallback_to_while_loop=True)
+def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with autograph applied, as `tf.function` would apply it."""
+    # A bound method converts as its function, then binds again.
+    bound_to = fn.__self__ if isinstance(fn, types.MethodType) else None
+    plain = fn.__func__ if bound_to is not None else fn
+    if not hasattr(plain, "get_concrete_function"):
+        # Not convertible: call it as written.
+        with contextlib.suppress(Exception):
+            plain = tf.autograph.to_graph(plain)
+    return plain if bound_to is None else types.MethodType(plain, bound_to)
 
-        # A shard with no rows skips the function: vectorized_map over nothing
-        # gives outputs of the wrong inner shape (a per-sample matmul's [0, 2, 1]
-        # for [0, 2, 3]), and some conversions fail on it outright (pfor's
-        # tf.print reads row 0). The predicate is the planned size, known before
-        # the shard's rows are. The cond costs a per-sample call on 2 CPU devices
-        # ~1.5 % at 8 rows and ~5 % at 1024 (no buffer forwarding into its branch);
-        # a reshape to the per-sample shape would fix the shapes for free, but not
-        # the failures, which nothing in the graph announces.
-        def guarded(rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
-            return tf.cond(has_rows, lambda: each(rows_in), lambda: collect.empty(signature))
 
-        return guarded
+def vectorized(
+    call: Callable[[Sequence[Any]], Any], example: Sequence[Any], ragged_outputs: bool
+) -> Callable[[Sequence[Any], tf.Tensor], Any]:
+    """`call` of one sample, mapped over the rows of a shard."""
+    signature = sample_signature(call, example, ragged_outputs)
+    leaves, _ = _trees.flatten(signature)
+    # Rows of different lengths in or out: vectorize cannot stack them.
+    ragged = (
+        ragged_outputs
+        or any(isinstance(t, tf.RaggedTensor) for t in example)
+        or any(isinstance(s, tf.RaggedTensorSpec) for s in leaves)
+    )
+
+    def each(rows_in: Sequence[Any]) -> Any:
+        if ragged:
+            return tf.map_fn(call, tuple(rows_in), fn_output_signature=signature, name="per_sample")
+        return tf.vectorized_map(call, tuple(rows_in), fallback_to_while_loop=True)
+
+    # A shard with no rows skips the function: vectorized_map over nothing
+    # gives outputs of the wrong inner shape (a per-sample matmul's [0, 2, 1]
+    # for [0, 2, 3]), and some conversions fail on it outright (pfor's
+    # tf.print reads row 0). The predicate is the planned size, known before
+    # the shard's rows are. The cond costs a per-sample call on 2 CPU devices
+    # ~1.5 % at 8 rows and ~5 % at 1024 (no buffer forwarding into its branch);
+    # a reshape to the per-sample shape would fix the shapes for free, but not
+    # the failures, which nothing in the graph announces.
+    def guarded(rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
+        return tf.cond(has_rows, lambda: each(rows_in), lambda: collect.empty(signature))
+
+    return guarded
+
+
+def inputs_error(name: str, message: str) -> ArgumentError:
+    """The failed in-graph check of the split arguments' rows as an ArgumentError."""
+    paths = _assert_text(message, INPUTS_DIFFER).split(", ")
+    got, want, k = _assert_vectors(message)
+    if k is None or k >= len(paths):
+        differ = "the split arguments have different numbers of rows"
+    else:
+        differ = f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
+    return ArgumentError(
+        f"{name}: {differ}; every split argument needs the same leading dimension "
+        "(name an argument in broadcast=(...) to copy it whole to each device)"
+    )
+
+
+def rows_error(name: str, devices: Sequence[str], message: str) -> ArgumentError:
+    """The failed check of `_check_rows` as an ArgumentError naming shard and fix."""
+    path = _assert_text(message, ROWS_DIFFER)
+    got, want, k = _assert_vectors(message)
+    where = ""
+    if k is not None:
+        where = f" on shard {k} ({devices[k]}) has {got[k]} rows for {want[k]}"
+    return ArgumentError(
+        f"{name}: {path}{where or ' has the wrong number of rows'}; with "
+        "per_sample=False each output must have one row per input row to be gathered "
+        "in order (return a [rows, ...] tensor), or be of fixed shape under reduce= "
+        "(a shard's value: pass reduce='sum'/'mean'/'max'/'min')"
+    )
 
 
 def _assert_text(message: str, marker: str) -> str:
