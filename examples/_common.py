@@ -16,16 +16,37 @@ first op or device query), so a script calls `setup_devices` first thing in
 
 import contextlib
 import os
+import shutil
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-import tensorflow as tf
-from absl import flags
 
-import tfshard
+def quiet_without_gpu(environ: dict[str, str] = os.environ) -> bool:  # noqa: B006
+    """Hides TensorFlow's C++ log on a machine with no NVIDIA driver; True if it did.
+
+    There, TensorFlow logs its CUDA probe failing ("failed call to cuInit ...
+    (303)", an E-level line) and a few INFO lines on every run: noise that looks
+    like an error. Where a driver is installed the log stays, so a real GPU
+    failure is seen; a TF_CPP_MIN_LOG_LEVEL the user set is kept. It must run
+    before TensorFlow is imported.
+    """
+    if "TF_CPP_MIN_LOG_LEVEL" in environ:
+        return False
+    if shutil.which("nvidia-smi") or os.path.exists("/proc/driver/nvidia"):
+        return False
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    return True
+
+
+quiet_without_gpu()
+
+import tensorflow as tf  # noqa: E402  (after the log level is set)
+from absl import flags  # noqa: E402
+
+import tfshard  # noqa: E402
 
 # Flags defined by the functions below belong to the script that calls them,
 # so they show up in that script's --help.

@@ -140,6 +140,8 @@ def cli_runs(tmp_path_factory):
     started["no_nvidia_smi"] = _run(
         "check_utilization", "--duration=0", "--matrix_size=8", env=no_driver
     )
+    quiet = {k: v for k, v in no_driver.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    started["no_driver_log"] = _run("matmul_scaling", "--size=8", "--repeats=1", env=quiet)
     results = {}
     for name, process in started.items():
         stdout, stderr = process.communicate(timeout=180)
@@ -187,6 +189,24 @@ def test_bad_flag_value_stops_with_one_line(cli_runs):
     assert _user_lines(stderr)[0].startswith(
         "FATAL Flags parsing error: flag --virtual_devices=0: 0 is not a positive integer"
     )
+
+
+def test_no_cuinit_noise_on_a_machine_without_a_driver(cli_runs):
+    code, _, stderr = cli_runs["no_driver_log"]
+    assert code == 0, stderr[-2000:]
+    assert "cuInit" not in stderr and "E0000" not in stderr
+
+
+def test_tf_logs_stay_where_a_driver_is_installed(ex, monkeypatch, tmp_path):
+    driver = tmp_path / "nvidia-smi"
+    driver.write_text("#!/bin/sh\n")
+    driver.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert ex._common.quiet_without_gpu({}) is False
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    environ = {}
+    assert ex._common.quiet_without_gpu(environ) is True and environ["TF_CPP_MIN_LOG_LEVEL"] == "3"
+    assert ex._common.quiet_without_gpu({"TF_CPP_MIN_LOG_LEVEL": "0"}) is False
 
 
 def test_unknown_device_stops_with_one_line(cli_runs):
