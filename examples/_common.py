@@ -14,7 +14,10 @@ first op or device query), so a script calls `setup_devices` first thing in
   `DEFAULT_VIRTUAL_DEVICES` logical devices, and the script says so.
 """
 
+from __future__ import annotations
+
 import contextlib
+import importlib
 import os
 import shutil
 import statistics
@@ -41,9 +44,25 @@ def quiet_without_gpu(environ: dict[str, str] = os.environ) -> bool:  # noqa: B0
     return True
 
 
-quiet_without_gpu()
+class _Deferred:
+    """A module imported on its first attribute use (`tf.constant`), not at import.
 
-import tensorflow as tf  # noqa: E402  (after the log level is set)
+    TensorFlow takes seconds to import, and an example's --help or a bad flag
+    needs none of it: absl parses the flags before `main` uses it. (A
+    `importlib.util.LazyLoader` would not do: ``import tensorflow`` anywhere
+    reads the module's ``__spec__`` and so loads it.)
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)
+
+
+quiet_without_gpu()  # before TensorFlow loads, whenever that is
+tf: Any = _Deferred("tensorflow")
+
 from absl import flags  # noqa: E402
 
 import tfshard  # noqa: E402

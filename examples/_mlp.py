@@ -1,7 +1,9 @@
 """The embedding MLP of the examples that embed samples: weights and one sample's embedding."""
 
+from __future__ import annotations
+
 import numpy as np
-import tensorflow as tf
+from _common import tf
 
 
 def make_params(features: int, hidden: int, dim: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -14,11 +14,13 @@ with status 2. Exit status: 0 busy, 1 not busy, 2 no reading possible.
     python examples/check_utilization.py --nvidia_smi=/usr/bin/nvidia-smi --threshold=80
 """
 
+from __future__ import annotations
+
 import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import tensorflow as tf
+from _common import tf
 from absl import app, flags
 
 import tfshard

@@ -18,6 +18,8 @@ It connects this process to a cluster, so it runs as a script (a smoke test
 runs it as a subprocess), not imported next to other examples.
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
 import select
@@ -31,11 +33,10 @@ from typing import NamedTuple
 import _common
 import _mlp
 import numpy as np
-import tensorflow as tf
+from _common import tf
 from absl import app, flags
 
 import tfshard
-from tfshard import cluster, pinning, worker
 from tfshard.errors import ClusterError
 
 FEATURES, HIDDEN, DIM = 64, 256, 32
@@ -109,6 +110,8 @@ def local_workers(count: int) -> Iterator[str]:
 
 def _wait_ready(child: subprocess.Popen, task: int, deadline: float) -> str:
     """The worker's ready line, or ClusterError when it exits or `deadline` passes."""
+    from tfshard import worker  # imports TensorFlow: not before flags are parsed
+
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -155,6 +158,8 @@ def build(devices: Sequence[str], output_device: str = "cpu:0") -> tfshard.Shard
 
 def network_note(f: tfshard.ShardedFunction) -> str:
     """Which shards run on other machines, and what crosses the network per call."""
+    from tfshard import cluster, pinning  # import TensorFlow: not before flags are parsed
+
     lines = []
     for k, device in enumerate(f.devices):
         if pinning.is_remote(device):

@@ -17,12 +17,14 @@ tolerance), printing both loss curves.
     python examples/data_parallel_training.py --plot=loss.png   # needs matplotlib
 """
 
+from __future__ import annotations
+
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import _common
 import numpy as np
-import tensorflow as tf
+from _common import tf
 from absl import app, flags
 
 import tfshard

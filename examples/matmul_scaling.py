@@ -13,11 +13,13 @@ gathered there, so the transfers to the other devices are part of the time.
     python examples/matmul_scaling.py --devices=gpu:0,gpu:1 --size=8192
 """
 
+from __future__ import annotations
+
 from typing import NamedTuple
 
 import _common
 import numpy as np
-import tensorflow as tf
+from _common import tf
 from absl import app, flags
 
 import tfshard

@@ -13,13 +13,15 @@ in the same run (warm-up first, median of --repeats runs).
     python examples/parallel_map.py --batch_size=4096 --progress   # a tf.data stream
 """
 
+from __future__ import annotations
+
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import _common
 import _mlp
 import numpy as np
-import tensorflow as tf
+from _common import tf
 from absl import app, flags
 
 import tfshard

@@ -18,6 +18,8 @@ share of the cores.
         --learning_rates=0.1,0.3,1.0
 """
 
+from __future__ import annotations
+
 import os
 import time
 from collections.abc import Sequence
@@ -25,11 +27,10 @@ from typing import Any
 
 import _common
 import numpy as np
-import tensorflow as tf
+from _common import tf
 from absl import app, flags
 
 import tfshard
-from tfshard import processes
 
 _VIRTUAL_DEVICES = _common.define_virtual_devices_flag(
     "Run N workers on the CPU, each its own process, instead of one per GPU. "
@@ -175,7 +176,7 @@ def run_sweep(
     """
     cpu_workers = sum(1 for d in devices if str(d).strip().lower().startswith(("cpu", "/cpu")))
     threads = max(1, (os.cpu_count() or 1) // cpu_workers) if cpu_workers else None
-    return processes.run_per_device(
+    return tfshard.processes.run_per_device(
         train_trial,
         [float(r) for r in learning_rates],
         shared={

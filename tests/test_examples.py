@@ -493,3 +493,23 @@ def test_check_utilization_step_computes_the_product(ex):
     a = rng.standard_normal((8, 8), dtype=np.float32)
     b = rng.standard_normal((8, 8), dtype=np.float32)
     assert step() == pytest.approx(float((a @ b).sum()), rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_answers_before_tensorflow_loads(script):
+    # --help (or a bad flag) needs none of TensorFlow, which takes seconds to import.
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(EXAMPLES / f'{script}.py')!r}, '--help']\n"
+        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
+        "try:\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('tensorflow loaded:', 'tensorflow' in sys.modules, file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert "  --" in result.stdout  # the flags are listed
+    assert "tensorflow loaded: False" in result.stderr, result.stderr[-2000:]
