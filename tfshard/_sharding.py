@@ -294,9 +294,9 @@ class Engine:
 
         With `once`, a call traces the function once for all shards (the first
         call's cost); the dataset loop, traced once per element spec, passes
-        False to trace it per shard,
-        because inside its while loop only the shard's own ops keep the
-        ``tfshard_shard_k/`` names that let an error name the failing shard.
+        False to trace it per shard, because inside its while loop only the
+        shard's own ops keep the ``tfshard_shard_k/`` names that let an error
+        name the failing shard.
         """
         count = len(self.devices)
         inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
