@@ -158,8 +158,6 @@ def test_shards_run_concurrently():
     assert out.numpy().ravel().tolist() == [0, 1, 2, 3]
 
 
-
-
 # ------------------------------------------------------- output checks
 
 

@@ -32,7 +32,8 @@ from tfshard.errors import ArgumentError, TfshardError, shard_error, user_frames
 # and in `Engine.plan`.
 WEIGHT_SCALE = 1 << 24
 SHARD_SCOPE = "tfshard_shard_"
-_SHARD_NODE_RE = re.compile(SHARD_SCOPE + r"(\d+)/")
+# The failing node itself, not the other nodes TF lists as context (aborted receives).
+_SHARD_NODE_RE = re.compile(r"\{\{node [^}]*?" + SHARD_SCOPE + r"(\d+)/")
 MAX_ROWS = _arguments.MAX_ROWS
 # Marks the in-graph check that a whole-shard function returned one row per row.
 ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
@@ -284,7 +285,6 @@ class Engine:
         tensors: Sequence[Any],
         split_devices: Sequence[str],
         gather: bool = True,
-        once: bool = True,
     ) -> Any:
         """The traced body: split, one shard per device, then collect.
 
@@ -292,11 +292,11 @@ class Engine:
         structure per shard (checked alike), for a caller that collects them
         itself (the dataset loop, which gathers every batch's shards at once).
 
-        With `once`, a call traces the function once for all shards (the first
-        call's cost); the dataset loop, traced once per element spec, passes
-        False to trace it per shard, because inside its while loop only the
-        shard's own ops keep the ``tfshard_shard_k/`` names that let an error
-        name the failing shard.
+        The function is traced once per shard, under the shard's name scope and
+        device: a failing op's own node name (``tfshard_shard_k/...``) is then
+        what names the shard, its device and rows in an error. (One trace called
+        on every device was tried: it halves a first call's tracing, but a
+        failing op then names no shard, and TF's context lines name others.)
         """
         count = len(self.devices)
         inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
@@ -312,7 +312,7 @@ class Engine:
             # Split where the input lives, so each shard crosses to its device once.
             with tf.device(device or None):
                 pieces.append(split(tensor, sizes, count))
-        shard = self._shard_fn(template, shared, [p[0] for p in pieces], once=once)
+        shard = self._shard_fn(template, shared, [p[0] for p in pieces])
         outputs = []
         for k, device in enumerate(self.devices):
             with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device):
@@ -420,12 +420,8 @@ class Engine:
         template: _arguments.Template,
         shared: Sequence[Any],
         example: Sequence[Any],
-        once: bool,
     ) -> Callable[[Sequence[Any], tf.Tensor], Any]:
-        """The computation of one shard: its rows and whether it has any in, its outputs out.
-
-        With `once`, a `tf.function` traced on the first shard and called by all.
-        """
+        """The computation of one shard: its rows and whether it has any in, its outputs out."""
         if self._converted is None:
             self._converted = autographed(self.fn)
         fn, name, per_sample = self._converted, self.name, self.per_sample
@@ -454,13 +450,9 @@ class Engine:
             def per_shard(rows_in: Sequence[Any], has_rows: None) -> Any:
                 return call(rows_in)  # the function's batch is the whole shard
 
-        if not once:
-            if self.jit_compile:
-                return tf.function(per_shard, autograph=False, jit_compile=True)
-            return per_shard
-        # Traced once, called once per device: its ops carry no device of their own,
-        # so each call's tf.device scope places them (K traces cost K times as long).
-        return tf.function(per_shard, autograph=False, jit_compile=self.jit_compile or None)
+        if self.jit_compile:
+            return tf.function(per_shard, autograph=False, jit_compile=True)
+        return per_shard
 
 
 def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -487,7 +487,7 @@ class _Loop:
         """One batch: a list of output leaves per shard (or one list, reduced)."""
         gather = self._op is not None
         result = self._engine.body(
-            self._template, [*tensors, *broadcast], self._split_devices, gather=gather, once=False
+            self._template, [*tensors, *broadcast], self._split_devices, gather=gather
         )
         per_shard = [result] if gather else result
         flat = [_trees.flatten(r, "outputs") for r in per_shard]
