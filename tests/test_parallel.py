@@ -961,3 +961,22 @@ def test_a_failing_row_names_its_own_shard_wherever_it_is(per_sample):
             match=rf"shard {k} on /device:CPU:{k} \(rows \[{2 * k}:{2 * k + 2}\) of 8\) failed",
         ):
             f(x)
+
+
+def test_a_method_with_broadcast_positions_says_to_name_them():
+    class Model:
+        @tfshard.parallelize(devices=CPUS[:2], broadcast=(1,))
+        def apply(self, x, w):
+            return x * tf.reduce_sum(w)
+
+    with pytest.raises(ArgumentError, match=r"apply is a method .*name its arguments instead"):
+        Model().apply  # noqa: B018
+
+
+def test_an_ordinary_failure_in_a_per_sample_function_gets_no_pfor_hint():
+    f = tfshard.parallelize(
+        lambda s: tf.debugging.check_numerics(tf.math.log(s), "neg"), devices=CPUS[:2]
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        f(np.array([1.0, -1.0], np.float32))
+    assert "ragged=True" not in str(raised.value)

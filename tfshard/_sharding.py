@@ -267,7 +267,11 @@ class Engine:
                 f"{user_frames(error.message)}",
             )
         hint = cluster.explain_remote_error(error)  # None unless a worker is down
-        if hint is None and self.per_sample and not self.ragged and "/pfor/" in error.message:
+        # pfor's own failures: stacking per-sample results whose shapes differ.
+        pfor_stack = "/pfor/" in error.message and (
+            "TensorList" in error.message or "Incompatible shapes" in error.message
+        )
+        if hint is None and self.per_sample and not self.ragged and pfor_stack:
             hint = (
                 "It failed inside tf.vectorized_map (pfor), which cannot vectorize every op "
                 "(string ops and shapes that vary by sample among them): pass ragged=True "
@@ -334,13 +338,14 @@ class Engine:
     ) -> tuple[tf.Tensor, tf.Tensor]:
         """The rows and the shard sizes, on the host (int64 arithmetic never runs on a GPU).
 
-        Inside a tf.function the split arguments' rows are unknown to Python, so the
-        plan waits for a check that they are equal.
+        Inside a tf.function the split arguments' rows are unknown to Python, so
+        there the plan waits for a check that they are equal.
         """
         counts = [row_count(t, d or None, host) for t, d in zip(inputs, split_devices)]
         with tf.device(host):
             checks = []
-            if len(counts) > 1:
+            # Python checked them already unless an input came from a graph (device "").
+            if len(counts) > 1 and not all(split_devices):
                 checks.append(
                     host_assert(
                         tf.stack(counts),

@@ -307,10 +307,7 @@ class ShardedFunction:
             per_sample=self._per_sample,
             reduce=self._reduce,
             output_device=self._output_spec,
-            # Positions would shift in a bound method: names only there.
-            broadcast=tuple(
-                b for b in self._arguments.broadcast if "fn" not in changes or isinstance(b, str)
-            ),
+            broadcast=tuple(self._arguments.broadcast),  # names only for methods: __get__
             ragged=self._ragged,
             jit_compile=self._jit_compile,
             allow_duplicate_devices=self._allow_duplicates,
@@ -326,6 +323,12 @@ class ShardedFunction:
         # does, holding the instance weakly so the cache does not keep it alive.
         if instance is None:
             return self
+        if any(isinstance(b, int) for b in self._arguments.broadcast):
+            raise ArgumentError(
+                f"{self.__name__} is a method decorated with broadcast="
+                f"{tuple(self._arguments.broadcast)!r}: a method's positions shift by self, "
+                "so name its arguments instead, e.g. broadcast=('weights',)"
+            )
         bound = self._bound.get(instance)
         if bound is None:
             bound = self._with(fn=types.MethodType(self._fn, weakref.proxy(instance)))
