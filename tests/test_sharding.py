@@ -181,3 +181,29 @@ def test_check_outputs_names_a_key_that_differs_between_shards():
     outputs = _outputs(lambda x: {"loss": x}, lambda x: {"loss": x, "extra": x})
     with pytest.raises(ArgumentError, match=r"outputs\['extra'\] differs between shards"):
         _sharding.check_outputs(outputs, CPUS[:2], concatenated=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 10_000),
+    weights=st.none() | st.lists(st.integers(0, 50), min_size=1, max_size=6).filter(any),
+)
+def test_the_python_plan_is_the_graphs(n, weights):
+    count = len(weights) if weights else 3
+    weights = tuple(weights) if weights else None
+    in_graph = _sharding.plan_sizes(tf.constant(n, tf.int64), count, weights).numpy().tolist()
+    assert _sharding.plan_rows(n, count, weights) == in_graph
+
+
+def test_plan_and_explain_work_inside_a_tf_function():
+    f = tfshard.parallelize(tf.identity, devices=CPUS[:3], weights=[2, 1, 1])
+    seen = []
+
+    @tf.function
+    def outer(x):
+        seen.append((f.plan(5), f.explain(x).splitlines()[0]))
+        return f(x)
+
+    outer(tf.zeros([5, 2]))
+    assert seen[0][0] == f.plan(5) == [3, 1, 1]
+    assert seen[0][1].startswith("identity: 5 rows on 3 devices")

@@ -100,6 +100,19 @@ def plan_sizes(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) -> tf.
     return base + tf.cast(rank < left, tf.int64)
 
 
+def plan_rows(n: int, count: int, weights: tuple[int, ...] | None) -> list[int]:
+    """`plan_sizes` in Python, for `plan`, `explain` and messages (no TF ops: works in a graph)."""
+    if weights is None:
+        return [n // count + (1 if k < n % count else 0) for k in range(count)]
+    total = sum(weights)
+    base = [n * w // total for w in weights]
+    remainder = [n * w % total for w in weights]
+    # The rows left over go one each to the largest remainders, ties to the lower index.
+    for k in sorted(range(count), key=lambda k: (-remainder[k], k))[: n - sum(base)]:
+        base[k] += 1
+    return base
+
+
 def rows(t: Any) -> tf.Tensor:
     """The number of rows of a tensor or ragged tensor, as an int64 scalar tensor."""
     return t.nrows() if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
@@ -212,9 +225,8 @@ class Engine:
             return twin
 
     def plan(self, n: int) -> list[int]:
-        """The shard sizes for `n` rows, computed eagerly."""
-        sizes = plan_sizes(tf.constant(int(n), tf.int64), len(self.devices), self.weights)
-        return [int(s) for s in sizes.numpy()]
+        """The shard sizes for `n` rows, in Python (the graph's `plan_sizes`, exactly)."""
+        return plan_rows(int(n), len(self.devices), self.weights)
 
     # ------------------------------------------------------------ calls
 
