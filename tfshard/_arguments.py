@@ -174,19 +174,19 @@ class Arguments:
                     f"{', '.join(params) or 'none'})"
                 )
 
-    def check_binds(self, args: Sequence[Any], kwargs: dict[str, Any], context: str = "") -> None:
+    def check_binds(self, args: Sequence[Any], kwarg_names: tuple[str, ...], kwargs: dict) -> None:
         """Raises ArgumentError when these arguments do not fit the signature.
 
         Whether arguments bind depends only on how many and which names, so
         each arity is checked once.
         """
-        arity = (len(args), tuple(sorted(kwargs)))
+        arity = (len(args), kwarg_names)
         if self.signature is None or arity in self._bindable:
             return
         try:
             self.signature.bind(*args, **kwargs)
         except TypeError as error:
-            raise ArgumentError(f"{self.name}(...): {context}{error}") from None
+            raise ArgumentError(f"{self.name}(...): {error}") from None
         self._bindable.add(arity)
 
     def names(self, count: int, kwarg_names: Sequence[str]) -> list[str]:
@@ -204,8 +204,8 @@ class Arguments:
             tensors nor hashable, split tensors of different row counts,
             scalars or sparse tensors to split, or nothing to split.
         """
-        self.check_binds(args, kwargs)
         kwarg_names = tuple(sorted(kwargs))
+        self.check_binds(args, kwarg_names, kwargs)
         names = self.names(len(args), kwarg_names)
         values = [*args, *(kwargs[k] for k in kwarg_names)]
         found = _Sorted()

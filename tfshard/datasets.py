@@ -158,11 +158,6 @@ def _on_host_cpus(engine: Engine) -> bool:
     )
 
 
-def _batch_rows(element: Any) -> int:
-    """The rows of an eager batch."""
-    return int(rows(_trees.flatten(element)[0][0]))
-
-
 class _Progress:
     """A one-line progress report, ``batch 12/40  3072 samples  1234.5 samples/s``."""
 
@@ -239,13 +234,6 @@ def _check_specs(arguments: Arguments, dataset: tf.data.Dataset, args: tuple, kw
         ) from None
 
 
-def _inner_shapes(element: Any) -> list[tuple[str, Any]]:
-    return [
-        (where, None if isinstance(t, tf.RaggedTensor) else tuple(t.shape[1:]))
-        for where, t in _leaf_paths(element)
-    ]
-
-
 def iterate(
     engine: Engine,
     arguments: Arguments,
@@ -274,21 +262,25 @@ def _batches(
 ) -> Iterator[tuple[Any, int]]:
     """The Python loop: one call of the traced graph per batch, checking per-sample shapes."""
     meter = _meter(engine.name, batches, progress)
-    first: list[tuple[str, Any]] | None = None
+    first: list[Any] | None = None
     for element in batches:
-        shapes = _inner_shapes(element)
+        leaves, structure = _trees.flatten(element)
+        shapes = [None if isinstance(t, tf.RaggedTensor) else tuple(t.shape[1:]) for t in leaves]
         if first is None:
             first = shapes
-        elif shapes != first:
-            for (where, now), (_, before) in zip(shapes, first):
+        elif shapes != first:  # paths only now, for the message
+            paths = _trees.paths("element", structure)
+            for where, now, before in zip(paths, shapes, first):
                 if now != before:
                     raise ArgumentError(
                         f"{where} has per-sample shape {list(now)} in this batch but "
                         f"{list(before)} in the first; every batch must keep its per-sample "
                         "shapes (pad to one length, or use ragged tensors)"
                     )
-        batch_rows = _batch_rows(element)
-        result = engine.call(arguments.classify((*_split_element(element), *args), kwargs))
+        call = arguments.classify((*_split_element(element), *args), kwargs)
+        result = engine.call(call)
+        # An eager batch's rows are static; the call has them already.
+        batch_rows = call.rows if call.rows is not None else int(rows(leaves[0]))
         if meter:
             meter.update(batch_rows)
         yield result, batch_rows
