@@ -149,3 +149,24 @@ def test_a_list_of_scalars_says_to_stack_it(batch):
         r"np\.asarray\(x\) \(or tf\.stack\(x\)\) to split it as a batch of 2 rows",
     ):
         _arguments.Arguments(fn, (), "fn").classify((batch,), {})
+
+
+def test_a_star_args_argument_is_named_by_position_in_the_broadcast_hint():
+    def g(x, *rest):
+        return x
+
+    arguments = _arguments.Arguments(g, (), "g")
+    with pytest.raises(ArgumentError, match=r"args\[1\] has 4 rows .* broadcast=\(1,\)"):
+        arguments.classify((np.zeros([3]), np.zeros([4])), {})
+    with pytest.raises(ArgumentError, match=r"args\[1\] is a scalar .* broadcast=\(1,\)"):
+        arguments.classify((np.zeros([3]), np.float32(2)), {})
+    # ... and that hint is accepted.
+    call = _arguments.Arguments(g, (1,), "g").classify((np.zeros([3]), np.zeros([4])), {})
+    assert [leaf.kind for leaf in call.key.leaves] == ["split", "broadcast"]
+
+
+def test_an_object_array_is_named_by_its_path():
+    with pytest.raises(ArgumentError, match=r"x\['a'\]\[1\] is a NumPy array of Python objects"):
+        _arguments.Arguments(fn, (), "fn").classify(
+            ({"a": [np.zeros(3), np.array([object()] * 3)]},), {}
+        )

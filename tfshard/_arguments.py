@@ -259,7 +259,12 @@ class Arguments:
         self, leaf: Any, broadcast: bool, found: _Sorted, name: str, structure: Hashable, i: int
     ) -> str:
         """Files one leaf in `found`; returns its kind."""
-        tensor = as_tensor(leaf, name)
+        if isinstance(leaf, np.ndarray) and leaf.dtype == object:
+            raise ArgumentError(
+                f"{_trees.path(name, structure, i)} is a NumPy array of Python objects; use a "
+                "numeric dtype (np.asarray(x, np.float32)), or strings as dtype str"
+            )
+        tensor = as_tensor(leaf)
         if tensor is None:
             if isinstance(leaf, tf.data.Dataset):
                 raise ArgumentError(
@@ -282,7 +287,7 @@ class Arguments:
             where = _trees.path(name, structure, i)
             raise ArgumentError(
                 f"{where} is a tf.SparseTensor, which tfshard cannot split; pass "
-                f"tf.sparse.to_dense({where}), or name {name!r} in broadcast=(...) to give "
+                f"tf.sparse.to_dense({where}), or pass {_entry(name)!r} in broadcast=(...) to give "
                 "every shard all of it"
             )
         if tensor.shape.rank == 0:
@@ -296,7 +301,7 @@ class Arguments:
                 )
             raise ArgumentError(
                 f"{where} is a scalar (rank 0), so it has no rows to split; pass it in "
-                f"broadcast=({name!r},) to give every shard the same value, or as a Python "
+                f"broadcast=({_entry(name)!r},) to give every shard the same value, or as a Python "
                 "number"
             )
         n = tensor.shape[0]
@@ -307,11 +312,16 @@ class Arguments:
                 raise ArgumentError(
                     f"{_trees.path(name, structure, i)} has {n} rows but {found.rows_from} has "
                     f"{found.rows}; every split argument needs the same leading dimension (pass "
-                    f"{name!r} in broadcast=({name!r},) to copy it whole to each device)"
+                    f"{name} in broadcast=({_entry(name)!r},) to copy it whole to each device)"
                 )
         found.split.append(tensor)
         found.keys.append(LeafKey("split", spec_key(tensor, split=True), device_of(tensor)))
         return "split"
+
+
+def _entry(name: str) -> str | int:
+    """What names argument `name` in broadcast=: its name, or its position if it came in *args."""
+    return int(name[5:-1]) if name.startswith("args[") else name
 
 
 def _is_sequence(structure: Hashable) -> bool:
@@ -330,15 +340,13 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
         return None
 
 
-def as_tensor(value: Any, where: str) -> Any:
+def as_tensor(value: Any) -> Any:
     """`value` as a tensor when it is tensor-like; None for anything else."""
     if isinstance(value, tf.Tensor | tf.RaggedTensor | tf.SparseTensor):
         return value  # A SparseTensor is broadcast whole; refused as a split argument.
     if isinstance(value, tf.Variable):
         return tf.convert_to_tensor(value)
     if isinstance(value, np.ndarray | np.generic):
-        if value.dtype == object:
-            raise ArgumentError(f"{where} is a NumPy array of Python objects; use a numeric dtype")
         return tf.convert_to_tensor(value)
     return None
 
