@@ -609,3 +609,11 @@ def test_concurrent_first_calls_on_a_dataset_trace_one_loop():
         thread.join()
     assert len(results) == 4 and all(r.tolist() == list(range(1, 41)) for r in results)
     assert f.trace_count == 1
+
+
+def test_iterate_refuses_bad_arguments_at_the_call_not_at_the_first_batch():
+    f = tfshard.parallelize(lambda s: s, devices=CPUS[:2])
+    with pytest.raises(ArgumentError, match=r"iterate\(\) takes a tf.data.Dataset, got ndarray"):
+        f.iterate(np.zeros([4]))
+    with pytest.raises(ArgumentError, match=r"batch_size=0"):
+        f.iterate(tf.data.Dataset.range(4), batch_size=0)

@@ -295,8 +295,8 @@ class ShardedFunction:
             batched=batched,
             progress=progress,
         )
-        for result, _ in stream:
-            yield result
+        # Not a generator itself: bad arguments fail here, at the call, not at next().
+        return (result for result, _ in stream)
 
     def _with(self, **changes: Any) -> ShardedFunction:
         """A new ShardedFunction with these options changed (it traces its own graphs)."""
