@@ -41,6 +41,7 @@ own kernels, which this registry does not list.
 from __future__ import annotations
 
 import collections
+import re
 from typing import Any
 
 import numpy as np
@@ -240,10 +241,18 @@ def test_the_plan_runs_on_the_host_and_the_split_where_the_batch_is():
     # everything computed from it on the host.
     assert by_op["Shape"] == {GPUS[0]}
     assert by_op["SplitV"] == {GPUS[0]}
-    for op in ("FloorDiv", "FloorMod", "Range", "Unpack", "Greater"):
+    for op in ("FloorDiv", "FloorMod", "Range", "Unpack"):
         assert by_op[op] == {HOST}, op
-    # The empty-shard guard's predicate is computed on the host and read there:
-    # If (and the Switch it lowers to) reads it from host memory on a GPU.
+    # The empty-shard guard: each shard takes its rows as an int32 scalar (a
+    # function on a GPU takes one in host memory), its GPU's Greater reads and
+    # writes int32 in host memory, and If (and the Switch it lowers to) reads
+    # the predicate there: no device copy.
+    guard = re.compile(rf"{_sharding.SHARD_SCOPE}\d+/((Stateful)?PartitionedCall/)?Greater")
+    guards = [n for n in nodes if guard.fullmatch(n.name)]
+    assert [n.device for n in guards] == list(GPUS)
+    assert {tf.as_dtype(n.attrs["T"].type) for n in guards} == {tf.int32}
+    int32 = {"T": AttrValue(type=tf.int32.as_datatype_enum)}
+    assert {"x", "y", "z"} <= set(_gpu_kernel("Greater", int32).host_memory_arg)
     conds = [n for n in nodes if n.op in ("StatelessIf", "If")]
     assert [n.device for n in conds] == list(GPUS)
     assert "cond" in _gpu_kernel("StatelessIf", {}).host_memory_arg

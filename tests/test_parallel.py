@@ -136,7 +136,11 @@ def test_one_trace_serves_every_batch_size():
     for n in (0, 1, 3, 8, 33, 100):
         assert f(np.ones([n, 3], np.float32)).shape == (n, 3)
     assert f.trace_count == 1
-    assert len(calls) == 4  # one trace: one call per device
+    # The shard on the output device traces in place, the others share one
+    # trace (tfshard._sharding.Engine._shard_runs); with replicas of these
+    # devices (another test's), each shard traces its own: it reads its copies.
+    shared = tfshard.replicas.Replicas.find(f.devices) is None
+    assert len(calls) == (2 if shared else len(f.devices))
     f(np.ones([5, 4], np.float32))  # a new per-sample shape is a new signature
     assert f.trace_count == 2
 
@@ -924,18 +928,36 @@ def test_split_arguments_of_different_rows_inside_a_tf_function():
         outer(tf.ones([3]), tf.ones([4]))
 
 
-def test_a_shard_error_shows_the_users_frames_once_and_not_tfshards():
+@pytest.mark.parametrize("shard", [0, 1])  # traced in place; calling the shared trace
+def test_a_shard_error_shows_the_users_frames_once_and_not_tfshards(shard):
     def my_step(block):
-        return tf.debugging.check_numerics(tf.math.log(block - 5.0), "log of a negative")
+        return tf.debugging.check_numerics(tf.math.log(block), "log of a negative")
 
     f = tfshard.parallelize(my_step, per_sample=False, devices=CPUS[:2])
+    x = np.arange(10, dtype=np.float32) - 4.5  # negative in shard 0's rows
     with pytest.raises(tf.errors.InvalidArgumentError) as raised:
-        f(np.arange(10, dtype=np.float32))
+        f(x if shard == 0 else -x)
     message = str(raised.value)
+    assert f"shard {shard} on {CPUS[shard]}" in message
     assert "log of a negative" in message and "in tf__my_step" in message
     assert "tfshard/_sharding.py" not in message and "tfshard/parallel.py" not in message
-    # (cond/: a whole shard runs in the branch that an empty shard skips)
-    assert message.count("Detected at node tfshard_shard_0/cond/CheckNumerics") == 1
+    # (cond/: a whole shard runs in the branch that an empty shard skips; the
+    # shared trace's nodes are named as in its function)
+    node = "tfshard_shard_0/cond/CheckNumerics" if shard == 0 else "cond/CheckNumerics"
+    assert message.count(f"Detected at node {node} ") == 1
+
+
+def test_shards_off_the_output_device_call_one_shared_trace_each_on_its_device():
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS)
+    graph_def = f.get_concrete_function(np.ones([8, 3], np.float32)).graph.as_graph_def()
+    calls = [n for n in graph_def.node if n.op in ("PartitionedCall", "StatefulPartitionedCall")]
+    # Shard 0, on the output device, is traced in place (see _sharding.Engine._shard_runs).
+    assert [n.name.split("/")[0] for n in calls] == [f"tfshard_shard_{k}" for k in (1, 2, 3)]
+    assert [n.device for n in calls] == list(CPUS[1:])
+    (name,) = {n.attr["f"].func.name for n in calls}
+    library = {fd.signature.name: fd for fd in graph_def.library.function}
+    assert library[name].attr["_noinline"].b  # run as a function: errors name the call
+    assert not any(n.device for n in library[name].node_def)  # it runs where each call runs
 
 
 def test_scalar_per_sample_outputs_on_every_path():
@@ -1047,7 +1069,9 @@ def test_a_failing_row_names_its_own_shard_wherever_it_is(per_sample):
         devices=CPUS,
         per_sample=per_sample,
     )
-    for bad in range(8):  # shards of two rows on 4 devices
+    # Shards of two rows on 4 devices; shard 0's rows again: its failure once
+    # raced the shared shards' cancellation and lost its message.
+    for bad in [*range(8), 0, 1, 0, 1, 0, 1]:
         x = np.ones(8, np.float32)
         x[bad] = -1.0
         k = bad // 2

@@ -7,6 +7,10 @@ graphs it traced. Its body, traced once per trace key into one `tf.function`:
       --tf.device(d_k): vectorized_map(fn) or fn(shard)--> K outputs
       --collect (tf.device(output))--> [N, ...] in input order, or reduced
 
+The shard on the output device traces `fn` in place; the others call one
+shared trace of it (`Engine._shard_runs`), which is most of a first call's
+cost saved for every device past the second.
+
 The dataset loop (`tfshard.datasets`) runs the same body once per batch inside
 its own loop, with ``gather=False`` to collect every batch's shards itself.
 """
@@ -23,12 +27,12 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _trees, cluster, collect
+from tfshard import _arguments, _trees, cluster, collect, pinning
 from tfshard.errors import ArgumentError, TfshardError, shard_error, user_frames
 from tfshard.replicas import Replicas, check_no_writes, keras_of, variable_reads
 
@@ -37,9 +41,14 @@ from tfshard.replicas import Replicas, check_no_writes, keras_of, variable_reads
 # and in `Engine.plan`.
 WEIGHT_SCALE = 1 << 24
 SHARD_SCOPE = "tfshard_shard_"
-# The failing node itself, not the other nodes TF lists as context (aborted receives).
-_SHARD_NODE_RE = re.compile(r"\{\{node [^}]*?" + SHARD_SCOPE + r"(\d+)/")
+# Nodes an error names: the failing one ({{node N}}), then context ([[N]]).
+_ERROR_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}|\[\[([^\]{}\s]+)\]\]")
+_IN_SHARD_RE = re.compile(r"(?:^|/)" + SHARD_SCOPE + r"(\d+)/(.*)$")
+_CALL_RE = re.compile(r"(?:Stateful)?PartitionedCall")
+_RECEIVE_RE = re.compile(r".*/_\d+")  # a receive the partitioner added, aborted with the step
 MAX_ROWS = _arguments.MAX_ROWS
+# A shard's computation: its rows and their number (int32) in, its outputs out.
+ShardFn = Callable[[Sequence[Any], tf.Tensor], Any]
 # Marks the in-graph check that a whole-shard function returned one row per row.
 ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
 # Marks the in-graph check that split arguments have the same rows (inside a tf.function).
@@ -347,10 +356,9 @@ class Engine:
             return rows_error(self.name, self.devices, error.message)
         if INPUTS_DIFFER in error.message:
             return inputs_error(self.name, error.message)
-        match = _SHARD_NODE_RE.search(error.message)
+        k = failing_shard(error.message)
         wrapped = error
-        if match is not None:
-            k = int(match.group(1))
+        if k is not None:
             if rows is not None:
                 sizes = self.plan(rows)
                 start = sum(sizes[:k])
@@ -386,6 +394,7 @@ class Engine:
         split_devices: Sequence[str],
         gather: bool = True,
         presplit: tuple[tf.Tensor, tf.Tensor, list[list[Any]]] | None = None,
+        share: bool = True,
     ) -> Any:
         """The traced body: split, one shard per device, then collect.
 
@@ -398,11 +407,8 @@ class Engine:
         copies them to their devices a batch ahead); the split slots of
         `tensors` are then not read.
 
-        The function is traced once per shard, under the shard's name scope and
-        device: a failing op's own node name (``tfshard_shard_k/...``) is then
-        what names the shard, its device and rows in an error. (One trace called
-        on every device was tried: it halves a first call's tracing, but a
-        failing op then names no shard, and TF's context lines name others.)
+        With `share`, shards share one trace of the function where they can
+        (`_shard_runs`); without it (the dataset loop), each shard traces its own.
         """
         count = len(self.devices)
         inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
@@ -413,21 +419,22 @@ class Engine:
             total, sizes, pieces = presplit
         with tf.device(host):
             per_shard = tf.unstack(sizes, num=count)
-            # An empty shard skips the function (see `vectorized`, `whole_shard`).
-            has_rows = [size > 0 for size in per_shard]
+            # Each shard's rows as it takes them (`skip_if_empty`): an int32 scalar,
+            # which a function on a GPU takes in host memory.
+            shard_rows = [tf.cast(size, tf.int32) for size in per_shard]
         if presplit is None:
             pieces = []
             for tensor, device in zip(inputs, split_devices):
                 # Split where the input lives, so each shard crosses to its device once.
                 with tf.device(device or None):
                     pieces.append(split(tensor, sizes, count, host))
-        shard = self._shard_fn(template, shared, [p[0] for p in pieces])
+        runs = self._shard_runs(self._shard_fn(template, shared, [p[0] for p in pieces]), share)
         outputs = []
-        for k, device in enumerate(self.devices):
+        for k, (device, run) in enumerate(zip(self.devices, runs)):
             # With replicas, the shard reads the copy of each variable on its device.
             replica = self.replicas.shard(device) if self.replicas else contextlib.nullcontext()
             with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device), replica:
-                outputs.append(shard([p[k] for p in pieces], has_rows[k]))
+                outputs.append(run([p[k] for p in pieces], shard_rows[k]))
         structure, flat = check_outputs(outputs, self.devices, concatenated=self.reduce is None)
         counted: dict[int, tf.Tensor] = {}
         if gather:
@@ -532,8 +539,8 @@ class Engine:
         template: _arguments.Template,
         shared: Sequence[Any],
         example: Sequence[Any],
-    ) -> Callable[[Sequence[Any], tf.Tensor], Any]:
-        """The computation of one shard: its rows and whether it has any in, its outputs out."""
+    ) -> Shard:
+        """The computation of one shard, and what a shard without rows returns instead."""
         if self._converted is None:
             self._converted = autographed(self.fn)
         fn, name, per_sample = self._converted, self.name, self.per_sample
@@ -555,11 +562,99 @@ class Engine:
                 ) from error
             return to_tensors(outputs, name)
 
-        per_shard = vectorized(call, example, self.ragged) if per_sample else whole_shard(call)
+        return vectorized(call, example, self.ragged) if per_sample else whole_shard(call)
+
+    def _shard_runs(self, shard: Shard, share: bool) -> list[ShardFn]:
+        """How each shard runs: traced in place, or one trace the shards share.
+
+        Tracing is most of a first call (a vectorized function's pfor
+        conversion above all), so shards share one trace where that is right:
+        a function (`one_trace`) each calls under its own scope and device. It
+        is not inlined, so a failing op's error carries the calling op's name
+        (``tfshard_shard_k/...``) as context, which names the shard.
+
+        A shard on the output device or the host traces in place: a failure
+        inside a called function cancels the step, and the receives pending
+        beside its call (the gather's, the row checks') can then report their
+        cancellation first, so the error itself would be lost (measured: 3 to
+        14 of 20 failures of shard 0 came back as a bare CancelledError). In
+        place, the failing op is the first the step sees.
+
+        No sharing: with replicas (each shard captures its own device's
+        copies), or without `share`. With XLA every shard calls one compiled
+        function: a compiled call runs as one kernel, not a nested step.
+        """
+        count = len(self.devices)
+
+        def guarded(rows_in: Sequence[Any], rows: tf.Tensor) -> Any:
+            return skip_if_empty(shard, rows_in, rows > 0)
 
         if self.jit_compile:
-            return tf.function(per_shard, autograph=False, jit_compile=True)
-        return per_shard
+            if self.replicas is not None:  # a trace per device: tf.function keys on it
+                return [tf.function(guarded, autograph=False, jit_compile=True)] * count
+            return [one_trace(guarded, jit_compile=True)] * count
+        if not share or self.replicas is not None or count == 1:
+            return [guarded] * count
+        host = host_cpu(self.output)
+        shared = one_trace(guarded, experimental_attributes={"_noinline": True})
+        in_place = [
+            pinning.same_device(d, self.output) or pinning.same_device(d, host)
+            for d in self.devices
+        ]
+        return [guarded if here else shared for here in in_place]
+
+
+def failing_shard(message: str) -> int | None:
+    """The shard a TF error's message says failed, or None.
+
+    The first node named is the failing one: an op of shard k
+    (``tfshard_shard_k/...``, traced in place), or an op inside the shared
+    shard function, whose context line names the call of shard k
+    (``[[tfshard_shard_k/StatefulPartitionedCall]]``). Receives of other
+    shards that TF aborted with the step are not failures.
+    """
+    for match in _ERROR_NODE_RE.finditer(message):
+        failing, context = match.groups()
+        shard = _IN_SHARD_RE.search(failing or context)
+        if shard is None:
+            continue
+        rest = shard.group(2)
+        if failing is not None and not _RECEIVE_RE.fullmatch(rest):
+            return int(shard.group(1))
+        if context is not None and _CALL_RE.fullmatch(rest):
+            return int(shard.group(1))
+    return None
+
+
+def one_trace(guarded: ShardFn, **options: Any) -> ShardFn:
+    """`run` as one `tf.function`, traced on first use; every later call runs that trace.
+
+    A `tf.function` would trace again under each device scope (its cache keys
+    on the scope), so every call goes to the first call's concrete function,
+    traced with any number of rows. Outputs leave it flat and are rebuilt
+    with the traced structure, so a defaultdict stays one.
+
+    Args:
+      guarded: a shard's computation, from its rows and their number.
+      **options: for `tf.function` (``jit_compile``, ``experimental_attributes``).
+    """
+    structure: list[Hashable] = []
+
+    def flat(rows_in: Sequence[Any], rows: tf.Tensor) -> list[Any]:
+        leaves, key = _trees.flatten(guarded(rows_in, rows), "outputs")
+        structure.append(key)
+        return leaves
+
+    function = tf.function(flat, autograph=False, **options)
+    traced: list[Any] = []
+
+    def call(rows_in: Sequence[Any], rows: tf.Tensor) -> Any:
+        if not traced:
+            specs = [_arguments.type_spec(r, split=True) for r in rows_in]
+            traced.append(function.get_concrete_function(specs, tf.TensorSpec([], tf.int32)))
+        return _trees.build(structure[0], iter(traced[0](list(rows_in), rows)))
+
+    return call
 
 
 def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -635,10 +730,53 @@ class WeakMethod:
         return other
 
 
+class Shard(NamedTuple):
+    """What one shard computes.
+
+    Attributes:
+      run: its outputs, from its rows (traced in place or shared, `Engine._shard_runs`).
+      empty: the outputs of a shard with no rows instead, from what `run`
+        returned when traced, or None to run it after all (`skip_if_empty`).
+    """
+
+    run: Callable[[Sequence[Any]], Any]
+    empty: Callable[[Any], Any]
+
+
+def skip_if_empty(shard: Shard, rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
+    """`shard.run(rows_in)` where the shard has rows, `shard.empty` where not, as one `tf.cond`.
+
+    tfshard makes the empty shards (fewer rows than devices), so it must not
+    make them fail or return outputs of the wrong shape. The predicate is the
+    planned size, known before the shard's rows are. The cond costs a
+    per-sample call on 2 CPU devices ~1.5 % at 8 rows and ~5 % at 1024 (no
+    buffer forwarding into its branch).
+    """
+    traced: list[Any] = []
+
+    def with_rows() -> Any:
+        traced.append(shard.run(rows_in))
+        return traced[0]
+
+    def without() -> Any:  # traced after with_rows, so it sees its outputs
+        outputs = shard.empty(traced[0])
+        return shard.run(rows_in) if outputs is None else outputs
+
+    return tf.cond(has_rows, with_rows, without)
+
+
 def vectorized(
     call: Callable[[Sequence[Any]], Any], example: Sequence[Any], ragged_outputs: bool
-) -> Callable[[Sequence[Any], tf.Tensor], Any]:
-    """`call` of one sample, mapped over the rows of a shard."""
+) -> Shard:
+    """`call` of one sample, mapped over the rows of a shard.
+
+    An empty shard returns empty outputs of the per-sample signature:
+    vectorized_map over nothing gives outputs of the wrong inner shape (a
+    per-sample matmul's [0, 2, 1] for [0, 2, 3]), and some conversions fail
+    on it outright (pfor's tf.print reads row 0). A reshape to the per-sample
+    shape would fix the shapes for free, but not the failures, which nothing
+    in the graph announces.
+    """
     signature = sample_signature(call, example, ragged_outputs)
     leaves, _ = _trees.flatten(signature)
     # Rows of different lengths in or out: vectorize cannot stack them.
@@ -663,49 +801,28 @@ def vectorized(
             return tf.map_fn(one, entering, fn_output_signature=signature, name="per_sample")
         return tf.vectorized_map(one, entering, fallback_to_while_loop=True)
 
-    # A shard with no rows skips the function: vectorized_map over nothing
-    # gives outputs of the wrong inner shape (a per-sample matmul's [0, 2, 1]
-    # for [0, 2, 3]), and some conversions fail on it outright (pfor's
-    # tf.print reads row 0). The predicate is the planned size, known before
-    # the shard's rows are. The cond costs a per-sample call on 2 CPU devices
-    # ~1.5 % at 8 rows and ~5 % at 1024 (no buffer forwarding into its branch);
-    # a reshape to the per-sample shape would fix the shapes for free, but not
-    # the failures, which nothing in the graph announces.
-    def guarded(rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
-        return tf.cond(has_rows, lambda: each(rows_in), lambda: collect.empty(signature))
-
-    return guarded
+    return Shard(each, lambda outputs: collect.empty(signature))
 
 
-def whole_shard(call: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any], tf.Tensor], Any]:
-    """`call` of a whole shard, skipped when the shard is empty.
+def whole_shard(call: Callable[[Sequence[Any]], Any]) -> Shard:
+    """`call` of a whole shard.
 
-    tfshard makes the empty shards (fewer rows than devices), so it must not
-    make them fail: many batch functions fail on an empty batch (TF's CPU
-    Conv2D returns its input unchanged, so a Keras CNN fails at its bias add).
-    An empty shard gives, for each output of the traced shard, zeros with 0
-    rows where the output is per row (`per_row`) and the output's own shape
-    otherwise (a reduction ignores an empty shard's value). Where an output's
-    shape is not known well enough for that (unknown rank, ragged), the empty
-    shard calls the function after all.
+    Many batch functions fail on an empty batch (TF's CPU Conv2D returns its
+    input unchanged, so a Keras CNN fails at its bias add), so an empty shard
+    gives, for each output of the traced shard, zeros with 0 rows where the
+    output is per row (`per_row`) and the output's own shape otherwise (a
+    reduction ignores an empty shard's value). Where an output's shape is not
+    known well enough for that (unknown rank, ragged), the empty shard calls
+    the function after all.
     """
 
-    def guarded(rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
-        traced: list[Any] = []
+    def empty(outputs: Any) -> Any:
+        leaves, structure = _trees.flatten(outputs)
+        if not all(isinstance(t, tf.Tensor) and t.shape.rank is not None for t in leaves):
+            return None
+        return _trees.build(structure, iter([_no_rows(t) for t in leaves]))
 
-        def run() -> Any:
-            traced.append(call(rows_in))
-            return traced[0]
-
-        def skip() -> Any:  # traced after run, so it sees run's outputs
-            leaves, structure = _trees.flatten(traced[0])
-            if not all(isinstance(t, tf.Tensor) and t.shape.rank is not None for t in leaves):
-                return call(rows_in)
-            return _trees.build(structure, iter([_no_rows(t) for t in leaves]))
-
-        return tf.cond(has_rows, run, skip)
-
-    return guarded
+    return Shard(call, empty)
 
 
 def _no_rows(t: tf.Tensor) -> tf.Tensor:

@@ -504,6 +504,9 @@ class _Loop:
             self._split_devices,
             gather=gather,
             presplit=fed,
+            # The next batch's copies land beside each shard while it runs: a
+            # failure in a shared trace could lose its error to their cancellation.
+            share=False,
         )
         per_shard = [result] if gather else result
         flat = [_trees.flatten(r, "outputs") for r in per_shard]
