@@ -7,6 +7,12 @@ argument is a dict of L leaves of [8, 3] rows, each leaf a per-sample matmul,
 on K logical CPU devices, called directly and from inside a `tf.function`, and
 one later call for comparison. It prints a table and, with --json, the numbers.
 
+The baselines are what a user would write instead, first calls of the same
+per-sample function on the same devices: a hand-written `tf.function` (split,
+`tf.vectorized_map` under a `tf.device` block per shard, concat) and
+`MirroredStrategy.run` with each replica given its shard. Both trace the
+function once per device.
+
   python benchmarks/first_call.py                          # K = 1, 2, 4; L = 1, 10, 50
   python benchmarks/first_call.py --leaves=1,100 --devices=4
   PYTHONPATH=../other-checkout python benchmarks/first_call.py   # another version of tfshard
@@ -51,7 +57,69 @@ def first_calls(tfshard, tf, np, k: int, leaves: int) -> dict[str, float]:
     began = time.perf_counter()
     outer(x)
     in_function = time.perf_counter() - began
-    return {"first_s": first, "later_s": later, "first_in_tf_function_s": in_function}
+    want = direct(x)
+    times = {"first_s": first, "later_s": later, "first_in_tf_function_s": in_function}
+    for name, baseline in (("hand_written", hand_written), ("mirrored", mirrored)):
+        run = baseline(tf, devices, weight)
+        began = time.perf_counter()
+        got = run(x)
+        times[f"{name}_first_s"] = time.perf_counter() - began
+        for key, value in want.items():  # the same result, or the times compare nothing
+            np.testing.assert_allclose(got[key].numpy(), value.numpy(), rtol=1e-6)
+    return times
+
+
+def _per_sample(tf, weight):
+    def fn(sample):
+        return {k: tf.linalg.matvec(weight, v, transpose_a=True) for k, v in sample.items()}
+
+    return fn
+
+
+def _shards(tf, x, count):
+    """Each leaf split into `count` near-equal shards: one dict per shard."""
+    rows = tf.shape(next(iter(x.values())))[0]
+    sizes = [(rows + count - 1 - k) // count for k in range(count)]
+    pieces = {k: tf.split(v, sizes, num=count) for k, v in x.items()}
+    return [{k: p[i] for k, p in pieces.items()} for i in range(count)]
+
+
+def _concat(tf, outputs, device):
+    with tf.device(device):
+        return {k: tf.concat([o[k] for o in outputs], 0) for k in outputs[0]}
+
+
+def hand_written(tf, devices, weight):
+    """Split, vectorized_map under a tf.device block per shard, concat: one tf.function."""
+    fn = _per_sample(tf, weight)
+
+    @tf.function
+    def run(x):
+        outputs = []
+        for shard, device in zip(_shards(tf, x, len(devices)), devices):
+            with tf.device(device):
+                outputs.append(tf.vectorized_map(fn, shard))
+        return _concat(tf, outputs, devices[0])
+
+    return run
+
+
+def mirrored(tf, devices, weight):
+    """MirroredStrategy.run on the same devices, each replica given its shard."""
+    fn = _per_sample(tf, weight)
+    strategy = tf.distribute.MirroredStrategy(devices=devices)
+
+    @tf.function
+    def run(x):
+        shards = _shards(tf, x, len(devices))
+        values = strategy.experimental_distribute_values_from_function(
+            lambda context: shards[context.replica_id_in_sync_group]
+        )
+        outputs = strategy.run(lambda v: tf.vectorized_map(fn, v), args=(values,))
+        local = strategy.experimental_local_results(outputs)
+        return _concat(tf, list(local), devices[0])
+
+    return run
 
 
 def main(argv: list[str]) -> None:
@@ -65,14 +133,18 @@ def main(argv: list[str]) -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     rows = []
-    print(f"{'K':>2} {'leaves':>6} {'first s':>8} {'in tf.function s':>17} {'later s':>8}")
+    print(
+        f"{'K':>2} {'leaves':>6} {'first s':>8} {'in tf.function s':>17} {'later s':>8}"
+        f" {'hand-written first s':>21} {'mirrored first s':>17}"
+    )
     for leaves in (int(n) for n in _LEAVES.value):
         for k in counts:
             times = first_calls(tfshard, tf, np, k, leaves)
             rows.append({"devices": k, "leaves": leaves, **times})
             print(
                 f"{k:>2} {leaves:>6} {times['first_s']:>8.2f} "
-                f"{times['first_in_tf_function_s']:>17.2f} {times['later_s']:>8.4f}",
+                f"{times['first_in_tf_function_s']:>17.2f} {times['later_s']:>8.4f} "
+                f"{times['hand_written_first_s']:>21.2f} {times['mirrored_first_s']:>17.2f}",
                 flush=True,
             )
     if _JSON.value:
