@@ -47,12 +47,14 @@ def _session_config() -> Any:
     return config
 
 
-def _executed_devices(concrete: Any, *inputs: Any) -> dict[str, tuple[str, str]]:
-    """Runs a traced graph once; returns {node: (op type, device it ran on)}.
+def _executed_nodes(concrete: Any, *inputs: Any) -> list[tuple[str, str, str]]:
+    """Runs a traced graph once; returns [(node, op type, device it ran on)].
 
-    It runs in a TF1 session with a full trace: the step stats name the device
-    each node ran on after placement (soft placement included), which the
-    graph's requested devices do not, and it needs no process-global logging
+    A node of a function called on several devices (the shards' shared trace)
+    is listed once per device it ran on. It runs in a TF1 session with a full
+    trace: the step stats name the device each node ran on after placement
+    (soft placement included), which the graph's requested devices do not, and
+    it needs no process-global logging
     (tf.debugging.set_log_device_placement).
     """
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
@@ -61,7 +63,7 @@ def _executed_devices(concrete: Any, *inputs: Any) -> dict[str, tuple[str, str]]
     feeds = {t.name: value for t, value in zip(concrete.inputs, inputs)}
     with tf.compat.v1.Session(graph=concrete.graph, config=config) as session:
         session.run([t.name for t in concrete.outputs], feeds, options, metadata)
-    ran = {}
+    ran = []
     for device in metadata.step_stats.dev_stats:
         if "/stream:" in device.device or "/memcpy" in device.device:
             continue  # GPU kernel timings, listed again by stream
@@ -69,14 +71,14 @@ def _executed_devices(concrete: Any, *inputs: Any) -> dict[str, tuple[str, str]]
             op = node.timeline_label.split(" = ", 1)[-1].split("(", 1)[0]
             spec = tf.DeviceSpec.from_string(device.device)
             local = tf.DeviceSpec(device_type=spec.device_type, device_index=spec.device_index)
-            ran[node.node_name] = (op, local.to_string())
+            ran.append((node.node_name, op, local.to_string()))
     return ran
 
 
 @pytest.fixture
-def executed_devices() -> Callable[..., dict[str, tuple[str, str]]]:
-    """`executed_devices(concrete_function, *inputs)`: {node: (op, device it ran on)}."""
-    return _executed_devices
+def executed_nodes() -> Callable[..., list[tuple[str, str, str]]]:
+    """`executed_nodes(concrete_function, *inputs)`: [(node, op, device it ran on)]."""
+    return _executed_nodes
 
 
 @pytest.fixture(autouse=True)

@@ -140,7 +140,7 @@ _PLAN_OPS = {"FloorDiv", "FloorMod", "Range", "Less", "Unpack", "Cumsum"}
 @pytest.mark.parametrize("dtype", ["float32", "uint8", "int64"])  # SplitV, slices, bitcast
 @pytest.mark.parametrize("per_sample", [True, False])
 def test_when_run_the_plan_runs_on_the_host_and_each_shard_on_its_device(
-    dtype, per_sample, executed_devices
+    dtype, per_sample, executed_nodes
 ):
     """Run, not just traced: the devices each node ran on, from the step stats.
 
@@ -148,39 +148,33 @@ def test_when_run_the_plan_runs_on_the_host_and_each_shard_on_its_device(
     as the host CPU is on a GPU machine; the batch lives on CPU:3.
     """
     devices = CPUS[1:]
-    f = tfshard.parallelize(
-        lambda x: x[:, :2], devices=devices, output_device="cpu:1", per_sample=per_sample
-    )
-    if per_sample:
-        f = tfshard.parallelize(
-            lambda s: s[:2], devices=devices, output_device="cpu:1", per_sample=True
-        )
+    fn = (lambda s: s[:2]) if per_sample else (lambda x: x[:, :2])
+    f = tfshard.parallelize(fn, devices=devices, output_device="cpu:1", per_sample=per_sample)
     with tf.device("/device:CPU:3"):
         x = tf.cast(tf.reshape(tf.range(21), [7, 3]), dtype)
     out = f(x)
     np.testing.assert_array_equal(out.numpy(), x.numpy()[:, :2])
     concrete = f.get_concrete_function(x)
-    ran = executed_devices(concrete, x.numpy())
+    ran = executed_nodes(concrete, x.numpy())
     top = {op.name for op in concrete.graph.get_operations()}
-    plan = {name: d for name, (op, d) in ran.items() if op in _PLAN_OPS and name in top}
-    assert plan and set(plan.values()) == {"/device:CPU:0"}, plan
-    # Shards off the output device run one shared function (its nodes named as
-    # in the function: cond/... for the empty-shard guard's branches).
-    shared = {d for name, (op, d) in ran.items() if name.startswith("cond/")}
-    assert shared and shared <= set(devices[1:]), shared
+    plan = {d for name, op, d in ran if op in _PLAN_OPS and name in top}
+    assert plan == {"/device:CPU:0"}, plan
+    # Shards off the output device run one shared function, its nodes named as
+    # in the function (cond/... for the empty-shard guard's branches) and run
+    # once on each of their devices.
+    shared = {d for name, _, d in ran if name.startswith("cond/")}
+    assert shared == set(devices[1:]), shared
     for k, device in enumerate(devices):
         # A lowered cond's Switches and pivots run beside what they forward (the
         # predicate on the host, the rows where the batch is); they compute nothing.
         shard = {
             d
-            for name, (op, d) in ran.items()
+            for name, op, d in ran
             if f"tfshard_shard_{k}/" in name and op not in ("Switch", "Identity")
         }
         assert shard == {device}, (k, shard)
-    assert {d for name, (_, d) in ran.items() if name.startswith("tfshard_collect/")} == {
-        "/device:CPU:1"
-    }
-    split = {d for name, (op, d) in ran.items() if op in ("SplitV", "StridedSlice", "Bitcast")}
+    assert {d for name, _, d in ran if name.startswith("tfshard_collect/")} == {"/device:CPU:1"}
+    split = {d for _, op, d in ran if op in ("SplitV", "StridedSlice", "Bitcast")}
     assert "/device:CPU:3" in split
 
 
@@ -310,3 +304,74 @@ def test_every_dtype_comes_back_bit_for_bit(dtype, per_sample):
         assert out["x"].numpy().tobytes() == x.tobytes()
         assert out["first"].numpy().tobytes() == np.ascontiguousarray(x[:, :1]).tobytes()
     assert set(seen) == {dtype}
+
+
+_ASSERT = "assertion failed: [boom]"
+_FAILING_SHARD_CASES = {
+    "in place": (f"{_ASSERT}\n\t [[{{{{node tfshard_shard_0/cond/loop_body/Assert}}}}]]", 0),
+    "shared trace": (
+        f"{_ASSERT}\n\t [[{{{{node cond/loop_body/Assert}}}}]]\n"
+        "\t [[tfshard_shard_2/StatefulPartitionedCall]]",
+        2,
+    ),
+    "user function in the shared trace": (
+        f"{_ASSERT}\n\t [[{{{{node inner/Assert}}}}]]\n\t [[cond/StatefulPartitionedCall]]\n"
+        "\t [[tfshard_shard_3/StatefulPartitionedCall]]",
+        3,
+    ),
+    "in place, other shards' receives after it": (
+        f"{_ASSERT}\n\t [[{{{{node tfshard_shard_0/Assert}}}}]]\n"
+        "\t [[tfshard_shard_2/StatefulPartitionedCall/_25]]\n"
+        "\t [[tfshard_shard_0/cond/branch_executed/_7/_7]]",
+        0,
+    ),
+    "shared trace, a receive between the node and its call": (
+        f"{_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n\t [[tfshard_shard_0/cond/pivot/_7/_7]]\n"
+        "\t [[tfshard_shard_1/StatefulPartitionedCall]]",
+        1,
+    ),
+    "the gather failed, a shard's receive after it": (
+        "Tried to set a tensor\n\t [[{{node tfshard_collect/TensorListSetItem}}]]\n"
+        "\t [[tfshard_shard_1/StatefulPartitionedCall/_15]]",
+        None,
+    ),
+    "an aborted receive": (
+        "RecvAsync is cancelled.\n\t [[{{node tfshard_shard_1/StatefulPartitionedCall/_15}}]]",
+        None,
+    ),
+    "a node of no shard, then another report": (
+        f"{_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n\t [[other/StatefulPartitionedCall]]\n"
+        "\t [[{{node tfshard_shard_1/Assert}}]]",
+        None,
+    ),
+    "the cause after a cancelled root": (
+        "2 root error(s) found.\n"
+        "  (0) CANCELLED: RecvAsync is cancelled.\n"
+        "\t [[{{node tfshard_shard_0/cond/Identity}}]]\n"
+        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n"
+        "\t [[tfshard_shard_3/StatefulPartitionedCall]]\n"
+        "0 successful operations.\n0 derived errors ignored.",
+        3,
+    ),
+    "the cause after an aborted receive's root": (
+        "2 root error(s) found.\n"
+        f"  (0) INVALID_ARGUMENT: {_ASSERT}\n"
+        "\t [[{{node tfshard_shard_1/StatefulPartitionedCall/_15}}]]\n"
+        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_2/Assert}}}}]]\n",
+        2,
+    ),
+    "only the first cause counts": (
+        "2 root error(s) found.\n"
+        f"  (0) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_1/Assert}}}}]]\n"
+        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_0/Assert}}}}]]\n",
+        1,
+    ),
+    "names no node": ("Graph execution error: out of memory", None),
+}
+
+
+@pytest.mark.parametrize("case", _FAILING_SHARD_CASES)
+def test_failing_shard_reads_the_failing_node_and_its_calls(case):
+    """TF's message formats, written by hand: each names the shard that failed, or none."""
+    message, shard = _FAILING_SHARD_CASES[case]
+    assert _sharding.failing_shard(message) == shard

@@ -43,9 +43,10 @@ WEIGHT_SCALE = 1 << 24
 SHARD_SCOPE = "tfshard_shard_"
 # Nodes an error names: the failing one ({{node N}}), then context ([[N]]).
 _ERROR_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}|\[\[([^\]{}\s]+)\]\]")
-_IN_SHARD_RE = re.compile(r"(?:^|/)" + SHARD_SCOPE + r"(\d+)/(.*)$")
-_CALL_RE = re.compile(r"(?:Stateful)?PartitionedCall")
+_IN_SHARD_RE = re.compile(r"(?:^|/)" + SHARD_SCOPE + r"(\d+)/")
 _RECEIVE_RE = re.compile(r".*/_\d+")  # a receive the partitioner added, aborted with the step
+# Each of several root errors: "  (0) INVALID_ARGUMENT: ...".
+_ROOT_ERROR_RE = re.compile(r"^\s*\(\d+\) ([A-Z_]+):", re.MULTILINE)
 MAX_ROWS = _arguments.MAX_ROWS
 # A shard's computation: its rows and their number (int32) in, its outputs out.
 ShardFn = Callable[[Sequence[Any], tf.Tensor], Any]
@@ -407,8 +408,9 @@ class Engine:
         copies them to their devices a batch ahead); the split slots of
         `tensors` are then not read.
 
-        With `share`, shards share one trace of the function where they can
-        (`_shard_runs`); without it (the dataset loop), each shard traces its own.
+        With `share`, shards share one trace of the function where they can;
+        without it (the dataset loop), each traces its own unless XLA compiles
+        them (`_shard_runs`).
         """
         count = len(self.devices)
         inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
@@ -596,6 +598,10 @@ class Engine:
         if not share or self.replicas is not None or count == 1:
             return [guarded] * count
         host = host_cpu(self.output)
+        # "_noinline" reaches TF through the public `experimental_attributes`,
+        # which accepts it by name (its allowlist for `tf.function`); the
+        # underscore is TF's spelling, not a private API. Pinned by
+        # test_shards_off_the_output_device_call_one_shared_trace_each_on_its_device.
         shared = one_trace(guarded, experimental_attributes={"_noinline": True})
         in_place = [
             pinning.same_device(d, self.output) or pinning.same_device(d, host)
@@ -607,27 +613,44 @@ class Engine:
 def failing_shard(message: str) -> int | None:
     """The shard a TF error's message says failed, or None.
 
-    The first node named is the failing one: an op of shard k
-    (``tfshard_shard_k/...``, traced in place), or an op inside the shared
-    shard function, whose context line names the call of shard k
-    (``[[tfshard_shard_k/StatefulPartitionedCall]]``). Receives of other
-    shards that TF aborted with the step are not failures.
+    A message holds one error, or several root errors of which the first that
+    is not a cancellation is the cause. An error names its failing node
+    (``{{node N}}``), then the calls it ran in (``[[N]]``), innermost first.
+    The node is shard k's when it is in shard k's scope (traced in place), or
+    when it is inside a function and the first call in a shard's scope is
+    shard k's (``[[tfshard_shard_k/StatefulPartitionedCall]]``, the shared
+    trace). A receive (``.../_12``) that TF aborted with the step failed
+    because something else did: it names no shard.
     """
-    for match in _ERROR_NODE_RE.finditer(message):
-        failing, context = match.groups()
-        shard = _IN_SHARD_RE.search(failing or context)
-        if shard is None:
+    for block in _root_errors(message):
+        names = [(failing, failing or call) for failing, call in _ERROR_NODE_RE.findall(block)]
+        while names and not names[0][0]:
+            names.pop(0)  # calls before any failing node name nothing
+        if not names:
             continue
-        rest = shard.group(2)
-        if failing is not None and not _RECEIVE_RE.fullmatch(rest):
-            return int(shard.group(1))
-        if context is not None and _CALL_RE.fullmatch(rest):
-            return int(shard.group(1))
+        if _RECEIVE_RE.fullmatch(names[0][1]):
+            continue  # an aborted receive: the cause is another root error
+        for i, (failing, name) in enumerate(names):
+            if i and failing:
+                break  # the next node's report: the failing node's calls ended
+            shard = _IN_SHARD_RE.search(name)
+            if shard is not None and not _RECEIVE_RE.fullmatch(name):
+                return int(shard.group(1))
+        return None  # a node outside every shard failed
     return None
 
 
+def _root_errors(message: str) -> list[str]:
+    """The root errors a TF message lists, cancellations left out (all of it if one)."""
+    starts = list(_ROOT_ERROR_RE.finditer(message))
+    if not starts:
+        return [message]
+    ends = [m.start() for m in starts[1:]] + [len(message)]
+    return [message[m.end() : end] for m, end in zip(starts, ends) if m.group(1) != "CANCELLED"]
+
+
 def one_trace(guarded: ShardFn, **options: Any) -> ShardFn:
-    """`run` as one `tf.function`, traced on first use; every later call runs that trace.
+    """`guarded` as one `tf.function`, traced on first use; every later call runs that trace.
 
     A `tf.function` would trace again under each device scope (its cache keys
     on the scope), so every call goes to the first call's concrete function,
