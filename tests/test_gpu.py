@@ -29,15 +29,21 @@ def _batch(dtype: str, n: int = 10) -> tf.Tensor:
         return tf.cast(tf.reshape(tf.range(4 * n) % 7, [n, 4]), dtype)
 
 
+@pytest.mark.parametrize("output", ["gpu", "host"])
 @pytest.mark.parametrize("per_sample", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_shard_runs_on_its_gpu_and_the_plan_on_the_host(
-    two_gpus, dtype, per_sample, executed_nodes
+    two_gpus, dtype, per_sample, output, executed_nodes
 ):
-    """From one run's step stats: nothing of a shard or the gather fell back to a CPU."""
+    """From one run's step stats: nothing of a shard or the gather fell back to a CPU.
+
+    With the output on GPU:1 both shards trace in place; with it on the host
+    CPU, both GPUs call one shared trace of the function.
+    """
     gpus = tfshard.list_devices("GPU")[:2]
+    out_device = gpus[1] if output == "gpu" else "/device:CPU:0"
     fn = (lambda s: s[:2]) if per_sample else (lambda x: x[:, :2])
-    f = tfshard.parallelize(fn, devices=gpus, output_device=gpus[1], per_sample=per_sample)
+    f = tfshard.parallelize(fn, devices=gpus, output_device=out_device, per_sample=per_sample)
     x = _batch(dtype)
     concrete = f.get_concrete_function(x)
     ran = executed_nodes(concrete, x.numpy())
@@ -48,12 +54,11 @@ def test_each_shard_runs_on_its_gpu_and_the_plan_on_the_host(
             if f"tfshard_shard_{k}/" in name and op not in ("Switch", "Identity")
         }
         assert shard == {device}, (k, shard)
-    # Shard 0 is off the output device: it calls the shared trace, whose nodes
-    # (cond/... for the empty-shard guard) must all have run on its GPU.
+    # The shared trace's nodes (cond/... for the empty-shard guard) ran on each GPU.
     shared = {d for name, _, d in ran if name.startswith("cond/")}
-    assert shared == {gpus[0]}, shared
+    assert shared == (set() if output == "gpu" else set(gpus)), shared
     collect = {d for name, _, d in ran if name.startswith("tfshard_collect/")}
-    assert collect == {gpus[1]}
+    assert collect == {out_device}
     split = {d for _, op, d in ran if op in ("SplitV", "StridedSlice", "Bitcast")}
     assert gpus[0] in split and not any("CPU" in d for d in split - {gpus[0]}), split
     top = {op.name for op in concrete.graph.get_operations()}

@@ -55,7 +55,9 @@ from tensorflow.python.framework import kernels
 
 from tfshard import _arguments, _sharding, collect
 
-GPUS = ("/device:GPU:0", "/device:GPU:1")
+# Three: the shards off the output device (GPU:1 and GPU:2) call one shared
+# trace, whose nodes are checked with the device of each call.
+GPUS = ("/device:GPU:0", "/device:GPU:1", "/device:GPU:2")
 HOST = "/device:CPU:0"
 DTYPES = (
     "float16", "bfloat16", "float32", "float64", "complex64", "complex128", "int8", "int16",
@@ -247,9 +249,11 @@ def test_the_plan_runs_on_the_host_and_the_split_where_the_batch_is():
     # function on a GPU takes one in host memory), its GPU's Greater reads and
     # writes int32 in host memory, and If (and the Switch it lowers to) reads
     # the predicate there: no device copy.
+    # Shard 0 (on the output GPU) traces in place, the others call the shared trace.
     guard = re.compile(rf"{_sharding.SHARD_SCOPE}\d+/((Stateful)?PartitionedCall/)?Greater")
     guards = [n for n in nodes if guard.fullmatch(n.name)]
     assert [n.device for n in guards] == list(GPUS)
+    assert [n.name.count("PartitionedCall/") for n in guards] == [0, 1, 1]
     assert {tf.as_dtype(n.attrs["T"].type) for n in guards} == {tf.int32}
     int32 = {"T": AttrValue(type=tf.int32.as_datatype_enum)}
     assert {"x", "y", "z"} <= set(_gpu_kernel("Greater", int32).host_memory_arg)

@@ -934,10 +934,12 @@ def test_a_shard_error_shows_the_users_frames_once_and_not_tfshards(shard):
     def my_step(block):
         return tf.debugging.check_numerics(tf.math.log(block), "log of a negative")
 
-    f = tfshard.parallelize(my_step, per_sample=False, devices=CPUS[:2])
-    x = np.arange(10, dtype=np.float32) - 4.5  # negative in shard 0's rows
+    # Three devices: shards 1 and 2 share a trace (with two, both trace in place).
+    f = tfshard.parallelize(my_step, per_sample=False, devices=CPUS[:3])
+    x = np.ones(9, np.float32)
+    x[3 * shard : 3 * shard + 3] = -1.0  # negative in this shard's rows only
     with pytest.raises(tf.errors.InvalidArgumentError) as raised:
-        f(x if shard == 0 else -x)
+        f(x)
     message = str(raised.value)
     assert f"shard {shard} on {CPUS[shard]}" in message
     assert "log of a negative" in message and "in tf__my_step" in message
@@ -946,6 +948,25 @@ def test_a_shard_error_shows_the_users_frames_once_and_not_tfshards(shard):
     # shared trace's nodes are named as in its function)
     node = "tfshard_shard_0/cond/CheckNumerics" if shard == 0 else "cond/CheckNumerics"
     assert message.count(f"Detected at node {node} ") == 1
+
+
+@pytest.mark.parametrize("seeded", ["op seed", "global seed", "stateless"])
+def test_a_seeded_random_op_repeats_one_stream_on_every_shard(seeded):
+    """README's promise, shard on the output device and shared-trace shards alike."""
+
+    def noise(x):
+        if seeded == "stateless":
+            return x + tf.random.stateless_uniform([1], seed=[1, 2])
+        return x + tf.random.uniform([1], seed=7 if seeded == "op seed" else None)
+
+    f = tfshard.parallelize(noise, devices=CPUS, per_sample=False)
+    if seeded == "global seed":
+        tf.random.set_seed(5)
+    try:
+        out = f(np.zeros([4, 1], np.float32)).numpy()  # one row per shard
+    finally:
+        tf.random.set_seed(None)
+    assert np.all(out == out[0]) and 0 < out[0, 0] < 1, out
 
 
 def test_shards_off_the_output_device_call_one_shared_trace_each_on_its_device():

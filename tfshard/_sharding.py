@@ -583,7 +583,10 @@ class Engine:
         place, the failing op is the first the step sees.
 
         No sharing: with replicas (each shard captures its own device's
-        copies), or without `share`. With XLA every shard calls one compiled
+        copies), without `share`, or where one shard would call the shared
+        trace (two devices): a trace called once saves no tracing, and the
+        call's instantiation cost ~15 % of a two-device first call (measured,
+        benchmarks/first_call.py). With XLA every shard calls one compiled
         function: a compiled call runs as one kernel, not a nested step.
         """
         count = len(self.devices)
@@ -595,18 +598,18 @@ class Engine:
             if self.replicas is not None:  # a trace per device: tf.function keys on it
                 return [tf.function(guarded, autograph=False, jit_compile=True)] * count
             return [one_trace(guarded, jit_compile=True)] * count
-        if not share or self.replicas is not None or count == 1:
-            return [guarded] * count
         host = host_cpu(self.output)
+        in_place = [
+            pinning.same_device(d, self.output) or pinning.same_device(d, host)
+            for d in self.devices
+        ]
+        if not share or self.replicas is not None or in_place.count(False) < 2:
+            return [guarded] * count
         # "_noinline" reaches TF through the public `experimental_attributes`,
         # which accepts it by name (its allowlist for `tf.function`); the
         # underscore is TF's spelling, not a private API. Pinned by
         # test_shards_off_the_output_device_call_one_shared_trace_each_on_its_device.
         shared = one_trace(guarded, experimental_attributes={"_noinline": True})
-        in_place = [
-            pinning.same_device(d, self.output) or pinning.same_device(d, host)
-            for d in self.devices
-        ]
         return [guarded if here else shared for here in in_place]
 
 
