@@ -460,6 +460,57 @@ def test_parallelize_across_two_workers_survives_a_worker_restart(two_workers):
         client.kill()
 
 
+FAILING_CLIENT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    import tfshard
+    from tfshard import _sharding, cluster
+
+    assert sys.stdin.readline().strip() == "go"
+    cluster.connect(sys.argv[1], timeout=20)
+    devices = ["worker0:CPU:0", "cpu:0", "worker1:CPU:0"]
+    named = []
+    for per_sample in (False, True):
+        f = tfshard.parallelize(
+            lambda s: tf.debugging.check_numerics(tf.math.log(s), "log of a negative"),
+            devices=devices, per_sample=per_sample)
+        for bad in range(9):
+            x = np.ones((9, 1), np.float32)
+            x[bad] = -1.0
+            try:
+                # The output is on worker 0: the call returns before the shards
+                # ran, and an error comes as a TF error when the value is read.
+                f(x).numpy()
+                named.append("no error")
+            except Exception as error:  # noqa: BLE001
+                # Raised by the call (a ShardError naming the shard), or by the
+                # read (TF's error, naming the shard's node or call).
+                text, k = str(error), bad // 3
+                named_k = f"shard {k} on {f.devices[k]} " in text or (
+                    _sharding.failing_shard(text) == k)
+                right = named_k and "log of a negative" in text
+                named.append("ok" if right else f"{type(error).__name__}: {text[:300]}")
+    print(json.dumps({"event": "failures", "named": named}), flush=True)
+    """
+)
+
+
+def test_a_failing_shard_across_workers_is_named_every_time(two_workers):
+    """Across workers each shard traces in place: as a shared call, a failure lost
+    its error to the cancelled receives from other tasks (7 of 18 times)."""
+    client = _Child([sys.executable, "-c", FAILING_CLIENT, two_workers.cluster])
+    try:
+        for task in range(2):
+            two_workers.wait_ready(task)
+        client.send("go")
+        named = _event(client, "failures", timeout=120)["named"]
+        assert named == ["ok"] * 18, [n for n in named if n != "ok"]
+    finally:
+        client.kill()
+
+
 # ---------------------------------------------------------------- example
 
 

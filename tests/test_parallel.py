@@ -398,6 +398,18 @@ def test_per_batch_mean_weights_shards_by_size():
         np.testing.assert_allclose(f(x).numpy(), x.mean(0), rtol=RTOL, atol=1e-7)
 
 
+def test_whole_shard_outputs_of_unknown_inner_shape_for_fewer_rows_than_devices():
+    """An empty shard's zeros need every inner dimension; unknown ones call the function."""
+
+    def same_shape(b):  # [n, ?] as traced: tf.reshape to a computed shape
+        return tf.reshape(b * 2.0, tf.concat([tf.shape(b)[:1], [-1]], 0))
+
+    f = tfshard.parallelize(same_shape, devices=CPUS, per_sample=False)
+    for n in (0, 1, 2, 3, 5):
+        x = rng.normal(size=[n, 3]).astype(np.float32)
+        np.testing.assert_allclose(f(x).numpy(), (x * 2.0).reshape(n, 3), rtol=RTOL)
+
+
 def test_per_batch_sum_max_min_skip_empty_shards():
     sum_f = tfshard.parallelize(lambda b: tf.reduce_sum(b), per_sample=False, reduce="sum")
     max_f = tfshard.parallelize(lambda b: tf.reduce_max(b), per_sample=False, reduce="max")

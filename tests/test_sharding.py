@@ -367,6 +367,16 @@ _FAILING_SHARD_CASES = {
         1,
     ),
     "names no node": ("Graph execution error: out of memory", None),
+    "a parallelized function inside shard 3's shared trace": (
+        f"{_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n"
+        "\t [[cond/tfshard_shard_0/StatefulPartitionedCall]]\n"
+        "\t [[tfshard_shard_3/StatefulPartitionedCall]]",
+        3,
+    ),
+    "a parallelized function inside shard 2, in place": (
+        f"{_ASSERT}\n\t [[{{{{node tfshard_shard_2/cond/tfshard_shard_1/cond/Assert}}}}]]",
+        2,
+    ),
 }
 
 

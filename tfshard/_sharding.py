@@ -583,8 +583,10 @@ class Engine:
         place, the failing op is the first the step sees.
 
         No sharing: with replicas (each shard captures its own device's
-        copies), without `share`, or where one shard would call the shared
-        trace (two devices): a trace called once saves no tracing, and the
+        copies), without `share`, across workers (a failing call loses its
+        error to the cancelled receives from other tasks: 7 of 18 failures
+        came back as a bare CancelledError), or where one shard would call the
+        shared trace (two devices): a trace called once saves no tracing, and the
         call's instantiation cost ~15 % of a two-device first call (measured,
         benchmarks/first_call.py). With XLA every shard calls one compiled
         function: a compiled call runs as one kernel, not a nested step.
@@ -603,7 +605,8 @@ class Engine:
             pinning.same_device(d, self.output) or pinning.same_device(d, host)
             for d in self.devices
         ]
-        if not share or self.replicas is not None or in_place.count(False) < 2:
+        remote = any(pinning.is_remote(d) for d in (*self.devices, self.output))
+        if not share or self.replicas is not None or remote or in_place.count(False) < 2:
             return [guarded] * count
         # "_noinline" reaches TF through the public `experimental_attributes`,
         # which accepts it by name (its allowlist for `tf.function`); the
@@ -620,9 +623,10 @@ def failing_shard(message: str) -> int | None:
     is not a cancellation is the cause. An error names its failing node
     (``{{node N}}``), then the calls it ran in (``[[N]]``), innermost first.
     The node is shard k's when it is in shard k's scope (traced in place), or
-    when it is inside a function and the first call in a shard's scope is
-    shard k's (``[[tfshard_shard_k/StatefulPartitionedCall]]``, the shared
-    trace). A receive (``.../_12``) that TF aborted with the step failed
+    when it is inside a function called in shard k's scope
+    (``[[tfshard_shard_k/StatefulPartitionedCall]]``, the shared trace); the
+    outermost such name counts, as a parallelized function inside a shard
+    names its own shards too. A receive (``.../_12``) that TF aborted with the step failed
     because something else did: it names no shard.
     """
     for block in _root_errors(message):
@@ -633,13 +637,14 @@ def failing_shard(message: str) -> int | None:
             continue
         if _RECEIVE_RE.fullmatch(names[0][1]):
             continue  # an aborted receive: the cause is another root error
+        found = None
         for i, (failing, name) in enumerate(names):
             if i and failing:
                 break  # the next node's report: the failing node's calls ended
             shard = _IN_SHARD_RE.search(name)
             if shard is not None and not _RECEIVE_RE.fullmatch(name):
-                return int(shard.group(1))
-        return None  # a node outside every shard failed
+                found = int(shard.group(1))  # the outermost call wins (nested tfshard)
+        return found  # None: a node outside every shard failed
     return None
 
 
@@ -838,17 +843,22 @@ def whole_shard(call: Callable[[Sequence[Any]], Any]) -> Shard:
     gives, for each output of the traced shard, zeros with 0 rows where the
     output is per row (`per_row`) and the output's own shape otherwise (a
     reduction ignores an empty shard's value). Where an output's shape is not
-    known well enough for that (unknown rank, ragged), the empty shard calls
-    the function after all.
+    known well enough for that (unknown rank or inner dimensions, ragged), the
+    empty shard calls the function after all.
     """
 
     def empty(outputs: Any) -> Any:
         leaves, structure = _trees.flatten(outputs)
-        if not all(isinstance(t, tf.Tensor) and t.shape.rank is not None for t in leaves):
+        if not all(isinstance(t, tf.Tensor) and _known_but_rows(t.shape) for t in leaves):
             return None
         return _trees.build(structure, iter([_no_rows(t) for t in leaves]))
 
     return Shard(call, empty)
+
+
+def _known_but_rows(shape: tf.TensorShape) -> bool:
+    """Known rank, and every dimension but the first known: zeros can stand in."""
+    return shape.rank is not None and all(d is not None for d in shape[1:])
 
 
 def _no_rows(t: tf.Tensor) -> tf.Tensor:

@@ -288,10 +288,11 @@ class ShardedFunction:
         """The traced `tf.function` graph a call with these arguments runs, as in `tf.function`.
 
         Its ``.graph`` shows where each op is placed: ops of shard k are named
-        ``tfshard_shard_k/...``, the gather ``tfshard_collect/...``. A shard off
-        the output device calls the trace those shards share: it shows one call
-        op on its device (``tfshard_shard_k/StatefulPartitionedCall``), whose
-        ops are in ``.graph.as_graph_def().library``, placed by the call.
+        ``tfshard_shard_k/...``, the gather ``tfshard_collect/...``. Where two or
+        more shards are off the output device and the host CPU, each of them
+        calls one trace they share: it shows one call op on its device
+        (``tfshard_shard_k/StatefulPartitionedCall``), whose ops are in
+        ``.graph.as_graph_def().library``, placed by the call.
 
         >>> f = tfshard.parallelize(tf.sin, devices=["cpu:0", "cpu:1"])
         >>> graph = f.get_concrete_function(np.zeros([4], np.float32)).graph
