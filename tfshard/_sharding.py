@@ -7,9 +7,9 @@ graphs it traced. Its body, traced once per trace key into one `tf.function`:
       --tf.device(d_k): vectorized_map(fn) or fn(shard)--> K outputs
       --collect (tf.device(output))--> [N, ...] in input order, or reduced
 
-The shard on the output device traces `fn` in place; the others call one
-shared trace of it (`Engine._shard_runs`), which is most of a first call's
-cost saved for every device past the second.
+A shard on the output device or the host traces `fn` in place; the others,
+when two or more, call one shared trace of it (`Engine._shard_runs` says
+when not): most of a first call's cost saved for every shard past the second.
 
 The dataset loop (`tfshard.datasets`) runs the same body once per batch inside
 its own loop, with ``gather=False`` to collect every batch's shards itself.
@@ -586,9 +586,9 @@ class Engine:
         copies), without `share`, across workers (a failing call loses its
         error to the cancelled receives from other tasks: 7 of 18 failures
         came back as a bare CancelledError), or where one shard would call the
-        shared trace (two devices): a trace called once saves no tracing, and the
-        call's instantiation cost ~15 % of a two-device first call (measured,
-        benchmarks/first_call.py). With XLA every shard calls one compiled
+        shared trace (two devices): a trace called once saves no tracing, and
+        the call's instantiation cost ~15 % of a two-device first call
+        (measured, benchmarks/first_call.py). With XLA every shard calls one compiled
         function: a compiled call runs as one kernel, not a nested step.
         """
         count = len(self.devices)
@@ -626,8 +626,8 @@ def failing_shard(message: str) -> int | None:
     when it is inside a function called in shard k's scope
     (``[[tfshard_shard_k/StatefulPartitionedCall]]``, the shared trace); the
     outermost such name counts, as a parallelized function inside a shard
-    names its own shards too. A receive (``.../_12``) that TF aborted with the step failed
-    because something else did: it names no shard.
+    names its own shards too. A receive (``.../_12``) that TF aborted with the
+    step failed because something else did: it names no shard.
     """
     for block in _root_errors(message):
         names = [(failing, failing or call) for failing, call in _ERROR_NODE_RE.findall(block)]
