@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from tfshard import collect
 from tfshard.errors import ArgumentError
 
+R = collect.REDUCTIONS
+
 
 def _in_graph(fn, *args):
     """Runs `fn` traced, as parallelize runs collect."""
@@ -56,8 +58,8 @@ def test_per_sample_partials_combine_to_the_full_reduction(op, np_op):
     shards = [rng.normal(size=[n, 3]).astype(np.float32) for n in (4, 0, 3, 1)]
 
     def run(*parts):
-        partials = [collect.shard_partial(p, tf.shape(p)[0], op, per_sample=True) for p in parts]
-        return collect.combine(partials, sum(len(s) for s in shards), op)
+        partials = [collect.shard_partial(p, tf.shape(p)[0], R[op], per_sample=True) for p in parts]
+        return collect.combine(partials, sum(len(s) for s in shards), R[op])
 
     np.testing.assert_allclose(
         _in_graph(run, *shards).numpy(), np_op(np.concatenate(shards), 0), rtol=1e-6
@@ -71,17 +73,17 @@ def test_per_shard_mean_is_size_weighted_and_ignores_empty_shards():
 
     def run():
         partials = [
-            collect.shard_partial(v, tf.constant(n), "mean", per_sample=False)
+            collect.shard_partial(v, tf.constant(n), R["mean"], per_sample=False)
             for v, n in zip(values, sizes)
         ]
-        return collect.combine(partials, tf.constant(4), "mean")
+        return collect.combine(partials, tf.constant(4), R["mean"])
 
     assert _in_graph(run).numpy() == pytest.approx(7.0 / 4.0)
 
 
 def test_combine_int_mean_is_exact_and_nan_for_no_samples():
     def run(partials, total):
-        return collect.combine(tf.unstack(partials), total, "mean")
+        return collect.combine(tf.unstack(partials), total, R["mean"])
 
     exact = _in_graph(run, tf.constant([-7, 0]), 2)
     assert exact.dtype == tf.float64 and exact.numpy() == np.mean([-3, -4]) == -3.5
@@ -104,7 +106,7 @@ def test_check_reducible_names_the_path(value, op, message):
     with pytest.raises(
         ArgumentError, match=f"outputs\\['x'\\] .*{message}|outputs\\['x'\\] {message}"
     ):
-        collect.check_reducible(value, op, "outputs['x']")
+        collect.check_reducible(value, R[op], "outputs['x']")
 
 
 INTEGERS = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
@@ -122,14 +124,49 @@ def test_integers_reduce_through_int64_exactly(dtype, op, per_sample):
 
     def reduce(*parts):
         if per_sample:
-            partials = [collect.shard_partial(p, tf.shape(p)[0], op, True) for p in parts]
+            partials = [collect.shard_partial(p, tf.shape(p)[0], R[op], True) for p in parts]
         else:  # a shard's value: its own reduction, as a whole-shard function returns it
-            values = [collect.shard_partial(p, tf.shape(p)[0], op, True) for p in parts]
+            values = [collect.shard_partial(p, tf.shape(p)[0], R[op], True) for p in parts]
             partials = [
-                collect.shard_partial(v, tf.shape(p)[0], op, False) for v, p in zip(values, parts)
+                collect.shard_partial(v, tf.shape(p)[0], R[op], False)
+                for v, p in zip(values, parts)
             ]
-        return collect.combine(partials, tf.constant(3, tf.int64), op)
+        return collect.combine(partials, tf.constant(3, tf.int64), R[op])
 
     out = _in_graph(reduce, *shards)
     assert out.dtype == dtype
     np.testing.assert_array_equal(out.numpy(), reference)
+
+
+def test_every_reduction_is_one_record_and_an_unknown_name_lists_them():
+    assert set(collect.REDUCTIONS) == {"sum", "mean", "max", "min"}
+    assert [r.name for r in collect.REDUCTIONS.values()] == list(collect.REDUCTIONS)
+    assert collect.reduction(None) is None
+    assert collect.reduction("max") is collect.REDUCTIONS["max"]
+    for bad in ("prod", "SUM", 3):
+        with pytest.raises(
+            ArgumentError, match=r"reduce=.*choose one of 'sum', 'mean', 'max', 'min'"
+        ):
+            collect.reduction(bad)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_a_running_total_over_batches_equals_one_reduction_over_all_rows(op):
+    # Batches of 3, 0 and 2 rows on 2 shards each, as a stream reduces them: each
+    # batch's total (a mean undivided), accumulated, finished once.
+    rng = np.random.default_rng(7)
+    batches = [rng.integers(-50, 50, size=[n, 2]).astype(np.int32) for n in (3, 0, 2)]
+    r = collect.REDUCTIONS[op]
+
+    def run(*xs):
+        totals = [r.neutral(tf.int32) * tf.ones([2], tf.int32)]
+        for x in xs:
+            halves = tf.split(x, [tf.shape(x)[0] // 2, tf.shape(x)[0] - tf.shape(x)[0] // 2])
+            partials = [collect.shard_partial(h, tf.shape(h)[0], r, True) for h in halves]
+            batch = collect.combine(partials, tf.shape(x)[0], r, finish=False)
+            totals = collect.accumulate(totals, [batch], r)
+        return collect.finished(totals[0], 5, r)
+
+    every = np.concatenate(batches)
+    want = {"sum": every.sum(0), "mean": every.mean(0), "max": every.max(0), "min": every.min(0)}
+    np.testing.assert_allclose(_in_graph(run, *batches).numpy(), want[op], rtol=1e-12)

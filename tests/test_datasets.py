@@ -624,7 +624,7 @@ def test_iterate_refuses_bad_arguments_at_the_call_not_at_the_first_batch():
 
 def _loop_body(f):
     """The traced loop's body (a FunctionDef) and its While node, from the public GraphDef."""
-    (loop,) = f._engine().loops.values()
+    (loop,) = f._runner().loops.values()
     graph = loop._chunk.graph.as_graph_def()
     (node,) = [n for n in graph.node if n.op in ("While", "StatelessWhile")]
     library = {fn.signature.name: fn for fn in graph.library.function}

@@ -53,7 +53,7 @@ import tensorflow as tf
 from tensorflow.core.framework.attr_value_pb2 import AttrValue
 from tensorflow.python.framework import kernels
 
-from tfshard import _arguments, _sharding, collect
+from tfshard import _arguments, _options, _plan, _sharding, collect
 
 # Three: the shards off the output device (GPU:1 and GPU:2) call one shared
 # trace, whose nodes are checked with the device of each call.
@@ -147,18 +147,10 @@ def _nodes(graph_def: Any) -> list[Node]:
 
 
 def _engine(per_sample: bool, reduce: str | None, fn: Any, jit: bool = False) -> Any:
-    return _sharding.Engine(
-        fn,
-        name="f",
-        devices=GPUS,
-        output=GPUS[0],
-        weights=None,
-        per_sample=per_sample,
-        reduce=reduce,
-        reduce_label=reduce,
-        ragged=False,
-        jit_compile=jit,
+    options = _options.Options(
+        per_sample=per_sample, reduce=collect.reduction(reduce), jit_compile=jit
     )
+    return _sharding.Engine(fn, options, name="f", devices=GPUS, output=GPUS[0])
 
 
 def _traced(dtype: str, per_sample: bool, mode: str, jit: bool = False) -> list[Node]:
@@ -287,9 +279,9 @@ def test_the_routing_tables_match_the_registry():
 
     every = [tf.as_dtype(d) for d in DTYPES]
     split = {d for d in every if device_memory("SplitV", d, "T", DATA_ARGS["SplitV"])}
-    assert split == _sharding.SPLIT_DTYPES
+    assert split == _plan.SPLIT_DTYPES
     sliced = {d for d in every if device_memory("StridedSlice", d, "T", DATA_ARGS["StridedSlice"])}
-    assert sliced >= _sharding.SLICED_DTYPES
+    assert sliced >= _plan.SLICED_DTYPES
     for op, attr in (
         ("TensorListSetItem", "element_dtype"),
         ("TensorListConcatV2", "element_dtype"),

@@ -1,112 +1,21 @@
-"""_sharding: plans, splits and where each shard's ops are placed in the traced graph.
+"""_sharding: where each shard's ops are placed in the traced graph, and what shards return.
 
-References are independent of tfshard: exact fractions for plans, NumPy for
-round trips, the traced graph's own op placement for devices.
+References are independent of tfshard: NumPy for round trips, the traced
+graph's own op placement for devices.
 """
 
 import collections
 import threading
-from fractions import Fraction
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import tfshard
 from tfshard import _sharding
 from tfshard.errors import ArgumentError
 
 CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
-
-
-# ----------------------------------------------------------- plans, property
-
-
-@pytest.mark.parametrize(
-    "n, count, expected",
-    [(0, 4, [0, 0, 0, 0]), (3, 4, [1, 1, 1, 0]), (8, 3, [3, 3, 2]), (9, 3, [3, 3, 3])],
-)
-def test_even_plans(n, count, expected):
-    f = tfshard.parallelize(tf.identity, devices=CPUS[:count])
-    assert f.plan(n) == expected
-
-
-@pytest.mark.parametrize(
-    "weights, n, expected",
-    [
-        ([3, 1], 10, [8, 2]),  # quotas 7.5, 2.5: the tie goes to the first device
-        ([3, 1], 4, [3, 1]),
-        ([0.7, 0.3], 10, [7, 3]),
-        ([1, 1, 1], 10, [4, 3, 3]),
-        ([1, 0], 5, [5, 0]),
-        ([1, 2, 3, 4], 1, [0, 0, 0, 1]),
-        ([1, 2, 3, 4], 7, [1, 1, 2, 3]),  # quotas .7 1.4 2.1 2.8
-    ],
-)
-def test_weighted_plans_use_largest_remainder(weights, n, expected):
-    f = tfshard.parallelize(tf.identity, devices=CPUS[: len(weights)], weights=weights)
-    assert f.plan(n) == expected
-
-
-def _largest_remainder(n, weights):
-    """Independent reference with exact fractions."""
-
-    total = sum(Fraction(w) for w in weights)
-    quotas = [n * Fraction(w) / total for w in weights]
-    base = [int(q) for q in quotas]
-    order = sorted(range(len(weights)), key=lambda k: (-(quotas[k] - base[k]), k))
-    for k in order[: n - sum(base)]:
-        base[k] += 1
-    return base
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    n=st.integers(0, 300),
-    weights=st.one_of(
-        st.integers(1, 4).map(lambda k: None),
-        st.lists(st.integers(0, 9), min_size=1, max_size=4).filter(lambda w: sum(w) > 0),
-    ),
-    count=st.integers(1, 4),
-)
-def test_plans_sum_to_n_and_follow_the_weights(n, weights, count):
-    devices = CPUS[: len(weights)] if weights else CPUS[:count]
-    sizes = tfshard.parallelize(tf.identity, devices=devices, weights=weights).plan(n)
-    assert sum(sizes) == n and len(sizes) == len(devices)
-    if weights is None:
-        assert max(sizes) - min(sizes) <= 1
-    else:
-        assert sizes == _largest_remainder(n, weights)
-
-
-_ROUND_TRIP = {}
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    n=st.integers(0, 300),
-    count=st.integers(1, 4),
-    weights=st.none() | st.lists(st.integers(0, 5), min_size=4, max_size=4),
-)
-def test_every_sample_comes_back_once_in_order(n, count, weights):
-    if weights is not None:
-        weights = weights[:count]
-        if sum(weights) == 0:
-            weights[0] = 1
-    key = (count, tuple(weights) if weights else None)
-    if key not in _ROUND_TRIP:
-        _ROUND_TRIP[key] = tfshard.parallelize(
-            lambda s: {"id": s * 10, "tag": tf.stack([s, -s])},
-            devices=CPUS[:count],
-            weights=weights,
-        )
-    f = _ROUND_TRIP[key]
-    ids = np.arange(n, dtype=np.int64)
-    out = f(ids)
-    assert out["id"].numpy().tolist() == (ids * 10).tolist()
-    assert out["tag"].numpy().tolist() == np.stack([ids, -ids], 1).tolist()
 
 
 # -------------------------------------------------------------- placement
@@ -228,32 +137,6 @@ def test_check_outputs_names_a_key_that_differs_between_shards():
     outputs = _outputs(lambda x: {"loss": x}, lambda x: {"loss": x, "extra": x})
     with pytest.raises(ArgumentError, match=r"outputs\['extra'\] differs between shards"):
         _sharding.check_outputs(outputs, CPUS[:2], concatenated=True)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    n=st.integers(0, 10_000),
-    weights=st.none() | st.lists(st.integers(0, 50), min_size=1, max_size=6).filter(any),
-)
-def test_the_python_plan_is_the_graphs(n, weights):
-    count = len(weights) if weights else 3
-    weights = tuple(weights) if weights else None
-    in_graph = _sharding.plan_sizes(tf.constant(n, tf.int64), count, weights).numpy().tolist()
-    assert _sharding.plan_rows(n, count, weights) == in_graph
-
-
-def test_plan_and_explain_work_inside_a_tf_function():
-    f = tfshard.parallelize(tf.identity, devices=CPUS[:3], weights=[2, 1, 1])
-    seen = []
-
-    @tf.function
-    def outer(x):
-        seen.append((f.plan(5), f.explain(x).splitlines()[0]))
-        return f(x)
-
-    outer(tf.zeros([5, 2]))
-    assert seen[0][0] == f.plan(5) == [3, 1, 1]
-    assert seen[0][1].startswith("identity: 5 rows on 3 devices")
 
 
 # ------------------------------------------------------- dtypes, routed

@@ -1,31 +1,27 @@
-"""The traced body of a parallelized function: plan, split, one `tf.device` block per shard.
+"""Running the shards: one `tf.device` block per shard, and what an empty shard returns.
 
 `Engine` holds what one `ShardedFunction` resolved (devices, options) and the
-graphs it traced. Its body, traced once per trace key into one `tf.function`:
+graphs it traced. A call's body, traced once per trace key into one
+`tf.function`, composes three steps:
 
-    [N, ...] --plan--> sizes --tf.split--> K x [n_k, ...]
-      --tf.device(d_k): vectorized_map(fn) or fn(shard)--> K outputs
-      --collect (tf.device(output))--> [N, ...] in input order, or reduced
+    [N, ...] --plan and split (tfshard._plan)--> K x [n_k, ...]
+      --Engine.run: tf.device(d_k): vectorized_map(fn) or fn(shard)--> K outputs
+      --Engine.collect (tf.device(output))--> [N, ...] in input order, or reduced
 
 A shard on the output device or the host traces `fn` in place; the others,
 when two or more, call one shared trace of it (`Engine._shard_runs` says
 when not): most of a first call's cost saved for every shard past the second.
 
-The dataset loop (`tfshard.datasets`) runs the same body once per batch inside
-its own loop, with ``gather=False`` to collect every batch's shards itself.
+A dataset stream (`tfshard.datasets`) composes the same steps in its own loop:
+it plans and splits each batch ahead, runs the shards, and collects every
+batch's outputs itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
-import inspect
-import math
 import re
 import threading
-import types
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -33,13 +29,12 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import _arguments, _trees, cluster, collect, pinning
+from tfshard._autograph import autographed
+from tfshard._options import Options
+from tfshard._plan import host_assert, host_cpu, plan_and_split, plan_rows, row_count
 from tfshard.errors import ArgumentError, TfshardError, shard_error, user_frames
-from tfshard.replicas import Replicas, check_no_writes, keras_of, variable_reads
+from tfshard.replicas import Replicas, check_no_writes, variable_reads
 
-# Integer weights are used as they are; other weights are scaled to integers
-# with this total, so a plan is exact integer arithmetic, the same in the graph
-# and in `Engine.plan`.
-WEIGHT_SCALE = 1 << 24
 SHARD_SCOPE = "tfshard_shard_"
 # Nodes an error names: the failing one ({{node N}}), then context ([[N]]).
 _ERROR_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}|\[\[([^\]{}\s]+)\]\]")
@@ -47,7 +42,6 @@ _IN_SHARD_RE = re.compile(r"(?:^|/)" + SHARD_SCOPE + r"(\d+)/")
 _RECEIVE_RE = re.compile(r".*/_\d+")  # a receive the partitioner added, aborted with the step
 # Each of several root errors: "  (0) INVALID_ARGUMENT: ...".
 _ROOT_ERROR_RE = re.compile(r"^\s*\(\d+\) ([A-Z_]+):", re.MULTILINE)
-MAX_ROWS = _arguments.MAX_ROWS
 # A shard's computation: its rows and their number (int32) in, its outputs out.
 ShardFn = Callable[[Sequence[Any], tf.Tensor], Any]
 # Marks the in-graph check that a whole-shard function returned one row per row.
@@ -56,225 +50,61 @@ ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
 INPUTS_DIFFER = "tfshard: split arguments with different numbers of rows:"
 
 
-# ------------------------------------------------------------------- plans
-
-
-def integer_weights(weights: Sequence[float] | None) -> tuple[int, ...] | None:
-    """Validated weights as non-negative integers with a positive sum."""
-    if weights is None:
-        return None
-    if isinstance(weights, str | bytes) or not isinstance(weights, Sequence | np.ndarray):
-        raise ArgumentError(f"weights={weights!r}: pass one number per device, e.g. [3, 1]")
-    values = []
-    for i, w in enumerate(weights):
-        if isinstance(w, bool) or not isinstance(w, int | float | np.integer | np.floating):
-            raise ArgumentError(f"weights[{i}]={w!r} is not a number")
-        if math.isnan(w) or math.isinf(w):
-            raise ArgumentError(f"weights[{i}]={w!r}: weights must be finite")
-        if w < 0:
-            raise ArgumentError(f"weights[{i}]={w!r} is negative; weights are relative speeds >= 0")
-        values.append(w)
-    if not any(w > 0 for w in values):
-        raise ArgumentError(
-            f"weights={list(weights)!r}: at least one weight must be > 0 "
-            "(they are relative device speeds, e.g. [3, 1])"
-        )
-    if all(float(w).is_integer() for w in values):
-        exact = [int(w) for w in values]  # Python ints: their sum cannot overflow
-        if sum(exact) <= WEIGHT_SCALE:
-            return tuple(exact)
-    # Scale by the largest first: a sum of finite floats can overflow to inf.
-    top = float(max(values))
-    total = math.fsum(float(w) / top for w in values)
-    return tuple(round(float(w) / top / total * WEIGHT_SCALE) for w in values)
-
-
-def plan_sizes(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) -> tf.Tensor:
-    """Shard sizes for `n` rows on `count` devices, as an int64 vector summing to n.
-
-    Unweighted, sizes differ by at most one and the first ``n % count`` shards
-    get the extra row. Weighted, each shard gets the floor of its quota
-    ``n * w_k / sum(w)`` and the rows left over go one each to the largest
-    remainders (ties to the lower index): largest-remainder rounding.
-    """
-    n = tf.cast(n, tf.int64)
-    index = tf.range(count, dtype=tf.int64)
-    if weights is None:
-        return n // count + tf.cast(index < n % count, tf.int64)
-    w = tf.constant(weights, tf.int64)
-    total = sum(weights)
-    quota = n * w  # Exact: n < 2**31 and total <= 2**24 + count.
-    base = quota // total
-    remainder = quota % total
-    left = n - tf.reduce_sum(base)  # 0 <= left < count
-    # rank[k]: how many shards beat shard k for a leftover row.
-    beats = (remainder[None, :] > remainder[:, None]) | (
-        (remainder[None, :] == remainder[:, None]) & (index[None, :] < index[:, None])
-    )
-    rank = tf.reduce_sum(tf.cast(beats, tf.int64), axis=1)
-    return base + tf.cast(rank < left, tf.int64)
-
-
-def plan_rows(n: int, count: int, weights: tuple[int, ...] | None) -> list[int]:
-    """`plan_sizes` in Python, for `plan`, `explain` and messages (no TF ops: works in a graph)."""
-    if weights is None:
-        return [n // count + (1 if k < n % count else 0) for k in range(count)]
-    total = sum(weights)
-    base = [n * w // total for w in weights]
-    remainder = [n * w % total for w in weights]
-    # The rows left over go one each to the largest remainders, ties to the lower index.
-    for k in sorted(range(count), key=lambda k: (-remainder[k], k))[: n - sum(base)]:
-        base[k] += 1
-    return base
-
-
-def rows(t: Any) -> tf.Tensor:
-    """The number of rows of a tensor or ragged tensor, as an int64 scalar tensor."""
-    return t.nrows() if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
-
-
-def host_cpu(device: str) -> str:
-    """The CPU of the machine (task) that holds `device`: where plans and checks run."""
-    spec = tf.DeviceSpec.from_string(device)
-    return spec.replace(device_type="CPU", device_index=0).to_string()
-
-
-def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
-    """The rows of `t` as an int64 scalar on `host`; only a Shape op runs on `device`.
-
-    On a GPU the Shape kernel leaves its output in host memory, so the count
-    reaches the host without waiting for `t`'s device; int64 arithmetic placed
-    on a GPU would copy it back and forth, and a host read would sync.
-    """
-    part = t.row_splits if isinstance(t, tf.RaggedTensor) else t
-    with tf.device(device):
-        shape = tf.shape(part, out_type=tf.int64)
-    with tf.device(host):
-        return shape[0] - 1 if isinstance(t, tf.RaggedTensor) else shape[0]
-
-
-# The dtypes whose GPU SplitV kernels hold their data in device memory (TF
-# 2.16-2.21; int32's kernel keeps it in host memory). The other numbers and
-# bools would be split on the CPU and copied back (soft placement), so `split`
-# moves them through a same-size float by Bitcast (it shares the buffer: free,
-# exact, GPU kernels for every dtype); 1-byte dtypes have no such float and are
-# cut with StridedSlice, whose GPU kernels hold them in device memory.
-# tests/test_gpu_kernels.py checks both against the installed kernel registry.
-SPLIT_DTYPES = frozenset(
-    {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128}
-)
-SLICED_DTYPES = frozenset({tf.int8, tf.uint8, tf.bool})
-_SAME_SIZE_FLOAT = {2: tf.float16, 4: tf.float32, 8: tf.float64}
-
-
-def split(t: Any, sizes: tf.Tensor, count: int, host: str) -> list[Any]:
-    """`t` split along axis 0 into `count` pieces of `sizes` rows, where `t` lives.
-
-    Offsets are computed on `host`, where `sizes` is, so nothing the split
-    reads waits for `t`'s device.
-    """
-    # [N, ...] -> count x [n_k, ...]
-    if isinstance(t, tf.RaggedTensor):
-        with tf.device(host):
-            ends = tf.cumsum(tf.cast(sizes, t.row_splits.dtype))
-            starts = ends - tf.cast(sizes, t.row_splits.dtype)
-        return [t[starts[k] : ends[k]] for k in range(count)]
-    if t.dtype in SLICED_DTYPES:
-        with tf.device(host):
-            ends = tf.cumsum(sizes)
-            starts = ends - sizes
-            bounds = [(starts[k : k + 1], ends[k : k + 1]) for k in range(count)]
-        return [tf.strided_slice(t, begin, end) for begin, end in bounds]
-    if t.dtype in SPLIT_DTYPES or not (t.dtype.is_integer and t.dtype.size in _SAME_SIZE_FLOAT):
-        return tf.split(t, sizes, num=count, axis=0)
-    pieces = tf.split(tf.bitcast(t, _SAME_SIZE_FLOAT[t.dtype.size]), sizes, num=count, axis=0)
-    return [tf.bitcast(piece, t.dtype) for piece in pieces]
-
-
 # ----------------------------------------------------------------- engine
 
 
 class Engine:
     """What one parallelized function resolved, and the graphs it traced.
 
+    A call composes three steps, each its own piece: plan and split
+    (`tfshard._plan`), run the shards (`run`), collect (`collect`, then
+    `check_rows` for whole-shard outputs). A dataset stream composes the same
+    steps its own way (`tfshard.datasets`).
+
     Args:
       fn: the user's function.
-      name: its name, for messages.
+      options: what `parallelize` was asked for.
+      name: the function's name, for messages.
       devices: canonical device names, one shard each.
       output: where results land.
-      weights: integer weights (`integer_weights`), or None for an even split.
-      per_sample: vectorise `fn` over rows, or call it on each shard.
-      reduce: None to gather, else one of `collect.REDUCTIONS`.
-      reduce_label: the reduction the user asked for, for messages (a dataset
-        mean runs its batches with a twin that sums).
-      ragged: stack per-sample outputs as ragged tensors.
-      jit_compile: compile each shard with XLA.
     """
 
     def __init__(
         self,
         fn: Callable[..., Any],
+        options: Options,
         *,
         name: str,
         devices: tuple[str, ...],
         output: str,
-        weights: tuple[int, ...] | None,
-        per_sample: bool,
-        reduce: str | None,
-        reduce_label: str | None,
-        ragged: bool,
-        jit_compile: bool,
     ) -> None:
         self.fn = fn
+        self.options = options
         self.name = name
         self.devices = devices
         self.output = output
-        self.weights = weights
-        self.per_sample = per_sample
-        self.reduce = reduce
-        self.reduce_label = reduce_label
-        self.ragged = ragged
-        self.jit_compile = jit_compile
+        # The CPU of the output's machine: where plans and checks run.
+        self.host = host_cpu(output)
         self.graphs: dict[Hashable, Any] = {}
-        self.loops: dict[Hashable, Any] = {}  # traced loops over datasets (tfshard.datasets)
         # Output structures of graphs whose outputs tf.function rebuilds otherwise.
         self.rebuilt: dict[Hashable, Hashable] = {}
         self.lock = threading.RLock()
-        self._twins: dict[str | None, Engine] = {}
         self._converted: Callable[..., Any] | None = None
         # Replicas of this engine's devices, as they were when its graphs were traced.
         self.replicas: Replicas | None = None
         self._generation = -1
+        # Called with no arguments when replicas change and traced graphs go
+        # (a dataset runner drops its loops).
+        self.on_retrace: list[Callable[[], None]] = []
 
     @property
     def trace_count(self) -> int:
-        """Graphs traced so far: calls, dataset loops, and those of reduction twins."""
-        twins = sum(twin.trace_count for twin in self._twins.values())
-        return len(self.graphs) + len(self.loops) + twins
-
-    def with_reduce(self, reduce: str | None) -> Engine:
-        """This engine with another reduction (cached: it traces its own graphs)."""
-        with self.lock:
-            twin = self._twins.get(reduce)
-            if twin is None:
-                twin = Engine(
-                    self.fn,
-                    name=self.name,
-                    devices=self.devices,
-                    output=self.output,
-                    weights=self.weights,
-                    per_sample=self.per_sample,
-                    reduce=reduce,
-                    reduce_label=self.reduce_label,
-                    ragged=self.ragged,
-                    jit_compile=self.jit_compile,
-                )
-                self._twins[reduce] = twin
-            return twin
+        """Graphs this engine traced for calls."""
+        return len(self.graphs)
 
     def plan(self, n: int) -> list[int]:
         """The shard sizes for `n` rows, in Python (the graph's `plan_sizes`, exactly)."""
-        return plan_rows(int(n), len(self.devices), self.weights)
+        return plan_rows(int(n), len(self.devices), self.options.weights)
 
     # ------------------------------------------------------------ calls
 
@@ -293,7 +123,7 @@ class Engine:
                     return self.body(template, tensors, split_devices)
 
                 graph = tf.function(body, autograph=False).get_concrete_function(*call.specs())
-                if self.jit_compile:
+                if self.options.jit_compile:
                     self._check_compiled_reads(graph)
                 if self.replicas is not None:
                     check_no_writes(graph, self.replicas, self.name)
@@ -318,7 +148,8 @@ class Engine:
                 self.replicas = found
                 self.graphs.clear()
                 self.rebuilt.clear()
-                self.loops.clear()
+                for retrace in self.on_retrace:
+                    retrace()
             self._generation = generation
 
     def _check_compiled_reads(self, graph: Any) -> None:
@@ -376,7 +207,8 @@ class Engine:
         pfor_stack = "/pfor/" in error.message and (
             "TensorList" in error.message or "Incompatible shapes" in error.message
         )
-        if hint is None and self.per_sample and not self.ragged and pfor_stack:
+        per_sample, ragged = self.options.per_sample, self.options.ragged
+        if hint is None and per_sample and not ragged and pfor_stack:
             hint = (
                 "It failed inside tf.vectorized_map (pfor), which cannot vectorize every op "
                 "(string ops and shapes that vary by sample among them): pass ragged=True "
@@ -386,50 +218,47 @@ class Engine:
             wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
         return wrapped
 
-    # ------------------------------------------------------------- body
+    # ------------------------------------------------------------- steps
 
     def body(
+        self, template: _arguments.Template, tensors: Sequence[Any], split_devices: Sequence[str]
+    ) -> Any:
+        """A call's traced body: plan and split, run the shards, collect."""
+        inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
+        count = len(self.devices)
+        planned = plan_and_split(
+            inputs, split_devices, template.split_paths(), count, self.options.weights, self.host
+        )
+        outputs = self.run(template, shared, planned.pieces, planned.sizes)
+        with tf.name_scope("tfshard_collect"), tf.device(self.output):
+            results, counted = self.collect(outputs, planned.sizes, planned.total)
+        self.check_rows(outputs, planned.sizes, counted)
+        return _trees.build(outputs.structure, iter(results))
+
+    def run(
         self,
         template: _arguments.Template,
-        tensors: Sequence[Any],
-        split_devices: Sequence[str],
-        gather: bool = True,
-        presplit: tuple[tf.Tensor, tf.Tensor, list[list[Any]]] | None = None,
+        shared: Sequence[Any],
+        pieces: Sequence[Sequence[Any]],
+        sizes: tf.Tensor,
         share: bool = True,
-    ) -> Any:
-        """The traced body: split, one shard per device, then collect.
+    ) -> ShardOutputs:
+        """Runs each shard under its device scope: their outputs, checked alike.
 
-        With `gather` False, the shards' outputs are returned as they are, one
-        structure per shard (checked alike), for a caller that collects them
-        itself (the dataset loop, which gathers every batch's shards at once).
-
-        `presplit` is ``(rows, sizes, pieces)`` of inputs planned and split
-        already, ``pieces[i][k]`` input i's rows for shard k (the dataset loop
-        copies them to their devices a batch ahead); the split slots of
-        `tensors` are then not read.
-
-        With `share`, shards share one trace of the function where they can;
-        without it (the dataset loop), each traces its own unless XLA compiles
-        them (`_shard_runs`).
+        Args:
+          template: how the call's arguments are rebuilt from tensors.
+          shared: the broadcast tensors, whole to every shard.
+          pieces: ``pieces[i][k]``, split argument i's rows for shard k.
+          sizes: each shard's rows (int64, on the host).
+          share: let shards share one trace of the function (`_shard_runs`);
+            False where other transfers are pending beside the shards (a
+            stream feeding its next batch ahead).
         """
         count = len(self.devices)
-        inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
-        host = host_cpu(self.output)
-        if presplit is None:
-            total, sizes = self._plan(inputs, split_devices, template.split_paths(), host)
-        else:
-            total, sizes, pieces = presplit
-        with tf.device(host):
-            per_shard = tf.unstack(sizes, num=count)
+        with tf.device(self.host):
             # Each shard's rows as it takes them (`skip_if_empty`): an int32 scalar,
             # which a function on a GPU takes in host memory.
-            shard_rows = [tf.cast(size, tf.int32) for size in per_shard]
-        if presplit is None:
-            pieces = []
-            for tensor, device in zip(inputs, split_devices):
-                # Split where the input lives, so each shard crosses to its device once.
-                with tf.device(device or None):
-                    pieces.append(split(tensor, sizes, count, host))
+            shard_rows = [tf.cast(size, tf.int32) for size in tf.unstack(sizes, num=count)]
         runs = self._shard_runs(self._shard_fn(template, shared, [p[0] for p in pieces]), share)
         outputs = []
         for k, (device, run) in enumerate(zip(self.devices, runs)):
@@ -437,104 +266,79 @@ class Engine:
             replica = self.replicas.shard(device) if self.replicas else contextlib.nullcontext()
             with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device), replica:
                 outputs.append(run([p[k] for p in pieces], shard_rows[k]))
-        structure, flat = check_outputs(outputs, self.devices, concatenated=self.reduce is None)
-        counted: dict[int, tf.Tensor] = {}
-        if gather:
-            with tf.name_scope("tfshard_collect"), tf.device(self.output):
-                results, counted = self._collect(structure, flat, per_shard, total)
-        if not self.per_sample:
-            with tf.name_scope("tfshard_rows"):
-                self._check_rows(structure, flat, sizes, host, counted)
-        if not gather:
-            return outputs
-        return _trees.build(structure, iter(results))
+        reduced = self.options.reduce is not None
+        structure, flat = check_outputs(outputs, self.devices, concatenated=not reduced)
+        return ShardOutputs(structure, flat)
 
-    def _plan(
-        self, inputs: Sequence[Any], split_devices: Sequence[str], paths: list[str], host: str
-    ) -> tuple[tf.Tensor, tf.Tensor]:
-        """The rows and the shard sizes, on the host (int64 arithmetic never runs on a GPU).
-
-        Inside a tf.function the split arguments' rows are unknown to Python, so
-        there the plan waits for a check that they are equal.
-        """
-        counts = [row_count(t, d or None, host) for t, d in zip(inputs, split_devices)]
-        with tf.device(host):
-            checks = []
-            # Python checked them already unless an input came from a graph (device "").
-            if len(counts) > 1 and not all(split_devices):
-                checks.append(
-                    host_assert(
-                        tf.stack(counts),
-                        tf.fill([len(counts)], counts[0]),
-                        f"{INPUTS_DIFFER} {', '.join(paths)} :end (their rows, then the "
-                        "first's: every split argument needs the same leading dimension; "
-                        "name one in broadcast=(...) to copy it whole to each device)",
-                    )
-                )
-            with tf.control_dependencies(checks):
-                return counts[0], plan_sizes(counts[0], len(self.devices), self.weights)
-
-    def _check_rows(
-        self,
-        structure: Hashable,
-        flat: list[list[Any]],
-        sizes: tf.Tensor,
-        host: str,
-        counted: dict[int, tf.Tensor],
-    ) -> None:
-        """Checks, on the host, that per-row outputs of whole shards have one row per row.
-
-        Gathered outputs are all per-row; under a reduction, those whose first
-        dimension is unknown when traced (as the shard's rows are) are. A
-        gathered output's counts come from its gather (`counted`); others get
-        a Shape op per shard.
-        """
-        for i, first in enumerate(flat[0]):
-            if self.reduce is not None and not per_row(first):
-                continue
-            path = _trees.path("outputs", structure, i)
-            got = counted.get(i)
-            if got is None:
-                got = tf.stack([row_count(flat[k][i], d, host) for k, d in enumerate(self.devices)])
-            with tf.device(host):  # one check per output, all shards at once
-                host_assert(
-                    got,
-                    sizes,
-                    f"{ROWS_DIFFER} {path} :end (each shard's, then its input rows: with "
-                    "per_sample=False an output needs one row per input row, or a fixed "
-                    "shape under reduce=)",
-                )
-
-    def _collect(
-        self, structure: Hashable, flat: list[list[Any]], sizes: list[tf.Tensor], total: tf.Tensor
+    def collect(
+        self, outputs: ShardOutputs, sizes: tf.Tensor, total: tf.Tensor, finish: bool = True
     ) -> tuple[list[Any], dict[int, tf.Tensor]]:
         """Each output leaf gathered in shard order, or reduced over all samples.
+
+        Call it under the output device's scope.
+
+        Args:
+          outputs: what `run` returned.
+          sizes: each shard's rows.
+          total: the rows of the batch.
+          finish: False leaves a mean undivided (`collect.combine`), for a
+            running total over batches.
 
         Returns:
           The results, and for gathered leaves the row count of each shard's
           output as the gather saw it (by leaf index; none for unknown rank).
         """
+        op = self.options.reduce
+        per_shard_sizes = tf.unstack(sizes, num=len(self.devices))
         results, counted = [], {}
-        for i in range(len(flat[0])):
-            per_shard = [leaves[i] for leaves in flat]
-            if self.reduce is None:
+        for i, per_shard in enumerate(outputs.leaves()):
+            if op is None:
                 result, lengths = collect.gather_counted(per_shard)
                 results.append(result)
                 if lengths is not None:
                     counted[i] = lengths
                 continue
-            path = _trees.path("outputs", structure, i)
-            collect.check_reducible(per_shard[0], self.reduce_label or self.reduce, path)
-            by_row = self.per_sample or per_row(per_shard[0])
+            collect.check_reducible(per_shard[0], op, outputs.path(i))
+            by_row = self.options.per_sample or per_row(per_shard[0])
             partials = []
             for k, device in enumerate(self.devices):
                 # Each shard reduces its own rows where they are.
                 with tf.device(device):
                     partials.append(
-                        collect.shard_partial(per_shard[k], sizes[k], self.reduce, by_row)
+                        collect.shard_partial(per_shard[k], per_shard_sizes[k], op, by_row)
                     )
-            results.append(collect.combine(partials, total, self.reduce))
+            results.append(collect.combine(partials, total, op, finish))
         return results, counted
+
+    def check_rows(
+        self, outputs: ShardOutputs, sizes: tf.Tensor, counted: dict[int, tf.Tensor]
+    ) -> None:
+        """Checks, on the host, that per-row outputs of whole shards have one row per row.
+
+        Per-sample outputs have them by construction. Gathered outputs are all
+        per-row; under a reduction, those whose first dimension is unknown when
+        traced (as the shard's rows are) are. A gathered output's counts come
+        from its gather (`counted`); others get a Shape op per shard.
+        """
+        if self.options.per_sample:
+            return
+        with tf.name_scope("tfshard_rows"):
+            for i, per_shard in enumerate(outputs.leaves()):
+                if self.options.reduce is not None and not per_row(per_shard[0]):
+                    continue
+                got = counted.get(i)
+                if got is None:
+                    got = tf.stack(
+                        [row_count(t, d, self.host) for t, d in zip(per_shard, self.devices)]
+                    )
+                with tf.device(self.host):  # one check per output, all shards at once
+                    host_assert(
+                        got,
+                        sizes,
+                        f"{ROWS_DIFFER} {outputs.path(i)} :end (each shard's, then its input "
+                        "rows: with per_sample=False an output needs one row per input row, "
+                        "or a fixed shape under reduce=)",
+                    )
 
     def _shard_fn(
         self,
@@ -545,7 +349,7 @@ class Engine:
         """The computation of one shard, and what a shard without rows returns instead."""
         if self._converted is None:
             self._converted = autographed(self.fn)
-        fn, name, per_sample = self._converted, self.name, self.per_sample
+        fn, name, per_sample = self._converted, self.name, self.options.per_sample
 
         def call(rows_in: Sequence[Any]) -> Any:
             args, kwargs = template.rebuild(rows_in, shared)
@@ -564,7 +368,9 @@ class Engine:
                 ) from error
             return to_tensors(outputs, name)
 
-        return vectorized(call, example, self.ragged) if per_sample else whole_shard(call)
+        if per_sample:
+            return vectorized(call, example, self.options.ragged)
+        return whole_shard(call)
 
     def _shard_runs(self, shard: Shard, share: bool) -> list[ShardFn]:
         """How each shard runs: traced in place, or one trace the shards share.
@@ -596,13 +402,12 @@ class Engine:
         def guarded(rows_in: Sequence[Any], rows: tf.Tensor) -> Any:
             return skip_if_empty(shard, rows_in, rows > 0)
 
-        if self.jit_compile:
+        if self.options.jit_compile:
             if self.replicas is not None:  # a trace per device: tf.function keys on it
                 return [tf.function(guarded, autograph=False, jit_compile=True)] * count
             return [one_trace(guarded, jit_compile=True)] * count
-        host = host_cpu(self.output)
         in_place = [
-            pinning.same_device(d, self.output) or pinning.same_device(d, host)
+            pinning.same_device(d, self.output) or pinning.same_device(d, self.host)
             for d in self.devices
         ]
         remote = any(pinning.is_remote(d) for d in (*self.devices, self.output))
@@ -688,77 +493,24 @@ def one_trace(guarded: ShardFn, **options: Any) -> ShardFn:
     return call
 
 
-def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` with autograph applied, as `tf.function` would apply it.
+class ShardOutputs(NamedTuple):
+    """What the shards of one call returned, checked alike (`check_outputs`).
 
-    A function converts; a method (bound, or a `WeakMethod`) converts as its
-    function and binds again; a callable object converts its class's
-    ``__call__``, bound to it (`tf.autograph.to_graph` takes no objects). A
-    Keras layer is left as it is (Keras converts its own ``call``), and so is a
-    `tf.function` (it converts itself). Anything that does not convert is
-    called as written.
-    """
-    if isinstance(fn, types.MethodType):
-        return types.MethodType(_converted(fn.__func__), fn.__self__)
-    if isinstance(fn, WeakMethod):
-        return fn.with_func(_converted(fn.__func__))
-    if is_keras_layer(fn):
-        return fn
-    call = inspect.getattr_static(type(fn), "__call__", None)  # a function's: a slot wrapper
-    if isinstance(call, types.FunctionType) and not hasattr(fn, "get_concrete_function"):
-        return types.MethodType(_converted(call), fn)
-    return _converted(fn)
-
-
-def _converted(fn: Callable[..., Any]) -> Callable[..., Any]:
-    if hasattr(fn, "get_concrete_function"):  # a tf.function, or a ShardedFunction
-        return fn
-    try:
-        return tf.autograph.to_graph(fn)
-    except Exception:  # no source to read, a builtin: call it as written
-        return fn
-
-
-def is_keras_layer(fn: Any) -> bool:
-    """Whether `fn` is a Keras layer or model (which takes batches, and converts itself)."""
-    return keras_of(fn) is not None
-
-
-class WeakMethod:
-    """A method that holds its instance weakly and looks it up at each call.
-
-    What a method decorated with `parallelize` runs as: its engine (and the
-    graphs it traces) is cached per instance, as `tf.function` caches them,
-    and that cache must not keep the instance alive. The caller holds the
-    instance for the length of each call (`tfshard.parallel`'s bound
-    function), so the function's ``self`` is always the instance itself.
-
-    Args:
-      func: the function of the class, taking the instance first.
-      instance: the instance to call it with.
+    Attributes:
+      structure: the output structure (a `_trees` key) every shard returned.
+      flat: ``flat[k]``, shard k's output leaves.
     """
 
-    def __init__(self, func: Callable[..., Any], instance: Any) -> None:
-        self.__func__ = func
-        self._instance = weakref.ref(instance)
-        functools.update_wrapper(self, func, updated=())
-        # Without self, as a bound method's; it also stops inspect's unwrapping here.
-        with contextlib.suppress(TypeError, ValueError):  # a builtin may have none
-            self.__signature__ = inspect.signature(types.MethodType(func, instance))
+    structure: Hashable
+    flat: list[list[Any]]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        instance = self._instance()
-        if instance is None:
-            raise ReferenceError(
-                f"{self.__name__}: the instance this method was bound to no longer exists"
-            )
-        return self.__func__(instance, *args, **kwargs)
+    def leaves(self) -> list[list[Any]]:
+        """For each output leaf, its value from every shard, in shard order."""
+        return [list(per_shard) for per_shard in zip(*self.flat)]
 
-    def with_func(self, func: Callable[..., Any]) -> WeakMethod:
-        """This method with another function (its converted form), bound to the same instance."""
-        other = copy.copy(self)
-        other.__func__ = func
-        return other
+    def path(self, i: int) -> str:
+        """Leaf i's path, for messages (``outputs['loss']``)."""
+        return _trees.path("outputs", self.structure, i)
 
 
 class Shard(NamedTuple):
@@ -904,20 +656,6 @@ def rows_error(name: str, devices: Sequence[str], message: str) -> ArgumentError
 def _assert_text(message: str, marker: str) -> str:
     """The text after `marker` in a failed assert's message (TF escapes its quotes)."""
     return message.split(marker, 1)[1].split(" :end", 1)[0].strip().replace("\\'", "'")
-
-
-def host_assert(got: tf.Tensor, want: tf.Tensor, message: str) -> tf.Operation:
-    """An Assert that `got` equals `want` (small int vectors), printing both if not.
-
-    `tf.debugging.assert_equal` guards its Assert with a tf.cond (an If op, ~20 us
-    a call here) so that costly data is only computed on failure; these vectors
-    cost nothing, so the Assert runs unguarded.
-    """
-    return tf.raw_ops.Assert(
-        condition=tf.reduce_all(tf.equal(got, want)),
-        data=[tf.constant(message), got, want],
-        summarize=int(want.shape[0]),  # K: a row count per shard
-    )
 
 
 def _assert_vectors(message: str) -> tuple[list[int], list[int], int | None]:

@@ -11,20 +11,19 @@ rows moves K values, not a million.
 Streams (`tfshard.datasets`) collect over many batches: `new_arrays` /
 `write_shards` / `concat_all` keep each output leaf in TensorArrays whose
 handles live from call to call and concatenate once at the end; reductions
-carry a running total (`batch_partial`, `accumulate`, `finish_reduction`).
+carry a running total (`combine` unfinished, `accumulate`, then `finished`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from tfshard import _trees
 from tfshard.errors import ArgumentError
-
-REDUCTIONS = ("sum", "mean", "max", "min")
 
 # Integer dtypes whose GPU kernels for TensorLists (the gather's TensorArray,
 # tf.map_fn's) and GatherV2 (tf.vectorized_map's) are missing in TensorFlow
@@ -92,6 +91,11 @@ def gather_counted(values: Sequence[Any]) -> tuple[Any, tf.Tensor | None]:
 
 def _concat(values: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor | None]:
     # [n_k, *inner] x K -> [sum n_k, *inner], and the n_k
+    if tf.executing_eagerly():
+        # Outside a graph (a stream's batches, gathered at its end) there is no
+        # TensorList handle to concatenate: the values are concatenated as they are.
+        lengths = tf.stack([tf.shape(value, out_type=tf.int64)[0] for value in values])
+        return tf.concat(values, axis=0), lengths
     dtype = values[0].dtype
     if dtype in CARRIERS:
         # Each shard's values cross in their own dtype and are cast where they land.
@@ -174,80 +178,169 @@ def stacked_spec(batch: tf.TypeSpec) -> tf.TypeSpec:
     return tf.TensorSpec(batch.shape[1:], batch.dtype)
 
 
-def check_reducible(value: tf.Tensor, op: str, path: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """One way to reduce outputs over all samples: all tfshard knows of it, in one place.
+
+    Every reduction runs in two levels, each shard over its rows on its own
+    device, then the shards' partials on the output device (and, for a
+    dataset, batch after batch); only `divides` tells a mean from a sum.
+
+    Attributes:
+      name: what ``reduce=`` takes.
+      over_rows: the reduction over axis 0 of a (widened) tensor.
+      accumulate: two partials into one (a running total across batches).
+      neutral: the value that leaves it unchanged, for a dtype (an empty
+        shard's partial).
+      ordered: it compares values (max, min): integers widen to an
+        order-keeping key, and complex numbers cannot take part. Otherwise
+        integers add modulo 2**64, as in their own dtype.
+      divides: the result is the total divided by the number of samples.
+    """
+
+    name: str
+    over_rows: Callable[[tf.Tensor], tf.Tensor]
+    accumulate: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+    neutral: Callable[[tf.DType], tf.Tensor]
+    ordered: bool = False
+    divides: bool = False
+
+
+def _min_over_rows(value: tf.Tensor) -> tf.Tensor:
+    # GPU Min has no int64 kernel in device memory: the max of the bitwise complement.
+    if value.dtype == tf.int64:
+        return tf.bitwise.invert(tf.reduce_max(tf.bitwise.invert(value), axis=0))
+    return tf.reduce_min(value, axis=0)
+
+
+def _extreme(dtype: tf.DType, lowest: bool) -> tf.Tensor:
+    if dtype.is_floating:
+        return tf.constant(float("-inf") if lowest else float("inf"), dtype)
+    return tf.constant(dtype.min if lowest else dtype.max, dtype)
+
+
+def _sum_over_rows(value: tf.Tensor) -> tf.Tensor:
+    return tf.reduce_sum(value, axis=0)
+
+
+def _zero(dtype: tf.DType) -> tf.Tensor:
+    return tf.zeros([], dtype)
+
+
+# The table every ``reduce=`` name is looked up in; messages list its names.
+REDUCTIONS: dict[str, Reduction] = {
+    r.name: r
+    for r in (
+        Reduction("sum", _sum_over_rows, tf.add, _zero),
+        Reduction("mean", _sum_over_rows, tf.add, _zero, divides=True),
+        Reduction(
+            "max",
+            lambda value: tf.reduce_max(value, axis=0),
+            tf.maximum,
+            lambda dtype: _extreme(dtype, lowest=True),
+            ordered=True,
+        ),
+        Reduction(
+            "min",
+            _min_over_rows,
+            tf.minimum,
+            lambda dtype: _extreme(dtype, lowest=False),
+            ordered=True,
+        ),
+    )
+}
+
+
+def reduction(name: str | None) -> Reduction | None:
+    """The record of ``reduce=name`` (None for None); an unknown name raises ArgumentError."""
+    if name is None:
+        return None
+    found = REDUCTIONS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise ArgumentError(
+            f"reduce={name!r}: choose one of {', '.join(map(repr, REDUCTIONS))} "
+            "or None (gather the outputs in order)"
+        )
+    return found
+
+
+def check_reducible(value: tf.Tensor, op: Reduction, path: str) -> None:
     """Raises ArgumentError when `op` cannot reduce outputs like `value`."""
     dtype = value.dtype
     if isinstance(value, tf.RaggedTensor):
         raise ArgumentError(
-            f"{path} is ragged; reduce={op!r} needs outputs of one shape per sample "
+            f"{path} is ragged; reduce={op.name!r} needs outputs of one shape per sample "
             "(pad them, or drop reduce= and reduce the ragged result yourself)"
         )
     if dtype == tf.bool or dtype == tf.string:
         raise ArgumentError(
-            f"{path} has dtype {dtype.name}, which reduce={op!r} cannot combine; "
+            f"{path} has dtype {dtype.name}, which reduce={op.name!r} cannot combine; "
             f"cast it (e.g. tf.cast({path.split('[')[0]}, tf.float32)) in the function"
         )
-    if dtype.is_complex and op in ("max", "min"):
-        raise ArgumentError(f"{path} is complex; reduce={op!r} needs an ordered dtype")
+    if dtype.is_complex and op.ordered:
+        raise ArgumentError(f"{path} is complex; reduce={op.name!r} needs an ordered dtype")
 
 
-def identity(dtype: tf.DType, op: str) -> tf.Tensor:
-    """The value that leaves `op` unchanged: 0 for sum/mean, -inf/+inf for max/min."""
-    if op in ("sum", "mean"):
-        return tf.zeros([], dtype)
-    if dtype.is_floating:
-        return tf.constant(float("-inf") if op == "max" else float("inf"), dtype)
-    return tf.constant(dtype.min if op == "max" else dtype.max, dtype)
-
-
-def shard_partial(value: tf.Tensor, size: tf.Tensor, op: str, per_sample: bool) -> tf.Tensor:
+def shard_partial(value: tf.Tensor, size: tf.Tensor, op: Reduction, per_sample: bool) -> tf.Tensor:
     """One shard's contribution to a reduction, computed on the shard's device.
 
     Args:
       value: with `per_sample`, the shard's stacked outputs ``[n_k, ...]``;
         without, the function's value for the whole shard (e.g. a shard mean).
       size: ``n_k``, the shard's row count (a scalar tensor).
-      op: one of `REDUCTIONS`.
+      op: the reduction.
       per_sample: how to read `value`.
 
     Returns:
       For sum and mean the shard's sum over samples (a shard value is taken as
       the mean of its rows, so it counts ``n_k`` times); for max and min the
-      shard's extreme. An empty shard gives the identity of `op`, so a function
-      that returns NaN for an empty batch cannot spoil the result.
+      shard's extreme. An empty shard gives the neutral value of `op`, so a
+      function that returns NaN for an empty batch cannot spoil the result.
     """
     dtype = value.dtype
     value = _widened(value, op)
     if per_sample:
-        # [n_k, ...] -> [...]; empty shards give the identity by themselves.
-        return _narrowed(_reduced(value, op), dtype, op)
-    neutral = tf.broadcast_to(_widened(identity(dtype, op), op), tf.shape(value))
-    if op == "mean":
+        # [n_k, ...] -> [...]; empty shards give the neutral value by themselves.
+        return _narrowed(op.over_rows(value), dtype, op)
+    neutral = tf.broadcast_to(_widened(op.neutral(dtype), op), tf.shape(value))
+    if op.divides:
         value = value * tf.cast(size, value.dtype)
     return _narrowed(tf.where(size > 0, value, neutral), dtype, op)
 
 
-def combine(partials: Sequence[tf.Tensor], total: tf.Tensor, op: str) -> tf.Tensor:
+def combine(
+    partials: Sequence[tf.Tensor], total: tf.Tensor, op: Reduction, finish: bool = True
+) -> tf.Tensor:
     """Combines the shards' partials into the reduction over all samples.
 
     Args:
       partials: one `shard_partial` per shard, same shape.
       total: the number of samples, N (a scalar tensor).
-      op: one of `REDUCTIONS`.
+      op: the reduction.
+      finish: divide a mean (`finish`); False leaves the total for a running
+        one (a dataset divides once, after its last batch).
 
     Returns:
       The sum, mean, max or min over all N samples. The mean divides the
       total sum by N, so it is the mean over samples, not the mean of shard
-      means. An integer mean is exact, in the float dtype `tf.math.truediv`
-      gives (float32 for 8- and 16-bit integers, float64 for 32- and 64-bit),
-      not truncated as `tf.reduce_mean` truncates it. With N == 0 a mean is NaN.
+      means.
     """
     dtype = partials[0].dtype
     stacked = tf.stack([_widened(p, op) for p in partials])  # K x [...] -> [K, ...]
-    reduced = _narrowed(_reduced(stacked, op), dtype, op)
-    if op != "mean":
-        return reduced
-    return tf.math.truediv(reduced, tf.cast(total, dtype))
+    reduced = _narrowed(op.over_rows(stacked), dtype, op)
+    return finished(reduced, total, op) if finish else reduced
+
+
+def finished(value: tf.Tensor, total: tf.Tensor | int, op: Reduction) -> tf.Tensor:
+    """A total over `total` samples as the reduction's result: a mean divides.
+
+    An integer mean is exact, in the float dtype `tf.math.truediv` gives
+    (float32 for 8- and 16-bit integers, float64 for 32- and 64-bit), not
+    truncated as `tf.reduce_mean` truncates it. With no samples a mean is NaN.
+    """
+    if not op.divides:
+        return value
+    return tf.math.truediv(value, tf.cast(total, value.dtype))
 
 
 # GPU kernels of Sum, Max, Min and Pack (tf.stack) hold no integer but int64 in
@@ -260,37 +353,26 @@ def combine(partials: Sequence[tf.Tensor], total: tf.Tensor, op: str) -> tf.Tens
 _TOP_BIT = -(2**63)
 
 
-def _widened(value: tf.Tensor, op: str) -> tf.Tensor:
+def _widened(value: tf.Tensor, op: Reduction) -> tf.Tensor:
     if not value.dtype.is_integer:
         return value
     if value.dtype != tf.uint64:
         return tf.cast(value, tf.int64)
     value = tf.bitcast(value, tf.int64)
-    return value if op in ("sum", "mean") else tf.bitwise.bitwise_xor(value, _TOP_BIT)
+    return tf.bitwise.bitwise_xor(value, _TOP_BIT) if op.ordered else value
 
 
-def _narrowed(value: tf.Tensor, dtype: tf.DType, op: str) -> tf.Tensor:
+def _narrowed(value: tf.Tensor, dtype: tf.DType, op: Reduction) -> tf.Tensor:
     if dtype == value.dtype:
         return value
     if dtype != tf.uint64:
-        if op in ("max", "min"):
-            # No rows: int64's identity, which is the dtype's identity once clamped.
+        if op.ordered:
+            # No rows: int64's neutral value, which is the dtype's once clamped.
             value = tf.clip_by_value(value, dtype.min, dtype.max)
         return tf.cast(value, dtype)
-    if op not in ("sum", "mean"):
+    if op.ordered:
         value = tf.bitwise.bitwise_xor(value, _TOP_BIT)
     return tf.bitcast(value, tf.uint64)
-
-
-def _reduced(value: tf.Tensor, op: str) -> tf.Tensor:
-    """`value` reduced over axis 0 by `op`."""
-    if op in ("sum", "mean"):
-        return tf.reduce_sum(value, axis=0)
-    if op == "max":
-        return tf.reduce_max(value, axis=0)
-    if value.dtype == tf.int64:
-        return tf.bitwise.invert(tf.reduce_max(tf.bitwise.invert(value), axis=0))
-    return tf.reduce_min(value, axis=0)
 
 
 # ------------------------------------------------------------------ streams
@@ -374,29 +456,6 @@ def concat_all(flows: Sequence[tf.Tensor], leaves: Sequence[Any]) -> list[Any]:
     return results
 
 
-def batch_partial(value: tf.Tensor, rows: tf.Tensor | int, op: str, per_sample: bool) -> tf.Tensor:
-    """A batch's reduced value as it enters a running total.
-
-    A per-sample mean is run as a sum (divided once at the end); a per-shard
-    mean counts ``rows`` times, and an empty batch's (NaN) counts not at all.
-    """
-    if op == "mean" and not per_sample:
-        return tf.where(rows > 0, value * tf.cast(rows, value.dtype), tf.zeros_like(value))
-    return value
-
-
-def accumulate(total: tf.Tensor, value: tf.Tensor, op: str) -> tf.Tensor:
-    """A running total with one more batch's partial."""
-    if op == "max":
-        return tf.maximum(total, value)
-    if op == "min":
-        return tf.minimum(total, value)
-    return total + value
-
-
-def finish_reduction(totals: Any, rows: int, op: str) -> Any:
-    """The running totals of a reduction over `rows` rows as its result: a mean divides."""
-    if op != "mean":
-        return totals
-    count = tf.constant(rows, tf.int64)
-    return _trees.map_leaves(lambda total: combine([total], count, "mean"), totals)
+def accumulate(totals: Sequence[tf.Tensor], values: Sequence[tf.Tensor], op: Reduction) -> list:
+    """Running totals (one per output leaf) with one more batch's partials."""
+    return [op.accumulate(total, value) for total, value in zip(totals, values)]

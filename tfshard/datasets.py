@@ -43,20 +43,21 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 import tensorflow as tf
 
 from tfshard import _trees, collect, pinning
 from tfshard._arguments import Arguments, Call, type_spec
-from tfshard._sharding import Engine, plan_sizes, rows, split
+from tfshard._plan import host_cpu, plan_and_split, plan_sizes, rows, split
+from tfshard._sharding import Engine
 from tfshard.errors import ArgumentError
 
 # Keywords that belong to tfshard, not to the function, in a call on a dataset.
 DATASET_OPTIONS = ("batch_size", "batched", "progress")
-# The host's CPU: where datasets iterate, and where the loop splits each batch.
-HOST = "/device:CPU:0"
+# This process's CPU: where datasets iterate, and where the loop splits each batch.
+HOST = host_cpu()
 # Marks the in-graph check of an element's row counts, to turn it into an ArgumentError.
 _ROWS_DIFFER = "tfshard: the fields of one element differ in rows"
 # How long one call of a loop runs before Python gets control back (Ctrl-C, progress).
@@ -172,6 +173,7 @@ class _Progress:
         self._start = time.perf_counter()
         self._last = 0.0
         self._batches = 0
+        self._written = -1  # the batch count the last line showed
         self.samples = 0
 
     def update(self, rows: int, batches: int = 1) -> None:
@@ -183,7 +185,9 @@ class _Progress:
             self._write(final=False)
 
     def close(self) -> None:
-        self._write(final=True)
+        tty = getattr(self._stream, "isatty", lambda: False)()
+        if tty or self._written != self._batches:  # a stream gets each line once
+            self._write(final=True)
 
     def _write(self, final: bool) -> None:
         elapsed = max(time.perf_counter() - self._start, 1e-9)
@@ -197,6 +201,7 @@ class _Progress:
             self._stream.write("\r" + line + ("\n" if final else ""))
         elif final or self._batches == 1:
             self._stream.write(line + "\n")
+            self._written = self._batches
         self._stream.flush()
 
 
@@ -238,34 +243,227 @@ def _check_specs(arguments: Arguments, dataset: tf.data.Dataset, args: tuple, kw
         ) from None
 
 
-def iterate(
-    engine: Engine,
-    arguments: Arguments,
-    dataset: tf.data.Dataset,
-    args: tuple,
-    kwargs: dict,
-    *,
-    batch_size: int | None = None,
-    batched: bool | None = None,
-    progress: bool | TextIO = False,
-) -> Iterator[tuple[Any, int]]:
-    """``(result, rows)`` for each global batch, in order, as they are computed."""
-    _check_eager(engine.name, ".iterate(dataset)")
-    _check_specs(arguments, dataset, args, kwargs)
-    batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
-    return _batches(engine, arguments, batches, args, kwargs, progress)
+class Runner:
+    """A parallelized function's streams: its traced loops and per-batch graphs.
+
+    One per `ShardedFunction`, over its engine; the caches live here, and go
+    when the engine's replicas change (its graphs go then too).
+
+    Args:
+      engine: the function's engine.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loops: dict[Any, _Loop] = {}  # traced loops, by element spec and trace key
+        self._totals: dict[Any, Any] = {}  # per-batch graphs of running totals, by trace key
+        engine.on_retrace.append(self._forget)
+
+    @property
+    def trace_count(self) -> int:
+        """Graphs traced for streams: loops, and per-batch graphs of reductions."""
+        return len(self.loops) + len(self._totals)
+
+    def _forget(self) -> None:
+        self.loops.clear()
+        self._totals.clear()
+
+    def iterate(
+        self,
+        arguments: Arguments,
+        dataset: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        *,
+        batch_size: int | None = None,
+        batched: bool | None = None,
+        progress: bool | TextIO = False,
+    ) -> Iterator[tuple[Any, int]]:
+        """``(result, rows)`` for each global batch, in order, as they are computed."""
+        engine = self.engine
+        _check_eager(engine.name, ".iterate(dataset)")
+        _check_specs(arguments, dataset, args, kwargs)
+        batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
+        return _batches(engine.name, engine.call, arguments, batches, args, kwargs, progress)
+
+    def run(
+        self,
+        arguments: Arguments,
+        dataset: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        *,
+        batch_size: int | None = None,
+        batched: bool | None = None,
+        progress: bool | TextIO = False,
+    ) -> Any:
+        """All of the dataset through the engine: outputs concatenated in order, or reduced."""
+        engine = self.engine
+        _check_eager(engine.name, "(dataset)")
+        _check_specs(arguments, dataset, args, kwargs)
+        if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
+            raise ArgumentError(
+                f"{engine.name}(dataset): the dataset is infinite (it repeats), so its "
+                f"results would never be complete; stream them with "
+                f"{engine.name}.iterate(dataset), or take a finite part first "
+                "(dataset.take(n))"
+            )
+        batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
+        loop = self._graph_loop(arguments, batches, args, kwargs, progress)
+        if loop is None:
+            loop = self._python_loop(arguments, batches, args, kwargs, progress)
+        result, total = loop
+        if total == 0:
+            # No elements: the function on a batch of zero rows (unknown dimensions 0).
+            spec = dataset.batch(1).element_spec if batch_size is not None else dataset.element_spec
+            element = _split_element(_zeros(spec))
+            return engine.call(arguments.classify((*element, *args), kwargs))
+        return result
+
+    def _graph_loop(
+        self,
+        arguments: Arguments,
+        batches: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        progress: bool | TextIO,
+    ) -> tuple[Any, int] | None:
+        """The whole dataset through a traced loop; None where it does not apply.
+
+        It applies when the element spec fixes every per-sample shape (so no
+        batch can change one, and outputs of all batches concatenate), the
+        element is exactly the split arguments (further arguments are
+        broadcast or constants), and results land on this machine. Returns the
+        result and the number of rows.
+        """
+        engine = self.engine
+        spec = batches.element_spec
+        if not _static_inner_shapes(spec) or pinning.is_remote(engine.output):
+            return None
+        with tf.device(HOST):  # where the iterator leaves each batch: split there
+            element = _split_element(_zeros(spec))
+        try:
+            call = arguments.classify((*element, *args), kwargs)
+        except ArgumentError:
+            return None  # e.g. a further argument to split: the Python loop says what is wrong
+        # Rows vary by batch: None, so an error names the shard's slice.
+        call = call._replace(rows=None)
+        count = len(_trees.flatten(spec)[0])
+        kinds = call.template.element_kinds(len(element))
+        if call.template.split_count != count or kinds != ["split"] * count:
+            return None
+        relaxed = _trees.map_leaves(_any_rows, spec)  # one loop for every batch size
+        key = (tf.data.DatasetSpec(relaxed), call.key)
+        engine.refresh_replicas()
+        options = engine.options
+        if (engine.replicas is not None or options.jit_compile) and key not in self.loops:
+            # The checks of a call's graph (no shard writes a replicated variable, XLA
+            # reads none on another device) read ops that the loop nests in its body.
+            engine.trace(call)
+        with engine.lock:  # concurrent first calls trace one loop
+            loop = self.loops.get(key)
+            if loop is None:
+                loop = self.loops[key] = _Loop(engine, relaxed, call)
+        meter = _meter(engine.name, batches, progress)
+        try:
+            result, total = loop.run(batches, call.tensors[count:], meter)
+        except tf.errors.InvalidArgumentError as error:
+            if _ROWS_DIFFER in error.message:
+                raise ArgumentError(
+                    f"{engine.name}: the fields of one dataset element have different numbers "
+                    f"of rows ({', '.join(path for path, _ in _leaf_paths(spec))}); every "
+                    "field is split along its first dimension, so they must match (batch "
+                    "zipped datasets alike)"
+                ) from None
+            raise engine.call_error(error, None) from None
+        except tf.errors.OpError as error:
+            raise engine.call_error(error, None) from None
+        if meter:
+            meter.close()
+        return result, total
+
+    def _python_loop(
+        self,
+        arguments: Arguments,
+        batches: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        progress: bool | TextIO,
+    ) -> tuple[Any, int]:
+        """The batches one call each, for elements whose per-sample shapes may change."""
+        engine = self.engine
+        op = engine.options.reduce
+        total = 0
+        accumulated: list[Any] | None = None
+        pieces: list[Any] = []
+        # A reduction's batches run as totals (a mean undivided), finished once at the end.
+        run = engine.call if op is None else self._batch_totals
+        stream = _batches(engine.name, run, arguments, batches, args, kwargs, progress)
+        for result, batch_rows in stream:
+            total += batch_rows
+            leaves, structure = _trees.flatten(result)
+            if op is None:
+                pieces.append((leaves, structure))
+                continue
+            with tf.device(engine.output):
+                if accumulated is None:
+                    accumulated = leaves
+                else:
+                    accumulated = collect.accumulate(accumulated, leaves, op)
+        if total == 0:
+            return None, 0
+        with tf.device(engine.output):
+            if op is None:
+                columns = zip(*(leaves for leaves, _ in pieces))
+                gathered = [collect.gather(list(parts)) for parts in columns]
+                return _trees.build(pieces[0][1], iter(gathered)), total
+            results = [collect.finished(t, total, op) for t in accumulated]
+            return _trees.build(structure, iter(results)), total
+
+    def _batch_totals(self, call: Call) -> Any:
+        """One batch's reduced outputs as running totals take them (a mean undivided)."""
+        engine = self.engine
+        graph = self._totals.get(call.key)
+        if graph is None:
+            template, split_devices = call.template, call.key.split_devices
+
+            def body(*tensors: Any) -> Any:
+                inputs = tensors[: template.split_count]
+                shared = tensors[template.split_count :]
+                planned = plan_and_split(
+                    inputs,
+                    split_devices,
+                    template.split_paths(),
+                    len(engine.devices),
+                    engine.options.weights,
+                    engine.host,
+                )
+                outputs = engine.run(template, shared, planned.pieces, planned.sizes)
+                with tf.device(engine.output):
+                    results, _ = engine.collect(outputs, planned.sizes, planned.total, finish=False)
+                engine.check_rows(outputs, planned.sizes, {})
+                return _trees.build(outputs.structure, iter(results))
+
+            graph = tf.function(body, autograph=False).get_concrete_function(*call.specs())
+            self._totals[call.key] = graph
+        try:
+            with tf.device(engine.output):
+                return graph(*call.tensors)
+        except tf.errors.OpError as error:
+            raise engine.call_error(error, call.rows) from None
 
 
 def _batches(
-    engine: Engine,
+    name: str,
+    run: Callable[[Call], Any],
     arguments: Arguments,
     batches: tf.data.Dataset,
     args: tuple,
     kwargs: dict,
     progress: bool | TextIO,
 ) -> Iterator[tuple[Any, int]]:
-    """The Python loop: one call of the traced graph per batch, checking per-sample shapes."""
-    meter = _meter(engine.name, batches, progress)
+    """The Python loop: `run` once per batch, checking per-sample shapes."""
+    meter = _meter(name, batches, progress)
     first: list[Any] | None = None
     for element in batches:
         leaves, structure = _trees.flatten(element)
@@ -282,7 +480,7 @@ def _batches(
                         "shapes (pad to one length, or use ragged tensors)"
                     )
         call = arguments.classify((*_split_element(element), *args), kwargs)
-        result = engine.call(call)
+        result = run(call)
         # An eager batch's rows are static; the call has them already.
         batch_rows = call.rows if call.rows is not None else int(rows(leaves[0]))
         if meter:
@@ -298,109 +496,9 @@ def _meter(name: str, batches: tf.data.Dataset, progress: bool | TextIO) -> _Pro
     return _Progress(name, _cardinality(batches), None if progress is True else progress)
 
 
-def run(
-    engine: Engine,
-    arguments: Arguments,
-    dataset: tf.data.Dataset,
-    args: tuple,
-    kwargs: dict,
-    *,
-    batch_size: int | None = None,
-    batched: bool | None = None,
-    progress: bool | TextIO = False,
-) -> Any:
-    """All of the dataset through the engine: outputs concatenated in order, or reduced."""
-    _check_eager(engine.name, "(dataset)")
-    _check_specs(arguments, dataset, args, kwargs)
-    if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
-        raise ArgumentError(
-            f"{engine.name}(dataset): the dataset is infinite (it repeats), so its results "
-            f"would never be complete; stream them with {engine.name}.iterate(dataset), or "
-            "take a finite part first (dataset.take(n))"
-        )
-    batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
-    op = engine.reduce
-    # A per-sample mean over batches is the sum over all samples / N, so run the
-    # batches with a sum and divide once; a per-shard mean is weighted by rows.
-    batch_engine = engine.with_reduce("sum") if op == "mean" and engine.per_sample else engine
-    loop = _graph_loop(batch_engine, arguments, batches, args, kwargs, op, progress)
-    if loop is not None:
-        result, total = loop
-    else:
-        result, total = _python_loop(batch_engine, arguments, batches, args, kwargs, op, progress)
-    if total == 0:
-        # No elements: the function on a batch of zero rows (unknown dimensions 0).
-        spec = dataset.batch(1).element_spec if batch_size is not None else dataset.element_spec
-        element = _split_element(_zeros(spec))
-        return engine.call(arguments.classify((*element, *args), kwargs))
-    return result
-
-
 def _zeros(spec: Any) -> Any:
     """An element of zero rows that fits `spec`; unknown inner dimensions are 0."""
     return collect.empty(_trees.map_leaves(collect.stacked_spec, spec))
-
-
-def _graph_loop(
-    engine: Engine,
-    arguments: Arguments,
-    batches: tf.data.Dataset,
-    args: tuple,
-    kwargs: dict,
-    op: str | None,
-    progress: bool | TextIO,
-) -> tuple[Any, int] | None:
-    """The whole dataset through a traced loop; None where it does not apply.
-
-    It applies when the element spec fixes every per-sample shape (so no batch
-    can change one, and outputs of all batches concatenate), the element is
-    exactly the split arguments (further arguments are broadcast or
-    constants), and results land on this machine. Returns the result and the
-    number of rows.
-    """
-    spec = batches.element_spec
-    if not _static_inner_shapes(spec) or pinning.is_remote(engine.output):
-        return None
-    with tf.device(HOST):  # where the iterator leaves each batch: split there
-        element = _split_element(_zeros(spec))
-    try:
-        call = arguments.classify((*element, *args), kwargs)
-    except ArgumentError:
-        return None  # e.g. a further argument to split: the Python loop says what is wrong
-    # Rows vary by batch: None, so an error names the shard's slice.
-    call = call._replace(rows=None)
-    count = len(_trees.flatten(spec)[0])
-    kinds = call.template.element_kinds(len(element))
-    if call.template.split_count != count or kinds != ["split"] * count:
-        return None
-    relaxed = _trees.map_leaves(_any_rows, spec)  # one loop for every batch size
-    key = (tf.data.DatasetSpec(relaxed), call.key)
-    engine.refresh_replicas()
-    if (engine.replicas is not None or engine.jit_compile) and key not in engine.loops:
-        # The checks of a call's graph (no shard writes a replicated variable, XLA
-        # reads none on another device) read ops that the loop nests in its body.
-        engine.trace(call)
-    with engine.lock:  # concurrent first calls trace one loop
-        loop = engine.loops.get(key)
-        if loop is None:
-            loop = engine.loops[key] = _Loop(engine, relaxed, call, op)
-    meter = _meter(engine.name, batches, progress)
-    try:
-        result, total = loop.run(batches, call.tensors[count:], meter)
-    except tf.errors.InvalidArgumentError as error:
-        if _ROWS_DIFFER in error.message:
-            raise ArgumentError(
-                f"{engine.name}: the fields of one dataset element have different numbers "
-                f"of rows ({', '.join(path for path, _ in _leaf_paths(spec))}); every field "
-                "is split along its first dimension, so they must match (batch zipped "
-                "datasets alike)"
-            ) from None
-        raise engine.call_error(error, None) from None
-    except tf.errors.OpError as error:
-        raise engine.call_error(error, None) from None
-    if meter:
-        meter.close()
-    return result, total
 
 
 def _any_rows(leaf: tf.TypeSpec) -> tf.TypeSpec:
@@ -450,9 +548,9 @@ class _Loop:
     running sum (or max, or min) is carried from batch to batch.
     """
 
-    def __init__(self, engine: Engine, spec: Any, call: Call, op: str | None) -> None:
+    def __init__(self, engine: Engine, spec: Any, call: Call) -> None:
         self._engine = engine
-        self._op = op
+        self._op = engine.options.reduce
         self._template = call.template
         self._split_devices = call.key.split_devices
         self._paths = [path for path, _ in _leaf_paths(spec)]
@@ -461,14 +559,14 @@ class _Loop:
         split_specs = [type_spec(t, split=True) for t in call.tensors[:count]]
         shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
         # The outputs' structure, dtypes and shapes, from a trace of one batch on its own.
-        probe = tf.function(
-            lambda *t: self._run_batch(list(t[:count]), t[count:]), autograph=False
-        ).get_concrete_function(*split_specs, *shared_specs)
+        probe = tf.function(self._probe, autograph=False).get_concrete_function(
+            *split_specs, *shared_specs
+        )
         self._leaves = probe.structured_outputs[0]  # one shard's (or the reduced) output leaves
         self._slots = len(probe.structured_outputs)  # entries per batch: shards, or 1 partial
         self._state_specs = (
             [tf.TensorSpec([], tf.variant)] * collect.array_count(self._leaves)
-            if op is None
+            if self._op is None
             else [tf.TensorSpec(None, leaf.dtype) for leaf in self._leaves]
         )
         self._chunk = tf.function(self._run_chunk, autograph=False).get_concrete_function(
@@ -479,7 +577,7 @@ class _Loop:
             self._state_specs,
             shared_specs,
         )
-        if op is None:
+        if self._op is None:
             with tf.device(engine.output):
                 leaves = self._leaves
                 self._start = tf.function(
@@ -489,29 +587,39 @@ class _Loop:
                     lambda flows: collect.concat_all(flows, leaves), autograph=False
                 ).get_concrete_function(self._state_specs)
 
-    def _run_batch(
-        self, tensors: list[Any], broadcast: tuple, fed: tuple | None = None
-    ) -> list[list[Any]]:
-        """One batch: a list of output leaves per shard (or one list, reduced).
-
-        `fed` is the batch as `_feed` left it on the devices; the split slots
-        of `tensors` are then not read.
-        """
-        gather = self._op is not None
-        result = self._engine.body(
-            self._template,
-            [*tensors, *broadcast],
+    def _probe(self, *tensors: Any) -> list[list[Any]]:
+        """One batch planned and split in place, for the outputs' structure and specs."""
+        count = self._template.split_count
+        engine = self._engine
+        planned = plan_and_split(
+            tensors[:count],
             self._split_devices,
-            gather=gather,
-            presplit=fed,
-            # The next batch's copies land beside each shard while it runs: a
-            # failure in a shared trace could lose its error to their cancellation.
-            share=False,
+            self._template.split_paths(),
+            len(engine.devices),
+            engine.options.weights,
+            engine.host,
         )
-        per_shard = [result] if gather else result
-        flat = [_trees.flatten(r, "outputs") for r in per_shard]
-        self._structure = flat[0][1]
-        return [leaves for leaves, _ in flat]
+        return self._run_batch((planned.total, planned.sizes, planned.pieces), tensors[count:])
+
+    def _run_batch(
+        self, fed: tuple[tf.Tensor, tf.Tensor, list[list[Any]]], broadcast: Sequence[Any]
+    ) -> list[list[Any]]:
+        """One batch: a list of output leaves per shard, or one list of partial totals.
+
+        `fed` is ``(rows, sizes, pieces)``: the batch as `_feed` left it on the devices.
+        """
+        total, sizes, pieces = fed
+        engine = self._engine
+        # The next batch's copies land beside each shard while it runs: a
+        # failure in a shared trace could lose its error to their cancellation.
+        outputs = engine.run(self._template, broadcast, pieces, sizes, share=False)
+        self._structure = outputs.structure
+        engine.check_rows(outputs, sizes, {})
+        if self._op is None:
+            return outputs.flat
+        with tf.name_scope("tfshard_collect"), tf.device(engine.output):
+            totals, _ = engine.collect(outputs, sizes, total, finish=False)
+        return [totals]
 
     def _checked(self, tensors: list[Any]) -> list[Any]:
         """The batch's fields, once their row counts are checked equal."""
@@ -537,7 +645,7 @@ class _Loop:
         `wanted` (none left, or the call ends first) feeds zero rows.
 
         Returns:
-          ``(rows, sizes, pieces)`` as `Engine.body` takes them, ``pieces[i][k]``
+          ``(rows, sizes, pieces)`` as `_run_batch` takes them, ``pieces[i][k]``
           field i's rows for shard k, on shard k's device.
         """
         count = len(self._engine.devices)
@@ -550,7 +658,7 @@ class _Loop:
                 )
                 tensors = self._checked(list(tensors))
                 batch_rows = tf.cast(rows(tensors[0]), tf.int64)
-                sizes = plan_sizes(batch_rows, count, self._engine.weights)
+                sizes = plan_sizes(batch_rows, count, self._engine.options.weights)
                 # [B, ...] -> K x [B_k, ...], on the host
                 parts = [split(t, sizes, count, HOST) for t in tensors]
             pieces: list[list[Any]] = [[] for _ in tensors]
@@ -572,27 +680,20 @@ class _Loop:
         outputs land on its caller's device), and each call feeds its first
         batch before the loop.
         """
-        op, output, per_sample = self._op, self._engine.output, self._engine.per_sample
-        fetch = [None] * self._template.split_count
+        op, output = self._op, self._engine.output
 
         def body(i, n, total, current, fed, state):  # noqa: ANN001, ANN202
             with tf.device(HOST):
                 following = iterator.get_next_as_optional()  # prepared while this one runs
             # The next batch onto the devices while this one runs (none past this call's last).
             fed_next = self._feed(following, n + 1 < limit)
-            batch_rows = fed[0]
-            per_shard = self._run_batch(fetch, tuple(shared), fed)
+            per_shard = self._run_batch(fed, shared)
             with tf.device(output):
                 if op is None:
                     state = collect.write_shards(state, self._leaves, i * self._slots, per_shard)
                 else:
-                    state = [
-                        collect.accumulate(
-                            acc, collect.batch_partial(value, batch_rows, op, per_sample), op
-                        )
-                        for acc, value in zip(state, per_shard[0])
-                    ]
-            return i + 1, n + 1, total + batch_rows, following, fed_next, state
+                    state = collect.accumulate(state, per_shard[0], op)
+            return i + 1, n + 1, total + fed[0], following, fed_next, state
 
         with tf.device(HOST):
             # The caller's device holds `current` between calls; in the loop it is the host's.
@@ -620,7 +721,7 @@ class _Loop:
             if self._op is None:
                 state = self._start()
             else:
-                state = [collect.identity(leaf.dtype, self._op) for leaf in self._leaves]
+                state = [self._op.neutral(leaf.dtype) for leaf in self._leaves]
         # Start from half the last run's size (one batch at first), then adapt.
         i, total, limit = tf.constant(0), 0, max(self._last_limit // 2, 1)
         while True:
@@ -646,47 +747,5 @@ class _Loop:
             if self._op is None:
                 results = self._finish(state)
             else:
-                totals = state
-                results = collect.finish_reduction(totals, total, self._op)
+                results = [collect.finished(t, total, self._op) for t in state]
         return _trees.build(self._structure, iter(results)), total
-
-
-def _python_loop(
-    engine: Engine,
-    arguments: Arguments,
-    batches: tf.data.Dataset,
-    args: tuple,
-    kwargs: dict,
-    op: str | None,
-    progress: bool | TextIO,
-) -> tuple[Any, int]:
-    """The batches one call each, for elements whose per-sample shapes may change."""
-    total = 0
-    accumulated: Any = None
-    pieces: list[Any] = []
-    for result, batch_rows in _batches(engine, arguments, batches, args, kwargs, progress):
-        total += batch_rows
-        if op is None:
-            pieces.append(_trees.flatten(result))
-            continue
-        result = _trees.map_leaves(
-            lambda v, n=batch_rows: collect.batch_partial(v, n, op, engine.per_sample), result
-        )
-        with tf.device(engine.output):
-            if accumulated is None:
-                accumulated = _trees.flatten(result)
-            else:
-                leaves, structure = _trees.flatten(result)
-                accumulated = (
-                    [collect.accumulate(a, b, op) for a, b in zip(accumulated[0], leaves)],
-                    structure,
-                )
-    if total == 0:
-        return None, 0
-    with tf.device(engine.output):
-        if op is None:
-            columns = zip(*(leaves for leaves, _ in pieces))
-            concatenated = [tf.concat(list(parts), axis=0) for parts in columns]
-            return _trees.build(pieces[0][1], iter(concatenated)), total
-        leaves, structure = accumulated
-        return collect.finish_reduction(_trees.build(structure, iter(leaves)), total, op), total

@@ -24,6 +24,7 @@ sorted by `tfshard._arguments`, datasets run through `tfshard.datasets`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import types
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _sharding, cluster, collect, datasets, pinning
+from tfshard import _arguments, _autograph, _options, _sharding, cluster, datasets, pinning
 from tfshard import replicas as replicas_lib
 from tfshard.errors import ArgumentError
 
@@ -58,44 +59,14 @@ class ShardedFunction:
         signature; the batch size is not part of it).
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        *,
-        devices: Sequence[pinning.DeviceSpecLike] | None,
-        weights: Sequence[float] | None,
-        per_sample: bool | None,
-        reduce: str | None,
-        output_device: pinning.DeviceSpecLike | None,
-        broadcast: Sequence[str | int],
-        ragged: bool,
-        jit_compile: bool,
-        allow_duplicate_devices: bool,
-    ) -> None:
-        if not callable(fn):
-            raise ArgumentError(f"parallelize(fn={fn!r}): fn must be callable")
-        if per_sample is None:
-            per_sample = not _sharding.is_keras_layer(fn)  # it takes batches
-        _check_options(reduce, ragged, per_sample)
-        self._device_specs = _device_specs(devices)
-        self._weights = _sharding.integer_weights(weights)
-        specs, weighted = self._device_specs, self._weights
-        if specs is not None and weighted is not None and len(specs) != len(weighted):
-            raise ArgumentError(
-                f"weights has {len(weighted)} entries but devices has {len(specs)}; "
-                "give one weight per device"
-            )
+    def __init__(self, fn: Callable[..., Any], options: _options.Options) -> None:
         self._fn = fn
+        self._options = options
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
-        self._arguments = _arguments.Arguments(fn, broadcast, self.__name__)
-        self._output_spec = output_device
-        self._per_sample = bool(per_sample)
-        self._reduce = reduce
-        self._ragged = bool(ragged)
-        self._jit_compile = bool(jit_compile)
-        self._allow_duplicates = bool(allow_duplicate_devices)
+        self._arguments = _arguments.Arguments(fn, options.broadcast, self.__name__)
         self._lock = threading.Lock()
         self._built: _sharding.Engine | None = None
+        self._streams: datasets.Runner | None = None
         self._bound: weakref.WeakKeyDictionary[Any, ShardedFunction] = weakref.WeakKeyDictionary()
         # Not updated=("__dict__",): the wrapped object's attributes (a Keras layer's
         # _lock, a tf.function's _jit_compile) must not replace ours.
@@ -116,7 +87,8 @@ class ShardedFunction:
     @property
     def trace_count(self) -> int:
         """How many graphs have been traced so far (loops over datasets included)."""
-        return 0 if self._built is None else self._built.trace_count
+        streams = 0 if self._streams is None else self._streams.trace_count
+        return (0 if self._built is None else self._built.trace_count) + streams
 
     @_not_converted
     def plan(self, n: int) -> list[int]:
@@ -130,7 +102,7 @@ class ShardedFunction:
         """
         if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
             raise ArgumentError(f"plan(n={n!r}): n is a number of rows, an int >= 0")
-        if n >= _sharding.MAX_ROWS:
+        if n >= _arguments.MAX_ROWS:
             raise ArgumentError(f"plan(n={n}): batches of 2**31 rows or more are not supported")
         return self._engine().plan(n)
 
@@ -162,8 +134,9 @@ class ShardedFunction:
         sizes = self.plan(call.rows)
         engine = self._engine()
         devices, output = engine.devices, engine.output
-        how = "per sample" if engine.per_sample else "per shard"
-        result = f"reduced with {engine.reduce!r}" if engine.reduce else "gathered"
+        how = "per sample" if self._options.per_sample else "per shard"
+        op = self._options.reduce
+        result = f"reduced with {op.name!r}" if op else "gathered"
         lines = [
             f"{self.__name__}: {call.rows} rows on {len(devices)} devices, {how}, "
             f"{result} on {output}"
@@ -275,9 +248,7 @@ class ShardedFunction:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args and isinstance(args[0], tf.data.Dataset):
             options = {k: kwargs.pop(k) for k in datasets.DATASET_OPTIONS if k in kwargs}
-            return datasets.run(
-                self._engine(), self._arguments, args[0], args[1:], kwargs, **options
-            )
+            return self._runner().run(self._arguments, args[0], args[1:], kwargs, **options)
         call = self._arguments.classify(args, kwargs)
         return self._engine().call(call)
 
@@ -350,8 +321,7 @@ class ShardedFunction:
                 f"{self.__name__}.iterate() takes a tf.data.Dataset, got "
                 f"{type(dataset).__name__}; call {self.__name__}(x) for tensors and arrays"
             )
-        stream = datasets.iterate(
-            self._engine(),
+        stream = self._runner().iterate(
             self._arguments,
             dataset,
             args,
@@ -363,25 +333,9 @@ class ShardedFunction:
         # Not a generator itself: bad arguments fail here, at the call, not at next().
         return (result for result, _ in stream)
 
-    def _with(self, **changes: Any) -> ShardedFunction:
-        """A new ShardedFunction with these options changed (it traces its own graphs)."""
-        options = dict(
-            fn=self._fn,
-            devices=self._device_specs,
-            weights=self._weights,
-            per_sample=self._per_sample,
-            reduce=self._reduce,
-            output_device=self._output_spec,
-            broadcast=tuple(self._arguments.broadcast),  # names only for methods: __get__
-            ragged=self._ragged,
-            jit_compile=self._jit_compile,
-            allow_duplicate_devices=self._allow_duplicates,
-        )
-        options.update(changes)
-        return ShardedFunction(options.pop("fn"), **options)
-
     def __repr__(self) -> str:
-        return f"<tfshard.ShardedFunction {self.__name__} on {self._device_specs or 'all devices'}>"
+        devices = self._options.devices or "all devices"
+        return f"<tfshard.ShardedFunction {self.__name__} on {devices}>"
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         # Decorating a method: one engine per instance, as tf.function traces per
@@ -398,7 +352,9 @@ class ShardedFunction:
             )
         bound = self._bound.get(instance)
         if bound is None:
-            bound = self._with(fn=_sharding.WeakMethod(self._fn, instance))
+            # Names only for methods (checked above): positions would shift by self.
+            options = dataclasses.replace(self._options, broadcast=tuple(self._arguments.broadcast))
+            bound = ShardedFunction(_autograph.WeakMethod(self._fn, instance), options)
             self._bound[instance] = bound
         return _BoundMethod(bound, instance)
 
@@ -409,45 +365,20 @@ class ShardedFunction:
         if self._built is None:
             with self._lock:
                 if self._built is None:
-                    devices, output = self._resolve()
+                    devices, output = self._options.resolve()
                     self._built = _sharding.Engine(
-                        self._fn,
-                        name=self.__name__,
-                        devices=devices,
-                        output=output,
-                        weights=self._weights,
-                        per_sample=self._per_sample,
-                        reduce=self._reduce,
-                        reduce_label=self._reduce,
-                        ragged=self._ragged,
-                        jit_compile=self._jit_compile,
+                        self._fn, self._options, name=self.__name__, devices=devices, output=output
                     )
         return self._built
 
-    def _resolve(self) -> tuple[tuple[str, ...], str]:
-        if self._device_specs is None:
-            devices = tuple(pinning.list_devices("GPU") or pinning.list_devices("CPU"))
-        else:
-            devices = tuple(pinning.resolve_device(d) for d in self._device_specs)
-        if not self._allow_duplicates and len(set(devices)) != len(devices):
-            seen: dict[str, int] = {}
-            for i, name in enumerate(devices):
-                if name in seen:
-                    raise ArgumentError(
-                        f"devices[{seen[name]}]={self._device_specs[seen[name]]!r} and "
-                        f"devices[{i}]={self._device_specs[i]!r} are both {name}; two shards "
-                        "on one device run one after the other. Remove one, or pass "
-                        "allow_duplicate_devices=True if that is what you want (e.g. a "
-                        "context map that aliases two names to one card)"
-                    )
-                seen[name] = i
-        if self._weights is not None and len(self._weights) != len(devices):
-            raise ArgumentError(
-                f"weights has {len(self._weights)} entries but there are {len(devices)} "
-                f"devices ({', '.join(devices)}); give one weight per device"
-            )
-        output = pinning.resolve_device(self._output_spec) if self._output_spec else devices[0]
-        return devices, output
+    def _runner(self) -> datasets.Runner:
+        """What runs datasets through the engine, with its own caches."""
+        engine = self._engine()
+        if self._streams is None:
+            with self._lock:
+                if self._streams is None:
+                    self._streams = datasets.Runner(engine)
+        return self._streams
 
 
 class _BoundMethod(ShardedFunction):
@@ -456,7 +387,7 @@ class _BoundMethod(ShardedFunction):
     `ShardedFunction.__get__` makes one at each attribute access, as Python makes
     a bound method. It shares every piece of state (options, engine, traced
     graphs, trace count) with the ShardedFunction cached for the instance, whose
-    function holds the instance only weakly (a `_sharding.WeakMethod`), and holds
+    function holds the instance only weakly (a `_autograph.WeakMethod`), and holds
     the instance itself: ``Model().apply(x)`` keeps its temporary alive through
     the call, as ``iterate`` does through the stream, and a cached instance is
     freed once nothing else holds it.
@@ -499,37 +430,6 @@ class _BoundMethod(ShardedFunction):
 def _holding(instance: Any, items: Iterator[Any]) -> Iterator[Any]:
     """`items`, as a generator whose frame holds `instance` until the stream is done."""
     yield from items
-
-
-def _check_options(reduce: str | None, ragged: bool, per_sample: bool) -> None:
-    if reduce is not None and reduce not in collect.REDUCTIONS:
-        raise ArgumentError(
-            f"reduce={reduce!r}: choose one of {', '.join(map(repr, collect.REDUCTIONS))} "
-            "or None (gather the outputs in order)"
-        )
-    if ragged and reduce is not None:
-        raise ArgumentError(
-            f"ragged=True with reduce={reduce!r}: ragged outputs have no common shape "
-            "to reduce; drop one of them"
-        )
-    if ragged and not per_sample:
-        raise ArgumentError(
-            "ragged=True needs per_sample=True: with per_sample=False the function "
-            "returns its shard's rows itself (return a tf.RaggedTensor to get one)"
-        )
-
-
-def _device_specs(devices: Any) -> tuple[Any, ...] | None:
-    if devices is None:
-        return None
-    if isinstance(devices, str | int) or not isinstance(devices, Sequence):
-        devices = [devices]
-    if not devices:
-        raise ArgumentError(
-            "devices=[]: give at least one device, or devices=None for every "
-            "GPU (else every CPU device)"
-        )
-    return tuple(devices)
 
 
 def parallelize(
@@ -630,7 +530,7 @@ def parallelize(
     >>> double(np.arange(5, dtype=np.float32)).numpy()
     array([0., 2., 4., 6., 8.], dtype=float32)
     """
-    options = dict(
+    given = dict(
         devices=devices,
         weights=weights,
         per_sample=per_sample,
@@ -642,5 +542,9 @@ def parallelize(
         allow_duplicate_devices=allow_duplicate_devices,
     )
     if fn is None:
-        return functools.partial(parallelize, **options)
-    return ShardedFunction(fn, **options)
+        return functools.partial(parallelize, **given)
+    if not callable(fn):
+        raise ArgumentError(f"parallelize(fn={fn!r}): fn must be callable")
+    if per_sample is None:
+        given["per_sample"] = not _autograph.is_keras_layer(fn)  # it takes batches
+    return ShardedFunction(fn, _options.Options.validated(**given))

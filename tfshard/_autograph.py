@@ -1,0 +1,94 @@
+"""The user's function as a trace calls it: autograph applied, methods bound weakly.
+
+`autographed` converts Python control flow on tensors as `tf.function` would;
+`WeakMethod` is what a method decorated with `parallelize` runs as, so its
+per-instance cache does not keep the instance alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from tfshard.replicas import keras_of
+
+
+def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with autograph applied, as `tf.function` would apply it.
+
+    A function converts; a method (bound, or a `WeakMethod`) converts as its
+    function and binds again; a callable object converts its class's
+    ``__call__``, bound to it (`tf.autograph.to_graph` takes no objects). A
+    Keras layer is left as it is (Keras converts its own ``call``), and so is a
+    `tf.function` (it converts itself). Anything that does not convert is
+    called as written.
+    """
+    if isinstance(fn, types.MethodType):
+        return types.MethodType(_converted(fn.__func__), fn.__self__)
+    if isinstance(fn, WeakMethod):
+        return fn.with_func(_converted(fn.__func__))
+    if is_keras_layer(fn):
+        return fn
+    call = inspect.getattr_static(type(fn), "__call__", None)  # a function's: a slot wrapper
+    if isinstance(call, types.FunctionType) and not hasattr(fn, "get_concrete_function"):
+        return types.MethodType(_converted(call), fn)
+    return _converted(fn)
+
+
+def _converted(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if hasattr(fn, "get_concrete_function"):  # a tf.function, or a ShardedFunction
+        return fn
+    try:
+        return tf.autograph.to_graph(fn)
+    except Exception:  # no source to read, a builtin: call it as written
+        return fn
+
+
+def is_keras_layer(fn: Any) -> bool:
+    """Whether `fn` is a Keras layer or model (which takes batches, and converts itself)."""
+    return keras_of(fn) is not None
+
+
+class WeakMethod:
+    """A method that holds its instance weakly and looks it up at each call.
+
+    What a method decorated with `parallelize` runs as: its engine (and the
+    graphs it traces) is cached per instance, as `tf.function` caches them,
+    and that cache must not keep the instance alive. The caller holds the
+    instance for the length of each call (`tfshard.parallel`'s bound
+    function), so the function's ``self`` is always the instance itself.
+
+    Args:
+      func: the function of the class, taking the instance first.
+      instance: the instance to call it with.
+    """
+
+    def __init__(self, func: Callable[..., Any], instance: Any) -> None:
+        self.__func__ = func
+        self._instance = weakref.ref(instance)
+        functools.update_wrapper(self, func, updated=())
+        # Without self, as a bound method's; it also stops inspect's unwrapping here.
+        with contextlib.suppress(TypeError, ValueError):  # a builtin may have none
+            self.__signature__ = inspect.signature(types.MethodType(func, instance))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        instance = self._instance()
+        if instance is None:
+            raise ReferenceError(
+                f"{self.__name__}: the instance this method was bound to no longer exists"
+            )
+        return self.__func__(instance, *args, **kwargs)
+
+    def with_func(self, func: Callable[..., Any]) -> WeakMethod:
+        """This method with another function (its converted form), bound to the same instance."""
+        other = copy.copy(self)
+        other.__func__ = func
+        return other
