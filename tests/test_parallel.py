@@ -1162,3 +1162,47 @@ def test_an_ordinary_failure_in_a_per_sample_function_gets_no_pfor_hint():
     with pytest.raises(tf.errors.InvalidArgumentError) as raised:
         f(np.array([1.0, -1.0], np.float32))
     assert "ragged=True" not in str(raised.value)
+
+
+# ------------------------------------- outputs that do not depend on the sample
+
+_CONSTANT_OUTPUTS = {
+    # name: (per-sample fn of (c, sample), NumPy reference of (c, y))
+    "broadcast argument as it is": (lambda c, s: c, lambda c, y: np.full(len(y), c)),
+    "constant": (lambda c, s: tf.constant(5, tf.int64), lambda c, y: np.full(len(y), 5)),
+    "shape only": (lambda c, s: tf.shape(s), lambda c, y: np.tile(y.shape[1:], [len(y), 1])),
+    "mixed with a per-sample output": (
+        lambda c, s: (c, 2.0 * s, tf.constant(1.5)),
+        lambda c, y: (np.full(len(y), c), 2.0 * y, np.full(len(y), 1.5)),
+    ),
+}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(sorted(_CONSTANT_OUTPUTS)),
+    devices=st.integers(1, 4),
+    rows=st.integers(0, 9),
+)
+def test_a_per_sample_output_that_ignores_the_sample_is_stacked_per_row(kind, devices, rows):
+    fn, reference = _CONSTANT_OUTPUTS[kind]
+    y = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
+    f = tfshard.parallelize(fn, devices=CPUS[:devices], broadcast=("c",))
+    got = tf.nest.map_structure(lambda t: t.numpy(), f(np.float32(3), y))
+    for out, want in zip(tf.nest.flatten(got), tf.nest.flatten(reference(np.float32(3), y))):
+        np.testing.assert_array_equal(out, np.asarray(want, out.dtype))
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_a_variables_value_per_sample_and_per_row_of_a_whole_shard(devices):
+    v = tf.Variable([1.0, 2.0])
+    y = np.zeros([5, 3], np.float32)
+    per_sample = tfshard.parallelize(lambda s: v.read_value(), devices=CPUS[:devices])
+    np.testing.assert_array_equal(per_sample(y).numpy(), np.tile([1.0, 2.0], [5, 1]))
+    # A whole shard's per-row output built from shapes and a variable, not the rows.
+    whole = tfshard.parallelize(
+        lambda x: tf.broadcast_to(v, [tf.shape(x)[0], 2]),
+        devices=CPUS[:devices],
+        per_sample=False,
+    )
+    np.testing.assert_array_equal(whole(y).numpy(), np.tile([1.0, 2.0], [5, 1]))

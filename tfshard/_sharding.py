@@ -576,9 +576,13 @@ def vectorized(
         entering = tuple(r if is_ragged(r) else collect.carried(r) for r in rows_in)
 
         def one(rows: Sequence[Any]) -> Any:
-            return call(
+            outputs = call(
                 [r if is_ragged(r) else collect.uncarried(r, d) for r, d in zip(rows, dtypes)]
             )
+            # An output that is a tensor from outside the map (a broadcast argument
+            # returned as it is) must still be an op of the map: pfor fails on it
+            # otherwise (UnboundLocalError in TF 2.21), and map_fn stacks it alike.
+            return tf.nest.map_structure(tf.identity, outputs, expand_composites=True)
 
         if ragged:
             return tf.map_fn(one, entering, fn_output_signature=signature, name="per_sample")
