@@ -1206,3 +1206,62 @@ def test_a_variables_value_per_sample_and_per_row_of_a_whole_shard(devices):
         per_sample=False,
     )
     np.testing.assert_array_equal(whole(y).numpy(), np.tile([1.0, 2.0], [5, 1]))
+
+
+# ------------------------------------------------------------ each shard's own
+
+_PER_SHARD_FNS = {
+    # name: (whole-shard fn, NumPy reference on one shard's rows)
+    "scalar": (tf.reduce_sum, lambda x: x.sum()),
+    "fixed shape": (lambda x: tf.reduce_max(x, axis=0), lambda x: x.max(0) if len(x) else None),
+    "any length": (lambda x: x[: tf.shape(x)[0] // 2], lambda x: x[: len(x) // 2]),
+    "nested": (
+        lambda x: {"rows": tf.shape(x)[0], "first": x[:1]},
+        lambda x: {"rows": len(x), "first": x[:1]},
+    ),
+}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(sorted(_PER_SHARD_FNS)),
+    devices=st.integers(1, 4),
+    rows=st.integers(0, 11),
+    weighted=st.booleans(),
+)
+def test_per_shard_gives_each_shards_value_as_it_is_on_its_device(kind, devices, rows, weighted):
+    fn, reference = _PER_SHARD_FNS[kind]
+    weights = [3, 1, 2, 1][:devices] if weighted else None
+    if kind == "fixed shape" and rows < (devices if not weighted else 8):
+        rows = 8 * devices  # no empty shard: reduce_max of no rows is -inf, not NumPy's error
+    x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
+    f = tfshard.parallelize(fn, devices=CPUS[:devices], per_sample=False, weights=weights)
+    results = f.per_shard(x)
+    assert isinstance(results, tuple) and len(results) == devices
+    start = 0
+    for k, (result, size) in enumerate(zip(results, f.plan(rows))):
+        want = reference(x[start : start + size])
+        start += size
+        for got, expected in zip(tf.nest.flatten(result), tf.nest.flatten(want)):
+            np.testing.assert_array_equal(got.numpy(), expected)
+            assert got.device.endswith(CPUS[k][len("/device:") :]), (k, got.device)
+
+
+def test_per_shard_of_a_per_sample_function_stacks_each_shards_rows():
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:3])
+    x = np.arange(7, dtype=np.float32)
+    parts = f.per_shard(x)
+    assert [p.numpy().tolist() for p in parts] == [[0, 2, 4], [6, 8], [10, 12]]
+    np.testing.assert_array_equal(np.concatenate([p.numpy() for p in parts]), f(x).numpy())
+
+
+def test_per_shard_takes_no_dataset():
+    f = tfshard.parallelize(lambda s: s, devices=CPUS[:2])
+    with pytest.raises(ArgumentError, match=r"per_shard\(\) takes tensors.*iterate\(dataset\)"):
+        f.per_shard(tf.data.Dataset.range(4).batch(2))
+
+
+def test_a_scalar_per_shard_names_per_shard_as_a_remedy():
+    f = tfshard.parallelize(tf.reduce_sum, devices=CPUS[:2], per_sample=False)
+    with pytest.raises(ArgumentError, match=r"scalar per shard.*f\.per_shard"):
+        f(np.ones([4], np.float32))

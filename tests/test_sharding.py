@@ -130,13 +130,13 @@ def test_check_outputs_names_a_rank_that_differs_between_shards():
     with pytest.raises(
         ArgumentError, match=r"outputs\['loss'\] has rank 0 .* on /device:CPU:1 but rank 1"
     ):
-        _sharding.check_outputs(outputs, CPUS[:2], concatenated=True)
+        _sharding.check_outputs(outputs, CPUS[:2])
 
 
 def test_check_outputs_names_a_key_that_differs_between_shards():
     outputs = _outputs(lambda x: {"loss": x}, lambda x: {"loss": x, "extra": x})
     with pytest.raises(ArgumentError, match=r"outputs\['extra'\] differs between shards"):
-        _sharding.check_outputs(outputs, CPUS[:2], concatenated=True)
+        _sharding.check_outputs(outputs, CPUS[:2])
 
 
 # ------------------------------------------------------- dtypes, routed

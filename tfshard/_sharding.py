@@ -108,19 +108,25 @@ class Engine:
 
     # ------------------------------------------------------------ calls
 
-    def trace(self, call: _arguments.Call) -> Any:
-        """The concrete function for this call's trace key, traced on first use."""
+    def trace(self, call: _arguments.Call, per_shard: bool = False) -> Any:
+        """The concrete function for this call's trace key, traced on first use.
+
+        With `per_shard`, the graph returns each shard's outputs as they are
+        (`per_shard_body`) instead of collecting them.
+        """
         self.refresh_replicas()
-        graph = self.graphs.get(call.key)
+        key = (call.key, "per_shard") if per_shard else call.key
+        graph = self.graphs.get(key)
         if graph is not None:
             return graph
         with self.lock:
-            graph = self.graphs.get(call.key)
+            graph = self.graphs.get(key)
             if graph is None:
                 template, split_devices = call.template, call.key.split_devices
+                step = self.per_shard_body if per_shard else self.body
 
                 def body(*tensors: Any) -> Any:
-                    return self.body(template, tensors, split_devices)
+                    return step(template, tensors, split_devices)
 
                 graph = tf.function(body, autograph=False).get_concrete_function(*call.specs())
                 if self.options.jit_compile:
@@ -129,8 +135,8 @@ class Engine:
                     check_no_writes(graph, self.replicas, self.name)
                 outputs = _trees.flatten(graph.structured_outputs)[1]
                 if _trees.has_defaultdict(outputs):
-                    self.rebuilt[call.key] = outputs
-                self.graphs[call.key] = graph
+                    self.rebuilt[key] = outputs
+                self.graphs[key] = graph
             return graph
 
     def refresh_replicas(self) -> None:
@@ -230,10 +236,43 @@ class Engine:
             inputs, split_devices, template.split_paths(), count, self.options.weights, self.host
         )
         outputs = self.run(template, shared, planned.pieces, planned.sizes)
+        if self.options.reduce is None:
+            outputs.check_gatherable()
         with tf.name_scope("tfshard_collect"), tf.device(self.output):
             results, counted = self.collect(outputs, planned.sizes, planned.total)
         self.check_rows(outputs, planned.sizes, counted)
         return _trees.build(outputs.structure, iter(results))
+
+    def per_shard_body(
+        self, template: _arguments.Template, tensors: Sequence[Any], split_devices: Sequence[str]
+    ) -> list[Any]:
+        """A `per_shard` call's traced body: plan and split, run; each shard's outputs."""
+        inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
+        planned = plan_and_split(
+            inputs,
+            split_devices,
+            template.split_paths(),
+            len(self.devices),
+            self.options.weights,
+            self.host,
+        )
+        outputs = self.run(template, shared, planned.pieces, planned.sizes)
+        return [_trees.build(outputs.structure, iter(leaves)) for leaves in outputs.flat]
+
+    def per_shard(self, call: _arguments.Call) -> tuple[Any, ...]:
+        """Runs one call; each shard's outputs as they are, on the shard's device."""
+        graph = self.trace(call, per_shard=True)
+        try:
+            with tf.device(self.output):
+                results = graph(*call.tensors)
+        except tf.errors.OpError as error:
+            raise self.call_error(error, call.rows) from None
+        structure = self.rebuilt.get((call.key, "per_shard"))
+        if structure is not None:  # the function's own defaultdicts, as `call` rebuilds them
+            results = _trees.build(structure, iter(_trees.flatten(results)[0]))
+        # A function's outputs come back on its caller's device (the output device);
+        # each shard's go back to its own, a no-op for the output device's shard.
+        return tuple(pinning.to_device(r, d) for r, d in zip(results, self.devices))
 
     def run(
         self,
@@ -266,9 +305,7 @@ class Engine:
             replica = self.replicas.shard(device) if self.replicas else contextlib.nullcontext()
             with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device), replica:
                 outputs.append(run([p[k] for p in pieces], shard_rows[k]))
-        reduced = self.options.reduce is not None
-        structure, flat = check_outputs(outputs, self.devices, concatenated=not reduced)
-        return ShardOutputs(structure, flat)
+        return ShardOutputs(*check_outputs(outputs, self.devices))
 
     def collect(
         self, outputs: ShardOutputs, sizes: tf.Tensor, total: tf.Tensor, finish: bool = True
@@ -512,6 +549,17 @@ class ShardOutputs(NamedTuple):
         """Leaf i's path, for messages (``outputs['loss']``)."""
         return _trees.path("outputs", self.structure, i)
 
+    def check_gatherable(self) -> None:
+        """Raises ArgumentError for a scalar per shard: a gather concatenates rows."""
+        for i, leaf in enumerate(self.flat[0]):
+            if leaf.shape.rank == 0:
+                raise ArgumentError(
+                    f"{self.path(i)} is a scalar per shard; with per_sample=False outputs "
+                    "are concatenated along axis 0, so return a [rows, ...] tensor, pass "
+                    f"reduce={collect.reduction_names()} to combine the shards' values, or "
+                    "take each shard's value as it is with f.per_shard(...)"
+                )
+
 
 class Shard(NamedTuple):
     """What one shard computes.
@@ -653,7 +701,7 @@ def rows_error(name: str, devices: Sequence[str], message: str) -> ArgumentError
         f"{name}: {path}{where or ' has the wrong number of rows'}; with "
         "per_sample=False each output must have one row per input row to be gathered "
         "in order (return a [rows, ...] tensor), or be of fixed shape under reduce= "
-        "(a shard's value: pass reduce='sum'/'mean'/'max'/'min')"
+        f"(a shard's value: pass reduce={collect.reduction_names()})"
     )
 
 
@@ -710,16 +758,12 @@ def sample_signature(call: Callable[..., Any], example: Sequence[Any], ragged: b
     return _trees.build(key, iter(specs))
 
 
-def check_outputs(
-    outputs: list[Any], devices: Sequence[str], concatenated: bool
-) -> tuple[Hashable, list[list[Any]]]:
+def check_outputs(outputs: list[Any], devices: Sequence[str]) -> tuple[Hashable, list[list[Any]]]:
     """Checks that every shard returned the same structure, ranks and dtypes.
 
     Args:
       outputs: one output structure per shard.
       devices: the shards' devices, for messages.
-      concatenated: the outputs are concatenated along axis 0 (no reduction),
-        so a scalar per shard is an error.
 
     Returns:
       The structure key and each shard's flat output leaves.
@@ -745,15 +789,6 @@ def check_outputs(
                     "ranks and dtypes"
                 )
         flat.append(leaves)
-    if concatenated:
-        for i, leaf in enumerate(reference_leaves):
-            if leaf.shape.rank == 0:
-                raise ArgumentError(
-                    f"{_trees.path('outputs', reference, i)} is a scalar per shard; with "
-                    "per_sample=False outputs are concatenated along axis 0, so return a "
-                    "[rows, ...] tensor, or pass reduce='sum'/'mean'/'max'/'min' to "
-                    "combine the shards' values"
-                )
     return reference, flat
 
 

@@ -251,6 +251,11 @@ REDUCTIONS: dict[str, Reduction] = {
 }
 
 
+def reduction_names() -> str:
+    """The names ``reduce=`` takes, for messages: ``'sum'/'mean'/'max'/'min'``."""
+    return "/".join(map(repr, REDUCTIONS))
+
+
 def reduction(name: str | None) -> Reduction | None:
     """The record of ``reduce=name`` (None for None); an unknown name raises ArgumentError."""
     if name is None:

@@ -616,6 +616,7 @@ class _Loop:
         self._structure = outputs.structure
         engine.check_rows(outputs, sizes, {})
         if self._op is None:
+            outputs.check_gatherable()
             return outputs.flat
         with tf.name_scope("tfshard_collect"), tf.device(engine.output):
             totals, _ = engine.collect(outputs, sizes, total, finish=False)

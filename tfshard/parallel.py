@@ -255,6 +255,41 @@ class ShardedFunction:
     _call_unconverted = _not_converted(_call)
 
     @_not_converted
+    def per_shard(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Runs the function on the batch as a call does; each shard's result as it is.
+
+        What MirroredStrategy's ``experimental_local_results`` gives: no gather
+        and no reduction, so a shard's value may have any shape (a loss, a
+        gradient, a count of its rows). The batch is split as a call splits it
+        (`plan`); with `per_sample`, a shard's result is its rows' outputs,
+        stacked. ``reduce=`` does not apply.
+
+        Args:
+          *args: as for a call (tensors and arrays; not a dataset).
+          **kwargs: likewise.
+
+        Returns:
+          A tuple with one result per shard, in device order (`devices`), each
+          on its shard's device. TensorFlow returns a function's outputs on the
+          device it was called from, so each result except the output
+          device's is copied back to its device after the call.
+
+        Raises:
+          ArgumentError: bad arguments, or a dataset (stream it with `iterate`).
+
+        >>> f = tfshard.parallelize(
+        ...     tf.reduce_sum, devices=["cpu:0", "cpu:1"], per_sample=False)
+        >>> [s.numpy().tolist() for s in f.per_shard(np.arange(5.0))]
+        [3.0, 7.0]
+        """
+        if args and isinstance(args[0], tf.data.Dataset):
+            raise ArgumentError(
+                f"{self.__name__}.per_shard() takes tensors and arrays, not a "
+                f"tf.data.Dataset; stream one with {self.__name__}.iterate(dataset)"
+            )
+        return self._engine().per_shard(self._arguments.classify(args, kwargs))
+
+    @_not_converted
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
         """The traced `tf.function` graph a call with these arguments runs, as in `tf.function`.
 
