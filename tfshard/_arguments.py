@@ -294,10 +294,10 @@ class Arguments:
             where = _trees.path(name, structure, i)
             if _is_sequence(structure):
                 raise ArgumentError(
-                    f"{where} is a scalar (rank 0): {name} is a Python {structure[0].__name__} "
+                    f"{where} is a scalar (rank 0): {name} is a Python {structure.kind.__name__} "
                     "of scalars, which tfshard reads as a structure of separate values, not a "
                     f"batch; pass np.asarray({name}) (or tf.stack({name})) to split it as a "
-                    f"batch of {len(structure[1])} rows"
+                    f"batch of {len(structure.children)} rows"
                 )
             raise ArgumentError(
                 f"{where} is a scalar (rank 0), so it has no rows to split; pass it in "
@@ -326,11 +326,7 @@ def _entry(name: str) -> str | int:
 
 def _is_sequence(structure: Hashable) -> bool:
     """Whether a structure key is a plain list or tuple (not a namedtuple)."""
-    return (
-        structure is not _trees.LEAF
-        and issubclass(structure[0], list | tuple)
-        and not hasattr(structure[0], "_fields")
-    )
+    return isinstance(structure, _trees.SequenceNode) and not hasattr(structure.kind, "_fields")
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:

@@ -33,11 +33,42 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from tfshard.errors import ArgumentError
 
 LEAF = None  # The structure key of a leaf.
+
+
+class SequenceNode(NamedTuple):
+    """A list, tuple or namedtuple: its type and its items' keys."""
+
+    kind: type
+    children: tuple[Hashable, ...]
+
+
+class MappingNode(NamedTuple):
+    """A mapping: its type, its keys sorted (the leaf order), their children's keys,
+    its keys in written order (how it is rebuilt), and a defaultdict's factory."""
+
+    kind: type
+    keys: tuple[Any, ...]
+    children: tuple[Hashable, ...]
+    written: tuple[Any, ...]
+    factory: Any
+
+
+class AttrsNode(NamedTuple):
+    """An attrs class: its type, its field names in order, their children's keys."""
+
+    kind: type
+    keys: tuple[str, ...]
+    children: tuple[Hashable, ...]
+
+
+# The structure key of a value: LEAF, or one of the nodes above (hashable, and
+# equal exactly when two values have the same structure).
+TreeDef = SequenceNode | MappingNode | AttrsNode | None
 
 
 def flatten(value: Any, where: str = "value") -> tuple[list[Any], Hashable]:
@@ -79,7 +110,7 @@ def _walk(value: Any, leaves: list[Any]) -> Hashable:
     # reference cycle on every call, which keeps whole batches alive until gc.
     # No paths here: this runs on every call; `_path_to` builds one for an error.
     if isinstance(value, list | tuple):
-        return (type(value), tuple(_walk(v, leaves) for v in value))
+        return SequenceNode(type(value), tuple(_walk(v, leaves) for v in value))
     if isinstance(value, Mapping):
         try:
             keys = sorted(value)
@@ -89,11 +120,12 @@ def _walk(value: Any, leaves: list[Any]) -> Hashable:
         # A defaultdict's factory is part of it (tf.nest rebuilds with it), and so of
         # the trace key: a new factory traces again, as any Python constant does.
         factory = value.default_factory if isinstance(value, defaultdict) else None
-        return (type(value), tuple(keys), children, tuple(value), factory)
+        return MappingNode(type(value), tuple(keys), children, tuple(value), factory)
     fields = getattr(type(value), "__attrs_attrs__", None)
     if fields is not None:
         names = tuple(f.name for f in fields)
-        return (type(value), names, tuple(_walk(getattr(value, n), leaves) for n in names), None)
+        children = tuple(_walk(getattr(value, n), leaves) for n in names)
+        return AttrsNode(type(value), names, children)
     leaves.append(value)
     return LEAF
 
@@ -125,17 +157,17 @@ def build(key: Hashable, leaves: Iterator[Any]) -> Any:
     """The inverse of `flatten`: the structure of `key` with these leaves, in order."""
     if key is LEAF:
         return next(leaves)
-    kind = key[0]
-    if len(key) == 2:  # a list or tuple
-        items = [build(sub, leaves) for sub in key[1]]
+    kind = key.kind
+    if isinstance(key, SequenceNode):
+        items = [build(sub, leaves) for sub in key.children]
         return kind(*items) if hasattr(kind, "_fields") else kind(items)
-    built = {name: build(sub, leaves) for name, sub in zip(key[1], key[2])}
-    if key[3] is None:  # an attrs class: its fields in order, as tf.nest rebuilds it
+    built = {name: build(sub, leaves) for name, sub in zip(key.keys, key.children)}
+    if isinstance(key, AttrsNode):  # its fields in order, as tf.nest rebuilds it
         return kind(*built.values())
-    items = [(k, built[k]) for k in key[3]]  # in written order
+    items = [(k, built[k]) for k in key.written]
     try:
         if issubclass(kind, defaultdict):  # as tf.nest: the same type, the same factory
-            return kind(key[4], items)
+            return kind(key.factory, items)
         return kind(items)
     except TypeError:  # a mapping with another constructor
         return dict(items)
@@ -145,9 +177,8 @@ def has_defaultdict(key: Hashable) -> bool:
     """Whether `key` holds a defaultdict (a `tf.function` returns one as a plain dict)."""
     if key is LEAF:
         return False
-    if len(key) == 2:
-        return any(has_defaultdict(sub) for sub in key[1])
-    return issubclass(key[0], defaultdict) or any(has_defaultdict(sub) for sub in key[2])
+    mine = isinstance(key, MappingNode) and issubclass(key.kind, defaultdict)
+    return mine or any(has_defaultdict(sub) for sub in key.children)
 
 
 def map_leaves(fn: Any, value: Any) -> Any:
@@ -175,12 +206,12 @@ def path(prefix: str, key: Hashable, index: int) -> str:
 def _visit(key: Hashable, where: str, found: list[str]) -> None:
     if key is LEAF:
         found.append(where)
-    elif len(key) == 2:
-        for i, sub in enumerate(key[1]):
+    elif isinstance(key, SequenceNode):
+        for i, sub in enumerate(key.children):
             _visit(sub, f"{where}[{i}]", found)
     else:
-        attrs = key[3] is None
-        for name, sub in zip(key[1], key[2]):
+        attrs = isinstance(key, AttrsNode)
+        for name, sub in zip(key.keys, key.children):
             _visit(sub, f"{where}.{name}" if attrs else f"{where}[{name!r}]", found)
 
 
