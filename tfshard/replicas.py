@@ -60,6 +60,14 @@ class Replicas:
     Use `Replicas.of` (or ``f.replicas()``): one instance per set of devices,
     so every parallelized function on them reads the same copies.
 
+    Why process-wide state (`_registry`, `generation`): a device and a
+    variable belong to the process, not to one function (TensorFlow's
+    runtime and its variable creator scopes are global), so the copies on a
+    set of devices are one thing for every function on them, and a variable
+    made by any of them must make every one retrace. Functions do not hold
+    them: an `Engine` looks its replicas up by its devices (`find`) and
+    compares `generation` with the one it traced at.
+
     Attributes:
       devices: the canonical device names, one copy each.
       strategy: the `tf.distribute.MirroredStrategy` that holds the copies.
