@@ -53,7 +53,7 @@ import tensorflow as tf
 from tensorflow.core.framework.attr_value_pb2 import AttrValue
 from tensorflow.python.framework import kernels
 
-from tfshard import _arguments, _options, _plan, _sharding, collect
+from tfshard import _arguments, _kinds, _options, _sharding, collect
 
 # Three: the shards off the output device (GPU:1 and GPU:2) call one shared
 # trace, whose nodes are checked with the device of each call.
@@ -279,9 +279,9 @@ def test_the_routing_tables_match_the_registry():
 
     every = [tf.as_dtype(d) for d in DTYPES]
     split = {d for d in every if device_memory("SplitV", d, "T", DATA_ARGS["SplitV"])}
-    assert split == _plan.SPLIT_DTYPES
+    assert split == _kinds.SPLIT_DTYPES
     sliced = {d for d in every if device_memory("StridedSlice", d, "T", DATA_ARGS["StridedSlice"])}
-    assert sliced >= _plan.SLICED_DTYPES
+    assert sliced >= _kinds.SLICED_DTYPES
     for op, attr in (
         ("TensorListSetItem", "element_dtype"),
         ("TensorListConcatV2", "element_dtype"),

@@ -142,7 +142,7 @@ def test_check_outputs_names_a_key_that_differs_between_shards():
 # ------------------------------------------------------- dtypes, routed
 
 # Every dtype tfshard splits and gathers. Some have no GPU kernel for SplitV,
-# GatherV2 or TensorLists and travel as another dtype (`_sharding.split`,
+# GatherV2 or TensorLists and travel as another dtype (`_kinds.Dense.split`,
 # `collect.CARRIERS`); tests/test_gpu_kernels.py shows where each op lands on
 # GPUs. Here the round trip must give every value back, bit for bit.
 DTYPES = (

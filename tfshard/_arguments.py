@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _trees
+from tfshard import _kinds, _trees
 from tfshard.errors import ArgumentError
 
 # tf.split's sizes and the plan's arithmetic are exact below this many rows.
@@ -349,16 +349,9 @@ def as_tensor(value: Any) -> Any:
 
 def type_spec(t: Any, split: bool) -> tf.TypeSpec:
     """The spec of `t` as a graph input; a split tensor's rows are left open."""
-    shape = t.shape
-    if split:
-        shape = tf.TensorShape([None]).concatenate(shape[1:])
-    if isinstance(t, tf.RaggedTensor):
-        return tf.RaggedTensorSpec(
-            shape, t.dtype, ragged_rank=t.ragged_rank, row_splits_dtype=t.row_splits.dtype
-        )
-    if isinstance(t, tf.SparseTensor):
-        return tf.SparseTensorSpec(shape, t.dtype)
-    return tf.TensorSpec(shape, t.dtype)
+    if isinstance(t, tf.SparseTensor):  # broadcast whole only
+        return tf.SparseTensorSpec(t.shape, t.dtype)
+    return _kinds.of(t).batch_spec(t, split)
 
 
 def spec_key(t: Any, split: bool) -> Hashable:
@@ -377,18 +370,9 @@ def device_of(t: Any) -> str:
     """Where an eager tensor lives; "" inside a graph, where it is not known yet."""
     if not tf.executing_eagerly():
         return ""
-    return (t.flat_values if isinstance(t, tf.RaggedTensor) else t).device
+    return _kinds.of(t).device(t)
 
 
 def row_spec(t: Any) -> tf.TypeSpec:
-    """The spec of one row of `t` (a tensor or a batch's TypeSpec), as a function sees it.
-
-    A row of a ragged ``[N, (r), ...]`` is a dense ``[r, ...]``; of a deeper
-    ragged tensor, a ragged tensor of one rank less.
-    """
-    if not isinstance(t, tf.RaggedTensor | tf.RaggedTensorSpec):
-        return tf.TensorSpec(t.shape[1:], t.dtype)
-    if t.ragged_rank == 1:
-        return tf.TensorSpec(tf.TensorShape([None]).concatenate(t.shape[2:]), t.dtype)
-    splits = t.row_splits.dtype if isinstance(t, tf.RaggedTensor) else t.row_splits_dtype
-    return tf.RaggedTensorSpec(t.shape[1:], t.dtype, t.ragged_rank - 1, row_splits_dtype=splits)
+    """The spec of one row of `t` (a tensor or a batch's TypeSpec), as a function sees it."""
+    return _kinds.of(t).row_spec(t)

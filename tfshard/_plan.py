@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from tfshard import _kinds
 from tfshard.errors import ArgumentError
 
 # Marks the in-graph check that split arguments have the same rows (inside a tf.function).
@@ -102,8 +103,8 @@ def plan_rows(n: int, count: int, weights: tuple[int, ...] | None) -> list[int]:
 
 
 def rows(t: Any) -> tf.Tensor:
-    """The number of rows of a tensor or ragged tensor, as an int64 scalar tensor."""
-    return t.nrows() if isinstance(t, tf.RaggedTensor) else tf.shape(t, out_type=tf.int64)[0]
+    """The number of rows of a batch of any kind (`_kinds`), as an int64 scalar tensor."""
+    return _kinds.of(t).rows(t)
 
 
 def host_cpu(device: str = "") -> str:
@@ -122,49 +123,17 @@ def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
     reaches the host without waiting for `t`'s device; int64 arithmetic placed
     on a GPU would copy it back and forth, and a host read would sync.
     """
-    part = t.row_splits if isinstance(t, tf.RaggedTensor) else t
-    with tf.device(device):
-        shape = tf.shape(part, out_type=tf.int64)
-    with tf.device(host):
-        return shape[0] - 1 if isinstance(t, tf.RaggedTensor) else shape[0]
-
-
-# The dtypes whose GPU SplitV kernels hold their data in device memory (TF
-# 2.16-2.21; int32's kernel keeps it in host memory). The other numbers and
-# bools would be split on the CPU and copied back (soft placement), so `split`
-# moves them through a same-size float by Bitcast (it shares the buffer: free,
-# exact, GPU kernels for every dtype); 1-byte dtypes have no such float and are
-# cut with StridedSlice, whose GPU kernels hold them in device memory.
-# tests/test_gpu_kernels.py checks both against the installed kernel registry.
-SPLIT_DTYPES = frozenset(
-    {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128}
-)
-SLICED_DTYPES = frozenset({tf.int8, tf.uint8, tf.bool})
-_SAME_SIZE_FLOAT = {2: tf.float16, 4: tf.float32, 8: tf.float64}
+    return _kinds.of(t).row_count(t, device, host)
 
 
 def split(t: Any, sizes: tf.Tensor, count: int, host: str) -> list[Any]:
     """`t` split along axis 0 into `count` pieces of `sizes` rows, where `t` lives.
 
     Offsets are computed on `host`, where `sizes` is, so nothing the split
-    reads waits for `t`'s device.
+    reads waits for `t`'s device. How a kind is cut (and how dtypes without
+    GPU split kernels travel) is its adapter's (`_kinds`).
     """
-    # [N, ...] -> count x [n_k, ...]
-    if isinstance(t, tf.RaggedTensor):
-        with tf.device(host):
-            ends = tf.cumsum(tf.cast(sizes, t.row_splits.dtype))
-            starts = ends - tf.cast(sizes, t.row_splits.dtype)
-        return [t[starts[k] : ends[k]] for k in range(count)]
-    if t.dtype in SLICED_DTYPES:
-        with tf.device(host):
-            ends = tf.cumsum(sizes)
-            starts = ends - sizes
-            bounds = [(starts[k : k + 1], ends[k : k + 1]) for k in range(count)]
-        return [tf.strided_slice(t, begin, end) for begin, end in bounds]
-    if t.dtype in SPLIT_DTYPES or not (t.dtype.is_integer and t.dtype.size in _SAME_SIZE_FLOAT):
-        return tf.split(t, sizes, num=count, axis=0)
-    pieces = tf.split(tf.bitcast(t, _SAME_SIZE_FLOAT[t.dtype.size]), sizes, num=count, axis=0)
-    return [tf.bitcast(piece, t.dtype) for piece in pieces]
+    return _kinds.of(t).split(t, sizes, count, host)
 
 
 class Planned(NamedTuple):

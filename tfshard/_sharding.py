@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _trees, cluster, collect, pinning
+from tfshard import _arguments, _kinds, _trees, cluster, collect, pinning
 from tfshard._autograph import autographed
 from tfshard._options import Options
 from tfshard._plan import host_assert, host_cpu, plan_and_split, plan_rows, row_count
@@ -613,19 +613,22 @@ def vectorized(
     # Rows of different lengths in or out: vectorize cannot stack them.
     ragged = (
         ragged_outputs
-        or any(isinstance(t, tf.RaggedTensor) for t in example)
-        or any(isinstance(s, tf.RaggedTensorSpec) for s in leaves)
+        or any(_kinds.is_ragged(t) for t in example)
+        or any(_kinds.is_ragged(s) for s in leaves)
     )
 
     def each(rows_in: Sequence[Any]) -> Any:
         # Rows of a dtype without GPU GatherV2/TensorList kernels (what both maps
         # take rows with) enter as their carrier and are cast back per sample.
         dtypes = [r.dtype for r in rows_in]
-        entering = tuple(r if is_ragged(r) else collect.carried(r) for r in rows_in)
+        entering = tuple(r if _kinds.is_ragged(r) else collect.carried(r) for r in rows_in)
 
         def one(rows: Sequence[Any]) -> Any:
             outputs = call(
-                [r if is_ragged(r) else collect.uncarried(r, d) for r, d in zip(rows, dtypes)]
+                [
+                    r if _kinds.is_ragged(r) else collect.uncarried(r, d)
+                    for r, d in zip(rows, dtypes)
+                ]
             )
             # An output that is a tensor from outside the map (a broadcast argument
             # returned as it is) must still be an op of the map: pfor fails on it
@@ -670,10 +673,6 @@ def _no_rows(t: tf.Tensor) -> tf.Tensor:
     if per_row(t):
         dims[0] = 0
     return tf.zeros(dims, t.dtype)
-
-
-def is_ragged(t: Any) -> bool:
-    return isinstance(t, tf.RaggedTensor)
 
 
 def inputs_error(name: str, message: str) -> ArgumentError:
@@ -737,7 +736,7 @@ def sample_signature(call: Callable[..., Any], example: Sequence[Any], ragged: b
     outputs = probe.get_concrete_function(*specs).structured_outputs
 
     def to_spec(value: Any, path: str) -> tf.TypeSpec:
-        if isinstance(value, tf.RaggedTensor):
+        if _kinds.is_ragged(value):
             return tf.RaggedTensorSpec(value.shape, value.dtype, value.ragged_rank)
         if value.shape.rank is None:
             # Nothing to stack ragged by (e.g. a py_function): assume one shape.

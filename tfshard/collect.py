@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfshard import _trees
+from tfshard import _kinds, _trees
 from tfshard.errors import ArgumentError
 
 # Integer dtypes whose GPU kernels for TensorLists (the gather's TensorArray,
@@ -75,18 +75,11 @@ def gather_counted(values: Sequence[Any]) -> tuple[Any, tf.Tensor | None]:
     vector, one per shard), so checking them costs no extra op per shard;
     None for outputs of unknown rank.
     """
-    if isinstance(values[0], tf.RaggedTensor):
-        # A ragged tensor is its flat values plus one row-lengths vector per
-        # ragged dimension; gathering each part in order gathers the whole.
-        flat, _ = _concat([v.flat_values for v in values])
-        parts = [
-            _concat([v.nested_row_lengths()[level] for v in values])
-            for level in range(values[0].ragged_rank)
-        ]
-        lengths = [part for part, _ in parts]
-        result = tf.RaggedTensor.from_nested_row_lengths(flat, lengths, validate=False)
-        return result, parts[0][1]  # a shard's rows: entries of its outer row lengths
-    return _concat(list(values))
+    kind = _kinds.of(values[0])
+    # Each part of a value (a ragged tensor's flat values, then its row lengths),
+    # gathered in order; the counts are those of the part that holds the rows.
+    parts = [_concat(list(part)) for part in zip(*(kind.parts(v) for v in values))]
+    return kind.from_parts([part for part, _ in parts]), parts[kind.ROWS_PART][1]
 
 
 def _concat(values: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor | None]:
@@ -149,15 +142,7 @@ def empty(signature: Any) -> Any:
     def zeros(spec: tf.TypeSpec) -> tf.Tensor | tf.RaggedTensor:
         if spec.shape.rank is None:
             return tf.zeros([0], spec.dtype)
-        if isinstance(spec, tf.RaggedTensorSpec):
-            # A sample [d_1, ...] stacks to [0, d_1, ...] with ragged_rank + 1 ragged
-            # dimensions; the flat values keep the sample's dimensions after those.
-            inner = [0 if d is None else d for d in spec.shape[spec.ragged_rank + 1 :]]
-            lengths = [tf.zeros([0], spec.row_splits_dtype)] * (spec.ragged_rank + 1)
-            return tf.RaggedTensor.from_nested_row_lengths(
-                tf.zeros([0, *inner], spec.dtype), lengths, validate=False
-            )
-        return tf.zeros([0, *(0 if d is None else d for d in spec.shape)], spec.dtype)
+        return _kinds.of(spec).empty(spec)
 
     return _trees.map_leaves(zeros, signature)
 
@@ -171,11 +156,7 @@ def stacked_spec(batch: tf.TypeSpec) -> tf.TypeSpec:
     """
     if batch.shape.rank is None:
         return batch
-    if isinstance(batch, tf.RaggedTensorSpec):
-        return tf.RaggedTensorSpec(
-            batch.shape[1:], batch.dtype, batch.ragged_rank - 1, batch.row_splits_dtype
-        )
-    return tf.TensorSpec(batch.shape[1:], batch.dtype)
+    return _kinds.of(batch).stacked_spec(batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +253,7 @@ def reduction(name: str | None) -> Reduction | None:
 def check_reducible(value: tf.Tensor, op: Reduction, path: str) -> None:
     """Raises ArgumentError when `op` cannot reduce outputs like `value`."""
     dtype = value.dtype
-    if isinstance(value, tf.RaggedTensor):
+    if _kinds.is_ragged(value):
         raise ArgumentError(
             f"{path} is ragged; reduce={op.name!r} needs outputs of one shape per sample "
             "(pad them, or drop reduce= and reduce the ragged result yourself)"
@@ -384,15 +365,8 @@ def _narrowed(value: tf.Tensor, dtype: tf.DType, op: Reduction) -> tf.Tensor:
 
 
 def _part_shapes(leaf: Any) -> list[tuple[tf.DType, tf.TensorShape]]:
-    """(dtype, per-row shape) of each TensorArray that collects `leaf`.
-
-    A ragged leaf is its flat values plus one row-lengths vector per ragged
-    dimension, each collected in its own array.
-    """
-    if isinstance(leaf, tf.RaggedTensor):
-        lengths = [(leaf.row_splits.dtype, tf.TensorShape([]))] * leaf.ragged_rank
-        return [(leaf.flat_values.dtype, leaf.flat_values.shape[1:]), *lengths]
-    return [(leaf.dtype, leaf.shape[1:])]
+    """(dtype, per-row shape) of each TensorArray that collects `leaf`: one per part."""
+    return _kinds.of(leaf).part_shapes(leaf)
 
 
 def array_count(leaves: Sequence[Any]) -> int:
@@ -423,12 +397,7 @@ def write_shards(
     for k, values in enumerate(per_shard):
         at = 0
         for leaf, value in zip(leaves, values):
-            parts = (
-                [value.flat_values, *value.nested_row_lengths()]
-                if isinstance(leaf, tf.RaggedTensor)
-                else [value]
-            )
-            for part in parts:
+            for part in _kinds.of(leaf).parts(value):
                 part = carried(part)
                 array = tf.TensorArray(
                     part.dtype, dynamic_size=True, infer_shape=False, flow=flows[at]
@@ -452,12 +421,7 @@ def concat_all(flows: Sequence[tf.Tensor], leaves: Sequence[Any]) -> list[Any]:
                 array.size() > 0, array.concat, lambda e=zero, d=carrier: tf.zeros(e, d)
             )
             parts.append(uncarried(concat, dtype))
-        if isinstance(leaf, tf.RaggedTensor):
-            results.append(
-                tf.RaggedTensor.from_nested_row_lengths(parts[0], parts[1:], validate=False)
-            )
-        else:
-            results.append(parts[0])
+        results.append(_kinds.of(leaf).from_parts(parts))
     return results
 
 

@@ -48,7 +48,7 @@ from typing import Any, TextIO
 
 import tensorflow as tf
 
-from tfshard import _trees, collect, pinning
+from tfshard import _kinds, _trees, collect, pinning
 from tfshard._arguments import Arguments, Call, type_spec
 from tfshard._plan import host_cpu, plan_and_split, plan_sizes, rows, split
 from tfshard._sharding import Engine
@@ -467,7 +467,7 @@ def _batches(
     first: list[Any] | None = None
     for element in batches:
         leaves, structure = _trees.flatten(element)
-        shapes = [None if isinstance(t, tf.RaggedTensor) else tuple(t.shape[1:]) for t in leaves]
+        shapes = [_kinds.of(t).sample_shape(t) for t in leaves]
         if first is None:
             first = shapes
         elif shapes != first:  # paths only now, for the message
@@ -503,24 +503,15 @@ def _zeros(spec: Any) -> Any:
 
 def _any_rows(leaf: tf.TypeSpec) -> tf.TypeSpec:
     """`leaf` with its batch dimension unknown."""
-    shape = tf.TensorShape([None]).concatenate(leaf.shape[1:])
-    if isinstance(leaf, tf.RaggedTensorSpec):
-        return tf.RaggedTensorSpec(shape, leaf.dtype, leaf.ragged_rank, leaf.row_splits_dtype)
-    return tf.TensorSpec(shape, leaf.dtype)
+    return _kinds.of(leaf).any_rows(leaf)
 
 
 def _static_inner_shapes(spec: Any) -> bool:
-    """Whether every leaf of an element spec fixes its per-sample (dense) shape.
+    """Whether every leaf of an element spec fixes its per-sample shape.
 
     The leaves are TensorSpecs and RaggedTensorSpecs (`prepare` refuses others).
     """
-    for leaf in _trees.flatten(spec)[0]:
-        if not leaf.shape.rank:  # unknown, or a scalar with no rows
-            return False
-        ragged = leaf.ragged_rank if isinstance(leaf, tf.RaggedTensorSpec) else 0
-        if not leaf.shape[ragged + 1 :].is_fully_defined():
-            return False
-    return True
+    return all(_kinds.of(leaf).fixed_sample_shape(leaf) for leaf in _trees.flatten(spec)[0])
 
 
 class _Loop:

@@ -1,0 +1,230 @@
+"""Kinds of value tfshard splits and gathers: one adapter each, dense and ragged.
+
+Every step that treats a batch by its kind asks the adapter of that value
+(`of`) rather than testing for `tf.RaggedTensor` itself: its spec as a graph
+input, the spec of one row, its rows, its split, an empty batch, and its parts
+for a gather (a ragged tensor is its flat values plus one row-lengths vector
+per ragged dimension; gathering each part in order gathers the whole). A new
+kind is one more adapter with these members, and a line in `of`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+# The dtypes whose GPU SplitV kernels hold their data in device memory (TF
+# 2.16-2.21; int32's kernel keeps it in host memory). The other numbers and
+# bools would be split on the CPU and copied back (soft placement), so `split`
+# moves them through a same-size float by Bitcast (it shares the buffer: free,
+# exact, GPU kernels for every dtype); 1-byte dtypes have no such float and are
+# cut with StridedSlice, whose GPU kernels hold them in device memory.
+# tests/test_gpu_kernels.py checks both against the installed kernel registry.
+SPLIT_DTYPES = frozenset(
+    {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128}
+)
+SLICED_DTYPES = frozenset({tf.int8, tf.uint8, tf.bool})
+_SAME_SIZE_FLOAT = {2: tf.float16, 4: tf.float32, 8: tf.float64}
+
+
+def _open_rows(shape: tf.TensorShape) -> tf.TensorShape:
+    return tf.TensorShape([None]).concatenate(shape[1:])
+
+
+def _dims(shape: Any) -> list[int]:
+    return [0 if d is None else d for d in shape]
+
+
+class Dense:
+    """A `tf.Tensor` (and its `tf.TensorSpec`): rows along axis 0."""
+
+    # Of `parts`, the one whose rows are the value's rows.
+    ROWS_PART = 0
+
+    @staticmethod
+    def batch_spec(t: Any, split: bool) -> tf.TypeSpec:
+        """The spec of `t` as a graph input; a split tensor's rows are left open."""
+        return tf.TensorSpec(_open_rows(t.shape) if split else t.shape, t.dtype)
+
+    @staticmethod
+    def row_spec(t: Any) -> tf.TypeSpec:
+        """The spec of one row of `t` (a tensor or a batch's spec), as a function sees it."""
+        return tf.TensorSpec(t.shape[1:], t.dtype)
+
+    @staticmethod
+    def stacked_spec(batch: tf.TypeSpec) -> tf.TypeSpec:
+        """The per-sample spec that `empty` stacks into a batch of `batch`'s spec."""
+        return tf.TensorSpec(batch.shape[1:], batch.dtype)
+
+    @staticmethod
+    def any_rows(spec: tf.TypeSpec) -> tf.TypeSpec:
+        """`spec` with its batch dimension unknown."""
+        return tf.TensorSpec(_open_rows(spec.shape), spec.dtype)
+
+    @staticmethod
+    def fixed_sample_shape(spec: tf.TypeSpec) -> bool:
+        """Whether a batch of `spec` fixes each sample's shape (its inner dimensions)."""
+        return bool(spec.shape.rank) and spec.shape[1:].is_fully_defined()
+
+    @staticmethod
+    def sample_shape(t: Any) -> tuple[int, ...] | None:
+        """A batch's per-sample shape, which every batch of a stream must keep."""
+        return tuple(t.shape[1:])
+
+    @staticmethod
+    def device(t: Any) -> str:
+        return t.device
+
+    @staticmethod
+    def rows(t: Any) -> tf.Tensor:
+        """The number of rows, as an int64 scalar tensor."""
+        return tf.shape(t, out_type=tf.int64)[0]
+
+    @staticmethod
+    def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
+        """The rows as an int64 scalar on `host`; only a Shape op runs on `device`."""
+        with tf.device(device):
+            shape = tf.shape(t, out_type=tf.int64)
+        with tf.device(host):
+            return shape[0]
+
+    @staticmethod
+    def split(t: Any, sizes: tf.Tensor, count: int, host: str) -> list[Any]:
+        """`t` cut into `count` pieces of `sizes` rows where it lives (offsets on `host`)."""
+        # [N, ...] -> count x [n_k, ...]
+        if t.dtype in SLICED_DTYPES:
+            with tf.device(host):
+                ends = tf.cumsum(sizes)
+                starts = ends - sizes
+                bounds = [(starts[k : k + 1], ends[k : k + 1]) for k in range(count)]
+            return [tf.strided_slice(t, begin, end) for begin, end in bounds]
+        same_size = t.dtype.is_integer and t.dtype.size in _SAME_SIZE_FLOAT
+        if t.dtype in SPLIT_DTYPES or not same_size:
+            return tf.split(t, sizes, num=count, axis=0)
+        pieces = tf.split(tf.bitcast(t, _SAME_SIZE_FLOAT[t.dtype.size]), sizes, num=count, axis=0)
+        return [tf.bitcast(piece, t.dtype) for piece in pieces]
+
+    @staticmethod
+    def empty(sample: tf.TypeSpec) -> Any:
+        """A batch of zero samples of spec `sample` (unknown dimensions 0)."""
+        return tf.zeros([0, *_dims(sample.shape)], sample.dtype)
+
+    @staticmethod
+    def parts(t: Any) -> list[tf.Tensor]:
+        """The dense tensors a gather concatenates, in order."""
+        return [t]
+
+    @staticmethod
+    def part_shapes(t: Any) -> list[tuple[tf.DType, tf.TensorShape]]:
+        """(dtype, per-row shape) of each of `parts`."""
+        return [(t.dtype, t.shape[1:])]
+
+    @staticmethod
+    def from_parts(parts: Sequence[tf.Tensor]) -> Any:
+        """The value whose `parts` these are (each concatenated over shards)."""
+        return parts[0]
+
+
+class Ragged:
+    """A `tf.RaggedTensor` (and its `tf.RaggedTensorSpec`): rows along its outer dimension."""
+
+    ROWS_PART = 1  # the outer row lengths: one entry per row
+
+    @staticmethod
+    def batch_spec(t: Any, split: bool) -> tf.TypeSpec:
+        shape = _open_rows(t.shape) if split else t.shape
+        return tf.RaggedTensorSpec(shape, t.dtype, t.ragged_rank, t.row_splits.dtype)
+
+    @staticmethod
+    def row_spec(t: Any) -> tf.TypeSpec:
+        """A row of ``[N, (r), ...]`` is a dense ``[r, ...]``; of a deeper ragged
+        tensor, a ragged tensor of one rank less."""
+        if t.ragged_rank == 1:
+            return tf.TensorSpec(_open_rows(t.shape[1:]), t.dtype)
+        return tf.RaggedTensorSpec(t.shape[1:], t.dtype, t.ragged_rank - 1, _splits_dtype(t))
+
+    @staticmethod
+    def stacked_spec(batch: tf.TypeSpec) -> tf.TypeSpec:
+        """Unlike the row a function sees, a row stays ragged here (one ragged rank
+        less), so its empty batch is ragged as the batch is."""
+        return tf.RaggedTensorSpec(
+            batch.shape[1:], batch.dtype, batch.ragged_rank - 1, batch.row_splits_dtype
+        )
+
+    @staticmethod
+    def any_rows(spec: tf.TypeSpec) -> tf.TypeSpec:
+        shape = _open_rows(spec.shape)
+        return tf.RaggedTensorSpec(shape, spec.dtype, spec.ragged_rank, spec.row_splits_dtype)
+
+    @staticmethod
+    def fixed_sample_shape(spec: tf.TypeSpec) -> bool:
+        """Whether the dimensions after the ragged ones are known (those a batch fixes)."""
+        return bool(spec.shape.rank) and spec.shape[spec.ragged_rank + 1 :].is_fully_defined()
+
+    @staticmethod
+    def sample_shape(t: Any) -> tuple[int, ...] | None:
+        return None  # samples differ in shape by design
+
+    @staticmethod
+    def device(t: Any) -> str:
+        return t.flat_values.device
+
+    @staticmethod
+    def rows(t: Any) -> tf.Tensor:
+        return tf.cast(t.nrows(), tf.int64)
+
+    @staticmethod
+    def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
+        with tf.device(device):
+            shape = tf.shape(t.row_splits, out_type=tf.int64)
+        with tf.device(host):
+            return shape[0] - 1
+
+    @staticmethod
+    def split(t: Any, sizes: tf.Tensor, count: int, host: str) -> list[Any]:
+        with tf.device(host):
+            ends = tf.cumsum(tf.cast(sizes, t.row_splits.dtype))
+            starts = ends - tf.cast(sizes, t.row_splits.dtype)
+        return [t[starts[k] : ends[k]] for k in range(count)]
+
+    @staticmethod
+    def empty(sample: tf.TypeSpec) -> Any:
+        # A sample [d_1, ...] stacks to [0, d_1, ...] with ragged_rank + 1 ragged
+        # dimensions; the flat values keep the sample's dimensions after those.
+        inner = _dims(sample.shape[sample.ragged_rank + 1 :])
+        lengths = [tf.zeros([0], sample.row_splits_dtype)] * (sample.ragged_rank + 1)
+        return tf.RaggedTensor.from_nested_row_lengths(
+            tf.zeros([0, *inner], sample.dtype), lengths, validate=False
+        )
+
+    @staticmethod
+    def parts(t: Any) -> list[tf.Tensor]:
+        return [t.flat_values, *t.nested_row_lengths()]
+
+    @staticmethod
+    def part_shapes(t: Any) -> list[tuple[tf.DType, tf.TensorShape]]:
+        lengths = [(t.row_splits.dtype, tf.TensorShape([]))] * t.ragged_rank
+        return [(t.flat_values.dtype, t.flat_values.shape[1:]), *lengths]
+
+    @staticmethod
+    def from_parts(parts: Sequence[tf.Tensor]) -> Any:
+        return tf.RaggedTensor.from_nested_row_lengths(parts[0], list(parts[1:]), validate=False)
+
+
+def _splits_dtype(t: Any) -> tf.DType:
+    return t.row_splits.dtype if isinstance(t, tf.RaggedTensor) else t.row_splits_dtype
+
+
+Kind = type[Dense] | type[Ragged]
+
+
+def of(value: Any) -> Kind:
+    """The adapter of a value or its spec."""
+    return Ragged if isinstance(value, tf.RaggedTensor | tf.RaggedTensorSpec) else Dense
+
+
+def is_ragged(value: Any) -> bool:
+    """Whether `value` (or a spec) is of the ragged kind."""
+    return of(value) is Ragged
