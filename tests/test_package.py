@@ -4,6 +4,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import tfshard
 
@@ -49,9 +50,13 @@ def test_all_is_the_documented_contract():
     assert set(tfshard.__all__) == CONTRACT
 
 
-def test_every_public_name_resolves():
+def test_every_public_name_resolves_to_tfshards_own_object_of_that_name():
     for name in tfshard.__all__:
-        assert getattr(tfshard, name) is not None
+        value = getattr(tfshard, name)
+        if isinstance(value, types.ModuleType):
+            assert value.__name__ == f"tfshard.{name}"
+        else:
+            assert value.__module__.startswith("tfshard.") and value.__name__ == name, name
     assert callable(tfshard.utilization.query)
 
 
