@@ -13,7 +13,6 @@ import tensorflow as tf
 
 import tfshard
 from tfshard import _sharding
-from tfshard.errors import ArgumentError
 
 CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
 
@@ -112,31 +111,6 @@ def test_shards_run_concurrently():
     f = tfshard.parallelize(block, devices=["cpu:0", "cpu:1"], per_sample=False)
     out = f(np.arange(4, dtype=np.float32).reshape(4, 1))
     assert out.numpy().ravel().tolist() == [0, 1, 2, 3]
-
-
-# ------------------------------------------------------- output checks
-
-
-def _outputs(*structures):
-    """Symbolic per-shard outputs, as the traced body has them."""
-    graph = tf.Graph()
-    with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None])
-        return [s(x) for s in structures]
-
-
-def test_check_outputs_names_a_rank_that_differs_between_shards():
-    outputs = _outputs(lambda x: {"loss": x}, lambda x: {"loss": tf.reduce_mean(x)})
-    with pytest.raises(
-        ArgumentError, match=r"outputs\['loss'\] has rank 0 .* on /device:CPU:1 but rank 1"
-    ):
-        _sharding.check_outputs(outputs, CPUS[:2])
-
-
-def test_check_outputs_names_a_key_that_differs_between_shards():
-    outputs = _outputs(lambda x: {"loss": x}, lambda x: {"loss": x, "extra": x})
-    with pytest.raises(ArgumentError, match=r"outputs\['extra'\] differs between shards"):
-        _sharding.check_outputs(outputs, CPUS[:2])
 
 
 # ------------------------------------------------------- dtypes, routed

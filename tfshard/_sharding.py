@@ -23,16 +23,25 @@ import contextlib
 import re
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _kinds, _trees, cluster, collect, pinning
+from tfshard import _arguments, _trees, cluster, collect, pinning
 from tfshard._autograph import autographed
 from tfshard._options import Options
-from tfshard._plan import host_assert, host_cpu, plan_and_split, plan_rows, row_count
-from tfshard.errors import ArgumentError, TfshardError, shard_error, user_frames
+from tfshard._plan import INPUTS_DIFFER, host_cpu, plan_and_split, plan_rows
+from tfshard._shards import (
+    ROWS_DIFFER,
+    Shard,
+    ShardOutputs,
+    check_outputs,
+    check_rows,
+    per_row,
+    shard_of,
+    skip_if_empty,
+)
+from tfshard.errors import ArgumentError, shard_error, user_frames
 from tfshard.replicas import Replicas, check_no_writes, variable_reads
 
 SHARD_SCOPE = "tfshard_shard_"
@@ -44,10 +53,6 @@ _RECEIVE_RE = re.compile(r".*/_\d+")  # a receive the partitioner added, aborted
 _ROOT_ERROR_RE = re.compile(r"^\s*\(\d+\) ([A-Z_]+):", re.MULTILINE)
 # A shard's computation: its rows and their number (int32) in, its outputs out.
 ShardFn = Callable[[Sequence[Any], tf.Tensor], Any]
-# Marks the in-graph check that a whole-shard function returned one row per row.
-ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
-# Marks the in-graph check that split arguments have the same rows (inside a tf.function).
-INPUTS_DIFFER = "tfshard: split arguments with different numbers of rows:"
 
 
 # ----------------------------------------------------------------- engine
@@ -243,6 +248,15 @@ class Engine:
         self.check_rows(outputs, planned.sizes, counted)
         return _trees.build(outputs.structure, iter(results))
 
+    def check_rows(
+        self, outputs: ShardOutputs, sizes: tf.Tensor, counted: dict[int, tf.Tensor]
+    ) -> None:
+        """`_shards.check_rows` for a whole-shard function (per-sample outputs have
+        one row per row by construction)."""
+        if not self.options.per_sample:
+            reduced = self.options.reduce is not None
+            check_rows(outputs, sizes, self.devices, self.host, counted, reduced)
+
     def per_shard_body(
         self, template: _arguments.Template, tensors: Sequence[Any], split_devices: Sequence[str]
     ) -> list[Any]:
@@ -298,7 +312,18 @@ class Engine:
             # Each shard's rows as it takes them (`skip_if_empty`): an int32 scalar,
             # which a function on a GPU takes in host memory.
             shard_rows = [tf.cast(size, tf.int32) for size in tf.unstack(sizes, num=count)]
-        runs = self._shard_runs(self._shard_fn(template, shared, [p[0] for p in pieces]), share)
+        if self._converted is None:
+            self._converted = autographed(self.fn)
+        shard = shard_of(
+            self._converted,
+            template,
+            shared,
+            [p[0] for p in pieces],
+            name=self.name,
+            per_sample=self.options.per_sample,
+            ragged=self.options.ragged,
+        )
+        runs = self._shard_runs(shard, share)
         outputs = []
         for k, (device, run) in enumerate(zip(self.devices, runs)):
             # With replicas, the shard reads the copy of each variable on its device.
@@ -346,68 +371,6 @@ class Engine:
                     )
             results.append(collect.combine(partials, total, op, finish))
         return results, counted
-
-    def check_rows(
-        self, outputs: ShardOutputs, sizes: tf.Tensor, counted: dict[int, tf.Tensor]
-    ) -> None:
-        """Checks, on the host, that per-row outputs of whole shards have one row per row.
-
-        Per-sample outputs have them by construction. Gathered outputs are all
-        per-row; under a reduction, those whose first dimension is unknown when
-        traced (as the shard's rows are) are. A gathered output's counts come
-        from its gather (`counted`); others get a Shape op per shard.
-        """
-        if self.options.per_sample:
-            return
-        with tf.name_scope("tfshard_rows"):
-            for i, per_shard in enumerate(outputs.leaves()):
-                if self.options.reduce is not None and not per_row(per_shard[0]):
-                    continue
-                got = counted.get(i)
-                if got is None:
-                    got = tf.stack(
-                        [row_count(t, d, self.host) for t, d in zip(per_shard, self.devices)]
-                    )
-                with tf.device(self.host):  # one check per output, all shards at once
-                    host_assert(
-                        got,
-                        sizes,
-                        f"{ROWS_DIFFER} {outputs.path(i)} :end (each shard's, then its input "
-                        "rows: with per_sample=False an output needs one row per input row, "
-                        "or a fixed shape under reduce=)",
-                    )
-
-    def _shard_fn(
-        self,
-        template: _arguments.Template,
-        shared: Sequence[Any],
-        example: Sequence[Any],
-    ) -> Shard:
-        """The computation of one shard, and what a shard without rows returns instead."""
-        if self._converted is None:
-            self._converted = autographed(self.fn)
-        fn, name, per_sample = self._converted, self.name, self.options.per_sample
-
-        def call(rows_in: Sequence[Any]) -> Any:
-            args, kwargs = template.rebuild(rows_in, shared)
-            try:
-                outputs = fn(*args, **kwargs)
-            except TfshardError:
-                raise
-            except (ValueError, TypeError) as error:
-                what = "one sample" if per_sample else "one shard"
-                shapes = ", ".join(str(r.shape) for r in rows_in)
-                raise ArgumentError(
-                    f"{name} failed while being traced on {what} (split argument shapes "
-                    f"{shapes}): {type(error).__name__}: {error}\nIf it expects a whole "
-                    "batch, pass per_sample=False; if an argument must reach every shard "
-                    "whole, name it in broadcast=(...)"
-                ) from error
-            return to_tensors(outputs, name)
-
-        if per_sample:
-            return vectorized(call, example, self.options.ragged)
-        return whole_shard(call)
 
     def _shard_runs(self, shard: Shard, share: bool) -> list[ShardFn]:
         """How each shard runs: traced in place, or one trace the shards share.
@@ -530,151 +493,6 @@ def one_trace(guarded: ShardFn, **options: Any) -> ShardFn:
     return call
 
 
-class ShardOutputs(NamedTuple):
-    """What the shards of one call returned, checked alike (`check_outputs`).
-
-    Attributes:
-      structure: the output structure (a `_trees` key) every shard returned.
-      flat: ``flat[k]``, shard k's output leaves.
-    """
-
-    structure: Hashable
-    flat: list[list[Any]]
-
-    def leaves(self) -> list[list[Any]]:
-        """For each output leaf, its value from every shard, in shard order."""
-        return [list(per_shard) for per_shard in zip(*self.flat)]
-
-    def path(self, i: int) -> str:
-        """Leaf i's path, for messages (``outputs['loss']``)."""
-        return _trees.path("outputs", self.structure, i)
-
-    def check_gatherable(self) -> None:
-        """Raises ArgumentError for a scalar per shard: a gather concatenates rows."""
-        for i, leaf in enumerate(self.flat[0]):
-            if leaf.shape.rank == 0:
-                raise ArgumentError(
-                    f"{self.path(i)} is a scalar per shard; with per_sample=False outputs "
-                    "are concatenated along axis 0, so return a [rows, ...] tensor, pass "
-                    f"reduce={collect.reduction_names()} to combine the shards' values, or "
-                    "take each shard's value as it is with f.per_shard(...)"
-                )
-
-
-class Shard(NamedTuple):
-    """What one shard computes.
-
-    Attributes:
-      run: its outputs, from its rows (traced in place or shared, `Engine._shard_runs`).
-      empty: the outputs of a shard with no rows instead, from what `run`
-        returned when traced, or None to run it after all (`skip_if_empty`).
-    """
-
-    run: Callable[[Sequence[Any]], Any]
-    empty: Callable[[Any], Any]
-
-
-def skip_if_empty(shard: Shard, rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
-    """`shard.run(rows_in)` where the shard has rows, `shard.empty` where not, as one `tf.cond`.
-
-    tfshard makes the empty shards (fewer rows than devices), so it must not
-    make them fail or return outputs of the wrong shape. The predicate is the
-    planned size, known before the shard's rows are. The cond costs a
-    per-sample call on 2 CPU devices ~1.5 % at 8 rows and ~5 % at 1024 (no
-    buffer forwarding into its branch).
-    """
-    traced: list[Any] = []
-
-    def with_rows() -> Any:
-        traced.append(shard.run(rows_in))
-        return traced[0]
-
-    def without() -> Any:  # traced after with_rows, so it sees its outputs
-        outputs = shard.empty(traced[0])
-        return shard.run(rows_in) if outputs is None else outputs
-
-    return tf.cond(has_rows, with_rows, without)
-
-
-def vectorized(
-    call: Callable[[Sequence[Any]], Any], example: Sequence[Any], ragged_outputs: bool
-) -> Shard:
-    """`call` of one sample, mapped over the rows of a shard.
-
-    An empty shard returns empty outputs of the per-sample signature:
-    vectorized_map over nothing gives outputs of the wrong inner shape (a
-    per-sample matmul's [0, 2, 1] for [0, 2, 3]), and some conversions fail
-    on it outright (pfor's tf.print reads row 0). A reshape to the per-sample
-    shape would fix the shapes for free, but not the failures, which nothing
-    in the graph announces.
-    """
-    signature = sample_signature(call, example, ragged_outputs)
-    leaves, _ = _trees.flatten(signature)
-    # Rows of different lengths in or out: vectorize cannot stack them.
-    ragged = (
-        ragged_outputs
-        or any(_kinds.is_ragged(t) for t in example)
-        or any(_kinds.is_ragged(s) for s in leaves)
-    )
-
-    def each(rows_in: Sequence[Any]) -> Any:
-        # Rows of a dtype without GPU GatherV2/TensorList kernels (what both maps
-        # take rows with) enter as their carrier and are cast back per sample.
-        dtypes = [r.dtype for r in rows_in]
-        entering = tuple(r if _kinds.is_ragged(r) else collect.carried(r) for r in rows_in)
-
-        def one(rows: Sequence[Any]) -> Any:
-            outputs = call(
-                [
-                    r if _kinds.is_ragged(r) else collect.uncarried(r, d)
-                    for r, d in zip(rows, dtypes)
-                ]
-            )
-            # An output that is a tensor from outside the map (a broadcast argument
-            # returned as it is) must still be an op of the map: pfor fails on it
-            # otherwise (UnboundLocalError in TF 2.21), and map_fn stacks it alike.
-            return tf.nest.map_structure(tf.identity, outputs, expand_composites=True)
-
-        if ragged:
-            return tf.map_fn(one, entering, fn_output_signature=signature, name="per_sample")
-        return tf.vectorized_map(one, entering, fallback_to_while_loop=True)
-
-    return Shard(each, lambda outputs: collect.empty(signature))
-
-
-def whole_shard(call: Callable[[Sequence[Any]], Any]) -> Shard:
-    """`call` of a whole shard.
-
-    Many batch functions fail on an empty batch (TF's CPU Conv2D returns its
-    input unchanged, so a Keras CNN fails at its bias add), so an empty shard
-    gives, for each output of the traced shard, zeros with 0 rows where the
-    output is per row (`per_row`) and the output's own shape otherwise (a
-    reduction ignores an empty shard's value). Where an output's shape is not
-    known well enough for that (unknown rank or inner dimensions, ragged), the
-    empty shard calls the function after all.
-    """
-
-    def empty(outputs: Any) -> Any:
-        leaves, structure = _trees.flatten(outputs)
-        if not all(isinstance(t, tf.Tensor) and _known_but_rows(t.shape) for t in leaves):
-            return None
-        return _trees.build(structure, iter([_no_rows(t) for t in leaves]))
-
-    return Shard(call, empty)
-
-
-def _known_but_rows(shape: tf.TensorShape) -> bool:
-    """Known rank, and every dimension but the first known: zeros can stand in."""
-    return shape.rank is not None and all(d is not None for d in shape[1:])
-
-
-def _no_rows(t: tf.Tensor) -> tf.Tensor:
-    dims = [0 if d is None else d for d in t.shape]
-    if per_row(t):
-        dims[0] = 0
-    return tf.zeros(dims, t.dtype)
-
-
 def inputs_error(name: str, message: str) -> ArgumentError:
     """The failed in-graph check of the split arguments' rows as an ArgumentError."""
     paths = _assert_text(message, INPUTS_DIFFER).split(", ")
@@ -718,93 +536,3 @@ def _assert_vectors(message: str) -> tuple[list[int], list[int], int | None]:
     got, want = ([int(v) for v in vector.split()] for vector in vectors[:2])
     k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
     return got, want, k
-
-
-def per_row(value: Any) -> bool:
-    """Whether a whole-shard function's output holds one value per row of the shard.
-
-    Its first dimension is then unknown when traced, as the shard's rows are;
-    an output of fixed shape (a loss, a gradient) is the shard's own value.
-    """
-    return value.shape.rank is not None and value.shape.rank >= 1 and value.shape[0] is None
-
-
-def sample_signature(call: Callable[..., Any], example: Sequence[Any], ragged: bool) -> Any:
-    """Output specs of the function on one sample; ragged where shapes vary."""
-    specs = tuple(_arguments.row_spec(t) for t in example)
-    probe = tf.function(lambda *rows_in: call(rows_in), autograph=False)
-    outputs = probe.get_concrete_function(*specs).structured_outputs
-
-    def to_spec(value: Any, path: str) -> tf.TypeSpec:
-        if _kinds.is_ragged(value):
-            return tf.RaggedTensorSpec(value.shape, value.dtype, value.ragged_rank)
-        if value.shape.rank is None:
-            # Nothing to stack ragged by (e.g. a py_function): assume one shape.
-            if ragged:
-                raise ArgumentError(
-                    f"{path} has unknown rank, so ragged=True cannot stack it; give it "
-                    "a shape in the function (tf.ensure_shape(value, [None]))"
-                )
-            return tf.TensorSpec(value.shape, value.dtype)
-        if value.shape.rank > 0 and (ragged or not value.shape.is_fully_defined()):
-            # Per-sample shapes that can vary are stacked as a ragged tensor; a scalar
-            # per sample has one shape and stacks to a dense [N], ragged=True or not.
-            return tf.RaggedTensorSpec(value.shape, value.dtype, ragged_rank=0)
-        return tf.TensorSpec(value.shape, value.dtype)
-
-    leaves, key = _trees.flatten(outputs, "outputs")
-    specs = [to_spec(leaf, _trees.path("outputs", key, i)) for i, leaf in enumerate(leaves)]
-    return _trees.build(key, iter(specs))
-
-
-def check_outputs(outputs: list[Any], devices: Sequence[str]) -> tuple[Hashable, list[list[Any]]]:
-    """Checks that every shard returned the same structure, ranks and dtypes.
-
-    Args:
-      outputs: one output structure per shard.
-      devices: the shards' devices, for messages.
-
-    Returns:
-      The structure key and each shard's flat output leaves.
-    """
-    reference_leaves, reference = _trees.flatten(outputs[0], "outputs")
-    flat = [reference_leaves]
-    for k, result in enumerate(outputs[1:], start=1):
-        leaves, structure = _trees.flatten(result, "outputs")
-        if structure != reference:
-            ours = _trees.paths("outputs", structure)
-            theirs = _trees.paths("outputs", reference)
-            raise ArgumentError(
-                f"{_trees.first_difference('outputs', structure, reference)} differs between "
-                f"shards: on {devices[k]} the function returned {', '.join(ours)} but on "
-                f"{devices[0]} {', '.join(theirs)}; every shard must return the same structure"
-            )
-        for i, (leaf, first) in enumerate(zip(leaves, reference_leaves)):
-            if leaf.shape.rank != first.shape.rank or leaf.dtype != first.dtype:
-                raise ArgumentError(
-                    f"{_trees.path('outputs', reference, i)} has rank {leaf.shape.rank} "
-                    f"({leaf.dtype.name}) on {devices[k]} but rank {first.shape.rank} "
-                    f"({first.dtype.name}) on {devices[0]}; every shard must return the same "
-                    "ranks and dtypes"
-                )
-        flat.append(leaves)
-    return reference, flat
-
-
-def to_tensors(outputs: Any, where: str) -> Any:
-    """The function's outputs with numbers and arrays made tensors; else an error."""
-    leaves, key = _trees.flatten(outputs, "outputs")
-    converted = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, tf.Tensor | tf.RaggedTensor):
-            converted.append(leaf)
-        elif isinstance(leaf, int | float | np.ndarray | np.generic) and not isinstance(leaf, bool):
-            converted.append(tf.convert_to_tensor(leaf))
-        else:
-            hint = " (did the function forget to return?)" if leaf is None else ""
-            raise ArgumentError(
-                f"{where}: {_trees.path('outputs', key, i)} is {type(leaf).__name__} "
-                f"{leaf!r}{hint}; a parallelized function must return tensors (or a tuple, "
-                "list, dict or namedtuple of them)"
-            )
-    return _trees.build(key, iter(converted))

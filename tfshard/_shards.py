@@ -1,0 +1,332 @@
+"""What one shard computes and returns: the user's function per sample or per shard.
+
+`shard_of` wraps the user's function into a `Shard`: a vectorized map over the
+rows (`vectorized`) or one call on the whole shard (`whole_shard`), and what a
+shard with no rows returns instead (`skip_if_empty`). The outputs of all
+shards come back as `ShardOutputs`, checked alike (`check_outputs`), and
+whole-shard outputs are checked to have one row per row (`check_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from tfshard import _arguments, _kinds, _trees, collect
+from tfshard._plan import host_assert, row_count
+from tfshard.errors import ArgumentError, TfshardError
+
+# Marks the in-graph check that a whole-shard function returned one row per row.
+ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
+
+
+def shard_of(
+    fn: Callable[..., Any],
+    template: _arguments.Template,
+    shared: Sequence[Any],
+    example: Sequence[Any],
+    *,
+    name: str,
+    per_sample: bool,
+    ragged: bool,
+) -> Shard:
+    """The computation of one shard, and what a shard without rows returns instead.
+
+    Args:
+      fn: the user's function (autograph applied).
+      template: how the call's arguments are rebuilt from a shard's tensors.
+      shared: the broadcast tensors, whole to every shard.
+      example: one shard's split tensors, for the per-sample signature.
+      name: the function's name, for messages.
+      per_sample: map `fn` over rows, or call it on the whole shard.
+      ragged: stack per-sample outputs as ragged tensors.
+    """
+
+    def call(rows_in: Sequence[Any]) -> Any:
+        args, kwargs = template.rebuild(rows_in, shared)
+        try:
+            outputs = fn(*args, **kwargs)
+        except TfshardError:
+            raise
+        except (ValueError, TypeError) as error:
+            what = "one sample" if per_sample else "one shard"
+            shapes = ", ".join(str(r.shape) for r in rows_in)
+            raise ArgumentError(
+                f"{name} failed while being traced on {what} (split argument shapes "
+                f"{shapes}): {type(error).__name__}: {error}\nIf it expects a whole "
+                "batch, pass per_sample=False; if an argument must reach every shard "
+                "whole, name it in broadcast=(...)"
+            ) from error
+        return to_tensors(outputs, name)
+
+    return vectorized(call, example, ragged) if per_sample else whole_shard(call)
+
+
+def check_rows(
+    outputs: ShardOutputs,
+    sizes: tf.Tensor,
+    devices: Sequence[str],
+    host: str,
+    counted: dict[int, tf.Tensor],
+    reduced: bool,
+) -> None:
+    """Checks, on the host, that per-row outputs of whole shards have one row per row.
+
+    Gathered outputs are all per-row; under a reduction (`reduced`), those
+    whose first dimension is unknown when traced (as the shard's rows are)
+    are. A gathered output's counts come from its gather (`counted`); others
+    get a Shape op per shard. The check's message starts with `ROWS_DIFFER`.
+    """
+    with tf.name_scope("tfshard_rows"):
+        for i, per_shard in enumerate(outputs.leaves()):
+            if reduced and not per_row(per_shard[0]):
+                continue
+            got = counted.get(i)
+            if got is None:
+                got = tf.stack([row_count(t, d, host) for t, d in zip(per_shard, devices)])
+            with tf.device(host):  # one check per output, all shards at once
+                host_assert(
+                    got,
+                    sizes,
+                    f"{ROWS_DIFFER} {outputs.path(i)} :end (each shard's, then its input "
+                    "rows: with per_sample=False an output needs one row per input row, "
+                    "or a fixed shape under reduce=)",
+                )
+
+
+class ShardOutputs(NamedTuple):
+    """What the shards of one call returned, checked alike (`check_outputs`).
+
+    Attributes:
+      structure: the output structure (a `_trees` key) every shard returned.
+      flat: ``flat[k]``, shard k's output leaves.
+    """
+
+    structure: Hashable
+    flat: list[list[Any]]
+
+    def leaves(self) -> list[list[Any]]:
+        """For each output leaf, its value from every shard, in shard order."""
+        return [list(per_shard) for per_shard in zip(*self.flat)]
+
+    def path(self, i: int) -> str:
+        """Leaf i's path, for messages (``outputs['loss']``)."""
+        return _trees.path("outputs", self.structure, i)
+
+    def check_gatherable(self) -> None:
+        """Raises ArgumentError for a scalar per shard: a gather concatenates rows."""
+        for i, leaf in enumerate(self.flat[0]):
+            if leaf.shape.rank == 0:
+                raise ArgumentError(
+                    f"{self.path(i)} is a scalar per shard; with per_sample=False outputs "
+                    "are concatenated along axis 0, so return a [rows, ...] tensor, pass "
+                    f"reduce={collect.reduction_names()} to combine the shards' values, or "
+                    "take each shard's value as it is with f.per_shard(...)"
+                )
+
+
+class Shard(NamedTuple):
+    """What one shard computes.
+
+    Attributes:
+      run: its outputs, from its rows (traced in place or shared, `Engine._shard_runs`).
+      empty: the outputs of a shard with no rows instead, from what `run`
+        returned when traced, or None to run it after all (`skip_if_empty`).
+    """
+
+    run: Callable[[Sequence[Any]], Any]
+    empty: Callable[[Any], Any]
+
+
+def skip_if_empty(shard: Shard, rows_in: Sequence[Any], has_rows: tf.Tensor) -> Any:
+    """`shard.run(rows_in)` where the shard has rows, `shard.empty` where not, as one `tf.cond`.
+
+    tfshard makes the empty shards (fewer rows than devices), so it must not
+    make them fail or return outputs of the wrong shape. The predicate is the
+    planned size, known before the shard's rows are. The cond costs a
+    per-sample call on 2 CPU devices ~1.5 % at 8 rows and ~5 % at 1024 (no
+    buffer forwarding into its branch).
+    """
+    traced: list[Any] = []
+
+    def with_rows() -> Any:
+        traced.append(shard.run(rows_in))
+        return traced[0]
+
+    def without() -> Any:  # traced after with_rows, so it sees its outputs
+        outputs = shard.empty(traced[0])
+        return shard.run(rows_in) if outputs is None else outputs
+
+    return tf.cond(has_rows, with_rows, without)
+
+
+def vectorized(
+    call: Callable[[Sequence[Any]], Any], example: Sequence[Any], ragged_outputs: bool
+) -> Shard:
+    """`call` of one sample, mapped over the rows of a shard.
+
+    An empty shard returns empty outputs of the per-sample signature:
+    vectorized_map over nothing gives outputs of the wrong inner shape (a
+    per-sample matmul's [0, 2, 1] for [0, 2, 3]), and some conversions fail
+    on it outright (pfor's tf.print reads row 0). A reshape to the per-sample
+    shape would fix the shapes for free, but not the failures, which nothing
+    in the graph announces.
+    """
+    signature = sample_signature(call, example, ragged_outputs)
+    leaves, _ = _trees.flatten(signature)
+    # Rows of different lengths in or out: vectorize cannot stack them.
+    ragged = (
+        ragged_outputs
+        or any(_kinds.is_ragged(t) for t in example)
+        or any(_kinds.is_ragged(s) for s in leaves)
+    )
+
+    def each(rows_in: Sequence[Any]) -> Any:
+        # Rows of a dtype without GPU GatherV2/TensorList kernels (what both maps
+        # take rows with) enter as their carrier and are cast back per sample.
+        dtypes = [r.dtype for r in rows_in]
+        entering = tuple(r if _kinds.is_ragged(r) else collect.carried(r) for r in rows_in)
+
+        def one(rows: Sequence[Any]) -> Any:
+            outputs = call(
+                [
+                    r if _kinds.is_ragged(r) else collect.uncarried(r, d)
+                    for r, d in zip(rows, dtypes)
+                ]
+            )
+            # An output that is a tensor from outside the map (a broadcast argument
+            # returned as it is) must still be an op of the map: pfor fails on it
+            # otherwise (UnboundLocalError in TF 2.21), and map_fn stacks it alike.
+            return tf.nest.map_structure(tf.identity, outputs, expand_composites=True)
+
+        if ragged:
+            return tf.map_fn(one, entering, fn_output_signature=signature, name="per_sample")
+        return tf.vectorized_map(one, entering, fallback_to_while_loop=True)
+
+    return Shard(each, lambda outputs: collect.empty(signature))
+
+
+def whole_shard(call: Callable[[Sequence[Any]], Any]) -> Shard:
+    """`call` of a whole shard.
+
+    Many batch functions fail on an empty batch (TF's CPU Conv2D returns its
+    input unchanged, so a Keras CNN fails at its bias add), so an empty shard
+    gives, for each output of the traced shard, zeros with 0 rows where the
+    output is per row (`per_row`) and the output's own shape otherwise (a
+    reduction ignores an empty shard's value). Where an output's shape is not
+    known well enough for that (unknown rank or inner dimensions, ragged), the
+    empty shard calls the function after all.
+    """
+
+    def empty(outputs: Any) -> Any:
+        leaves, structure = _trees.flatten(outputs)
+        if not all(isinstance(t, tf.Tensor) and _known_but_rows(t.shape) for t in leaves):
+            return None
+        return _trees.build(structure, iter([_no_rows(t) for t in leaves]))
+
+    return Shard(call, empty)
+
+
+def _known_but_rows(shape: tf.TensorShape) -> bool:
+    """Known rank, and every dimension but the first known: zeros can stand in."""
+    return shape.rank is not None and all(d is not None for d in shape[1:])
+
+
+def _no_rows(t: tf.Tensor) -> tf.Tensor:
+    dims = [0 if d is None else d for d in t.shape]
+    if per_row(t):
+        dims[0] = 0
+    return tf.zeros(dims, t.dtype)
+
+
+def per_row(value: Any) -> bool:
+    """Whether a whole-shard function's output holds one value per row of the shard.
+
+    Its first dimension is then unknown when traced, as the shard's rows are;
+    an output of fixed shape (a loss, a gradient) is the shard's own value.
+    """
+    return value.shape.rank is not None and value.shape.rank >= 1 and value.shape[0] is None
+
+
+def sample_signature(call: Callable[..., Any], example: Sequence[Any], ragged: bool) -> Any:
+    """Output specs of the function on one sample; ragged where shapes vary."""
+    specs = tuple(_arguments.row_spec(t) for t in example)
+    probe = tf.function(lambda *rows_in: call(rows_in), autograph=False)
+    outputs = probe.get_concrete_function(*specs).structured_outputs
+
+    def to_spec(value: Any, path: str) -> tf.TypeSpec:
+        if _kinds.is_ragged(value):
+            return tf.RaggedTensorSpec(value.shape, value.dtype, value.ragged_rank)
+        if value.shape.rank is None:
+            # Nothing to stack ragged by (e.g. a py_function): assume one shape.
+            if ragged:
+                raise ArgumentError(
+                    f"{path} has unknown rank, so ragged=True cannot stack it; give it "
+                    "a shape in the function (tf.ensure_shape(value, [None]))"
+                )
+            return tf.TensorSpec(value.shape, value.dtype)
+        if value.shape.rank > 0 and (ragged or not value.shape.is_fully_defined()):
+            # Per-sample shapes that can vary are stacked as a ragged tensor; a scalar
+            # per sample has one shape and stacks to a dense [N], ragged=True or not.
+            return tf.RaggedTensorSpec(value.shape, value.dtype, ragged_rank=0)
+        return tf.TensorSpec(value.shape, value.dtype)
+
+    leaves, key = _trees.flatten(outputs, "outputs")
+    specs = [to_spec(leaf, _trees.path("outputs", key, i)) for i, leaf in enumerate(leaves)]
+    return _trees.build(key, iter(specs))
+
+
+def check_outputs(outputs: list[Any], devices: Sequence[str]) -> tuple[Hashable, list[list[Any]]]:
+    """Checks that every shard returned the same structure, ranks and dtypes.
+
+    Args:
+      outputs: one output structure per shard.
+      devices: the shards' devices, for messages.
+
+    Returns:
+      The structure key and each shard's flat output leaves.
+    """
+    reference_leaves, reference = _trees.flatten(outputs[0], "outputs")
+    flat = [reference_leaves]
+    for k, result in enumerate(outputs[1:], start=1):
+        leaves, structure = _trees.flatten(result, "outputs")
+        if structure != reference:
+            ours = _trees.paths("outputs", structure)
+            theirs = _trees.paths("outputs", reference)
+            raise ArgumentError(
+                f"{_trees.first_difference('outputs', structure, reference)} differs between "
+                f"shards: on {devices[k]} the function returned {', '.join(ours)} but on "
+                f"{devices[0]} {', '.join(theirs)}; every shard must return the same structure"
+            )
+        for i, (leaf, first) in enumerate(zip(leaves, reference_leaves)):
+            if leaf.shape.rank != first.shape.rank or leaf.dtype != first.dtype:
+                raise ArgumentError(
+                    f"{_trees.path('outputs', reference, i)} has rank {leaf.shape.rank} "
+                    f"({leaf.dtype.name}) on {devices[k]} but rank {first.shape.rank} "
+                    f"({first.dtype.name}) on {devices[0]}; every shard must return the same "
+                    "ranks and dtypes"
+                )
+        flat.append(leaves)
+    return reference, flat
+
+
+def to_tensors(outputs: Any, where: str) -> Any:
+    """The function's outputs with numbers and arrays made tensors; else an error."""
+    leaves, key = _trees.flatten(outputs, "outputs")
+    converted = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, tf.Tensor | tf.RaggedTensor):
+            converted.append(leaf)
+        elif isinstance(leaf, int | float | np.ndarray | np.generic) and not isinstance(leaf, bool):
+            converted.append(tf.convert_to_tensor(leaf))
+        else:
+            hint = " (did the function forget to return?)" if leaf is None else ""
+            raise ArgumentError(
+                f"{where}: {_trees.path('outputs', key, i)} is {type(leaf).__name__} "
+                f"{leaf!r}{hint}; a parallelized function must return tensors (or a tuple, "
+                "list, dict or namedtuple of them)"
+            )
+    return _trees.build(key, iter(converted))
