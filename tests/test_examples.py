@@ -23,7 +23,6 @@ import tfshard
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-FAKE_NVIDIA_SMI_DIR = Path(__file__).resolve().parent / "fake_nvidia_smi"
 SCRIPTS = (
     "parallel_map",
     "matmul_scaling",
@@ -214,6 +213,9 @@ def test_tf_logs_stay_where_a_driver_is_installed(ex, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert ex._common.quiet_without_gpu({}) is False
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    # A machine with a driver also has /proc/driver/nvidia; this half is of one without.
+    exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p != "/proc/driver/nvidia" and exists(p))
     environ = {}
     assert ex._common.quiet_without_gpu(environ) is True and environ["TF_CPP_MIN_LOG_LEVEL"] == "3"
     assert ex._common.quiet_without_gpu({"TF_CPP_MIN_LOG_LEVEL": "0"}) is False
@@ -425,7 +427,7 @@ def test_data_parallel_training_plot_without_matplotlib_is_one_line(ex, monkeypa
 # ---------------------------------------------------- per_device_processes
 
 
-def test_per_device_processes_runs_one_trial_per_worker(ex):
+def test_per_device_processes_runs_one_trial_per_worker(ex, monkeypatch):
     rates = [0.05, 0.2]
     shared = dict(steps=5, num_examples=32, features=4)
     results = ex.per_device_processes.run_sweep(["cpu", "cpu"], rates, timeout=180, **shared)
@@ -434,7 +436,8 @@ def test_per_device_processes_runs_one_trial_per_worker(ex):
     assert [r["device"] for r in results] == ["/device:CPU:0", "/device:CPU:0"]
     pids = {r["pid"] for r in results}
     assert len(pids) == 2 and os.getpid() not in pids
-    # The same trial in this process gives the same loss.
+    # The same trial in this process, on the CPU as the workers were, gives the same loss.
+    monkeypatch.setattr(tfshard, "try_gpu", lambda i=0: tfshard.cpu())
     for rate, result in zip(rates, results):
         here = ex.per_device_processes.train_trial(rate, **shared)
         assert result["loss"] == pytest.approx(here["loss"], rel=1e-5)
@@ -456,16 +459,8 @@ def test_per_device_processes_chooses_devices(ex):
 # ------------------------------------------------------- check_utilization
 
 
-@pytest.fixture
-def fake_nvidia_smi(monkeypatch):
-    """The recorded nvidia-smi of tests/fake_nvidia_smi first on PATH; picks a scenario."""
-    path = os.pathsep.join(
-        [str(FAKE_NVIDIA_SMI_DIR), str(Path(sys.executable).parent), os.environ["PATH"]]
-    )
-    monkeypatch.setenv("PATH", path)
-    for name in ("TFSHARD_NVIDIA_SMI", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
-        monkeypatch.delenv(name, raising=False)
-    return lambda scenario: monkeypatch.setenv("FAKE_NVIDIA_SMI_SCENARIO", scenario)
+# fake_nvidia_smi (tests/conftest.py): the recorded nvidia-smi first on PATH, and this
+# process's own GPUs hidden from the names, so a scenario's GPUs are named as recorded.
 
 
 @pytest.mark.parametrize(
