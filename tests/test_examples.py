@@ -65,7 +65,15 @@ EXPECTED_FLAGS = {
         "steps",
         "timeout",
     ),
-    "check_utilization": ("gpu", "matrix_size", "threshold", "duration", "interval", "nvidia_smi"),
+    "check_utilization": (
+        "gpu",
+        "matrix_size",
+        "products",
+        "threshold",
+        "duration",
+        "interval",
+        "nvidia_smi",
+    ),  # fmt: skip
     "replicated_inference": (
         "devices",
         "contexts",
@@ -492,12 +500,15 @@ def test_check_utilization_gpu_missing_from_nvidia_smi(ex, fake_nvidia_smi):
         ex.check_utilization.run_check(5, 8, duration=0.1, interval=0.05)
 
 
-def test_check_utilization_step_computes_the_product(ex):
-    step = ex.check_utilization.make_step("cpu:1", 8)
+@pytest.mark.parametrize("products", [1, 3])
+def test_check_utilization_step_computes_the_chain_of_products(ex, products):
+    step = ex.check_utilization.make_step("cpu:1", 8, products)
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((8, 8), dtype=np.float32)
+    x = rng.standard_normal((8, 8), dtype=np.float32)
     b = rng.standard_normal((8, 8), dtype=np.float32)
-    assert step() == pytest.approx(float((a @ b).sum()), rel=1e-4, abs=1e-4)
+    for _ in range(products):
+        x = np.tanh(x @ b / np.sqrt(8))
+    assert step() == pytest.approx(float(x.sum()), rel=1e-4, abs=1e-4)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
