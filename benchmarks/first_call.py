@@ -34,7 +34,9 @@ import time
 import _device_flags
 from absl import app, flags
 
-_DEVICES = flags.DEFINE_list("devices", ["1", "2", "4"], "Device counts K to measure.")
+_DEVICES = flags.DEFINE_list(
+    "devices", ["1", "2", "4"], "Device counts K to measure (on GPUs the default stops at theirs)."
+)
 _LEAVES = flags.DEFINE_list("leaves", ["1", "10", "50"], "Leaves L of the argument.")
 _JSON = flags.DEFINE_string("json", None, "Write the numbers here.")
 
@@ -144,7 +146,10 @@ def main(argv: list[str]) -> None:
     counts = [int(k) for k in _DEVICES.value]
     import tfshard  # after flags: --help stays fast
 
-    pool = _device_flags.devices(max(counts))  # the GPUs, else max(K) logical CPU devices
+    # The GPUs, else max(K) logical CPU devices. On GPUs the default counts stop at the
+    # machine's GPUs; counts given with --devices are all needed.
+    pool = _device_flags.devices(max(counts), needed=max(counts) if _DEVICES.present else 1)
+    counts = [k for k in counts if k <= len(pool)]
     import numpy as np
     import tensorflow as tf
 
