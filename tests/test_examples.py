@@ -541,3 +541,16 @@ def test_replicated_inference_prints_the_bytes_crossing_before_and_after(ex, cap
     assert f"each call reads {tfshard.replicas.format_bytes(3 * weights)} of variables" in out
     assert out.count("each call reads 0 B of variables from other devices") == 1
     assert "outputs equal model(x) on one device" in out
+
+
+def test_replicated_inference_builds_the_model_on_the_first_device_not_the_default(ex, capsys):
+    # On a GPU machine TensorFlow's default device is GPU:0 even when --virtual_devices runs
+    # the shards on the CPU (the H100 run of 2026-11-24 found the weights there); here
+    # CPU:3 stands in for that default.
+    with (
+        tfshard.pin("/device:CPU:3"),  # a tf.device scope: the default of the ops inside
+        flagsaver.as_parsed(virtual_devices="4", batch="5", width="16", repeats="1"),
+    ):
+        ex.replicated_inference.main(["replicated_inference.py"])
+    out = capsys.readouterr().out
+    assert out.count("(8 on /device:CPU:0)") == 3 and "(8 on /device:CPU:3)" not in out
