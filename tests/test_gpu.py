@@ -253,26 +253,26 @@ def test_overlapping_pairs_counts_kernels_that_run_at_the_same_time():
 def test_shards_on_two_gpus_run_kernels_at_the_same_time(two_gpus, traced_run):
     """One run's trace: a kernel of shard 0 runs while a kernel of shard 1 runs.
 
-    The kernels are small (products of 128 x 128), so neither shard fills a card: on one
+    The kernels are small (4 products of 256 x 256 each), so neither shard fills a card: on one
     card split into two logical GPUs both streams can run at once, and whether they did is
     what the trace says. Timing cannot say it there (the streams share the card's SMs).
     """
     gpus = tfshard.list_devices("GPU")[:2]
 
-    def chain(x):  # [n, 128, 128] -> [n]: 100 small dependent products per shard
-        for _ in range(100):
-            x = tf.tanh(tf.matmul(x, x) / 128.0)
+    def chain(x):  # [n, 256, 256] -> [n]: 64 small dependent products per shard
+        for _ in range(64):
+            x = tf.tanh(tf.matmul(x, x) / 256.0)
         return tf.reduce_sum(x, axis=[1, 2])
 
     f = tfshard.parallelize(chain, devices=gpus, output_device=gpus[1], per_sample=False)
     with tf.device(gpus[0]):
-        x = tf.random.stateless_uniform([8, 128, 128], seed=[1, 2])
+        x = tf.random.stateless_uniform([8, 256, 256], seed=[1, 2])
     concrete = f.get_concrete_function(x)
     traced_run(concrete, x.numpy())  # warm-up: allocation and autotuning
     stats = traced_run(concrete, x.numpy())
     spans = [_kernel_spans(stats, f"tfshard_shard_{k}/") for k in range(2)]
     seen = sorted({d.device for d in stats.dev_stats})
-    assert all(len(s) >= 100 for s in spans), (
+    assert all(len(s) >= 64 for s in spans), (
         f"kernels of shard 0, 1: {len(spans[0])}, {len(spans[1])}; "
         f"devices in the trace: {seen} (no stream entries: the device tracer, CUPTI, is off)"
     )
