@@ -33,3 +33,23 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 @pytest.fixture(autouse=True)
 def _doctest_namespace(doctest_namespace):
     doctest_namespace.update(tf=tf, np=np, tfshard=tfshard)
+
+
+@pytest.fixture(autouse=True)
+def _doctests_run_on_the_cpu_bed(request):
+    """Doctests show the CPU bed, by name, on a machine with GPUs too.
+
+    Their eager ops run under ``tf.device("/device:CPU:0")`` (TensorFlow's default would be
+    GPU:0 there). An example whose source says ``# no GPU`` shows what a machine without one
+    prints: it is skipped, with the reason, where TensorFlow lists a GPU.
+    """
+    test = getattr(request.node, "dtest", None)  # a doctest item's doctest.DocTest
+    if test is None:
+        yield
+        return
+    if tf.config.list_logical_devices("GPU") and any(
+        "# no GPU" in example.source for example in test.examples
+    ):
+        pytest.skip(f"{test.name} shows a machine without a GPU; this one has GPUs")
+    with tf.device("/device:CPU:0"):
+        yield

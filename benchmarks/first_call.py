@@ -4,7 +4,8 @@ A parallelized function traces its graph on the first call with a new
 argument signature; later calls reuse it. This script times first calls of
 fresh functions (each a new Python function, so nothing is cached) whose
 argument is a dict of L leaves of [8, 3] rows, each leaf a per-sample matmul,
-on K logical CPU devices, called directly and from inside a `tf.function`, and
+on K devices (the machine's GPUs when TensorFlow lists one, else K logical CPU
+devices; --device_type=cpu insists on the CPU), called directly and from inside a `tf.function`, and
 one later call for comparison. It prints a table and, with --json, the numbers.
 
 The baselines are what a user would write instead, first calls of the same
@@ -19,6 +20,7 @@ vectorized graph, slower to trace and to run the first time.
 
   python benchmarks/first_call.py                          # K = 1, 2, 4; L = 1, 10, 50
   python benchmarks/first_call.py --leaves=1,100 --devices=4
+  python benchmarks/first_call.py --devices=1,2 --split_gpu=2   # one GPU as two
   PYTHONPATH=../other-checkout python benchmarks/first_call.py   # another version of tfshard
 
 Only tfshard's public API is used, so any version of it can be measured.
@@ -29,16 +31,18 @@ from __future__ import annotations
 import json
 import time
 
+import _device_flags
 from absl import app, flags
 
-_DEVICES = flags.DEFINE_list("devices", ["1", "2", "4"], "Device counts K to measure.")
+_DEVICES = flags.DEFINE_list(
+    "devices", ["1", "2", "4"], "Device counts K to measure (on GPUs the default stops at theirs)."
+)
 _LEAVES = flags.DEFINE_list("leaves", ["1", "10", "50"], "Leaves L of the argument.")
 _JSON = flags.DEFINE_string("json", None, "Write the numbers here.")
 
 
-def first_calls(tfshard, tf, np, k: int, leaves: int) -> dict[str, float]:
+def first_calls(tfshard, tf, np, devices: list[str], leaves: int) -> dict[str, float]:
     """Seconds of the first call (direct, inside a tf.function) and of a later one."""
-    devices = [f"/device:CPU:{i}" for i in range(k)]
     x = {f"leaf{i:04d}": np.ones([8, 3], np.float32) for i in range(leaves)}
     weight = tf.ones([3, 2])
 
@@ -142,11 +146,14 @@ def main(argv: list[str]) -> None:
     counts = [int(k) for k in _DEVICES.value]
     import tfshard  # after flags: --help stays fast
 
-    tfshard.virtual_devices(max(counts))
+    # The GPUs, else max(K) logical CPU devices. On GPUs the default counts stop at the
+    # machine's GPUs; counts given with --devices are all needed.
+    pool = _device_flags.devices(max(counts), needed=max(counts) if _DEVICES.present else 1)
+    counts = [k for k in counts if k <= len(pool)]
     import numpy as np
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    print(f"devices: {', '.join(pool)}")
     rows = []
     print(
         f"{'K':>2} {'leaves':>6} {'first s':>8} {'in tf.function s':>17} {'later s':>8}"
@@ -154,7 +161,7 @@ def main(argv: list[str]) -> None:
     )
     for leaves in (int(n) for n in _LEAVES.value):
         for k in counts:
-            times = first_calls(tfshard, tf, np, k, leaves)
+            times = first_calls(tfshard, tf, np, pool[:k], leaves)
             rows.append({"devices": k, "leaves": leaves, **times})
             print(
                 f"{k:>2} {leaves:>6} {times['first_s']:>8.2f} "
@@ -166,7 +173,7 @@ def main(argv: list[str]) -> None:
             )
     if _JSON.value:
         with open(_JSON.value, "w") as out:
-            json.dump({"tfshard": tfshard.__file__, "rows": rows}, out, indent=1)
+            json.dump({"tfshard": tfshard.__file__, "devices": pool, "rows": rows}, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -142,11 +142,14 @@ def measure(tfshard, tf, keras, np, model_name, k, batch, width, depth, repeats)
 
     devices = [f"/device:CPU:{i}" for i in range(k)]
     keras.utils.set_random_seed(0)
-    model = build(keras, model_name, width, depth)
     shape = (batch, 32, 32, 3) if model_name == "mobilenet" else (batch, width)
-    x = tf.constant(np.random.default_rng(0).random(shape, dtype=np.float32))
-    want = model(x).numpy()
-    runs = methods(tfshard, tf, keras, model, devices, batch)
+    # The model and its reference on the first CPU device by name: TensorFlow's default
+    # device is GPU:0 on a machine with a GPU, which would move the weights' home there.
+    with tf.device(devices[0]):
+        model = build(keras, model_name, width, depth)
+        x = tf.constant(np.random.default_rng(0).random(shape, dtype=np.float32))
+        want = model(x).numpy()
+        runs = methods(tfshard, tf, keras, model, devices, batch)
     crossing = {}
     for name, run in runs.items():
         got = run(x).numpy()

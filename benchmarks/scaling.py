@@ -1,6 +1,8 @@
 r"""Measures tfshard against what a user would use instead, in one process.
 
-Splits the CPU into logical devices with one intra-op thread each, runs the
+Runs on the machine's GPUs when TensorFlow lists one (every logical GPU; the
+sweep over the first K of them), else splits the CPU into logical devices with
+one intra-op thread each (--device_type=cpu insists on that); runs the
 chosen cases (see `cases.py`), prints a table per case and writes every median
 and ratio to a JSON file. Typical runs:
 
@@ -8,6 +10,7 @@ and ratio to a JSON file. Typical runs:
   python benchmarks/scaling.py --case=compute --repeats=21
   python benchmarks/scaling.py --json=bench.json --plot=bench.png
   python benchmarks/report.py --json=bench.json     # rewrites BENCHMARKS.md
+  python benchmarks/scaling.py --split_gpu=2        # one GPU as two: overheads only
 
 The number of logical devices is fixed when TensorFlow starts, so the process
 creates ``max(--devices, --max_devices)`` of them once; the device sweep of
@@ -20,6 +23,7 @@ import sys
 import time
 import warnings
 
+import _device_flags
 import _harness
 import cases
 import tensorflow as tf
@@ -35,7 +39,7 @@ _DEVICES = flags.DEFINE_integer(
     lower_bound=1,
 )
 _MAX_DEVICES = flags.DEFINE_integer(
-    "max_devices", 4, "The scaling sweep runs K = 1 .. max_devices.", lower_bound=1
+    "max_devices", 4, "The scaling sweep runs K = 1 .. max_devices (GPUs: all).", lower_bound=1
 )
 _REPEATS = flags.DEFINE_integer(
     "repeats", 15, "Timed rounds per comparison (>= 10 for the report).", lower_bound=1
@@ -173,11 +177,13 @@ def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore", message="To make it possible to preserve tf.data options")
     names = list(CASE_NAMES) if "all" in _CASE.value else list(dict.fromkeys(_CASE.value))
     k = _DEVICES.value
-    devices = _harness.setup_devices(max(k, _MAX_DEVICES.value if "scaling" in names else k))
+    cpu_count = max(k, _MAX_DEVICES.value if "scaling" in names else k)
+    devices = _device_flags.devices(cpu_count, needed=k)  # the GPUs, else the CPU bed
     env = _harness.environment(devices)
+    kind = "GPUs" if "GPU" in devices[0] else "logical CPU devices"
     print(
         f"TensorFlow {env['tensorflow']} on {env['cores']} cores ({env['cpu_model']}); "
-        f"{len(devices)} logical CPU devices, intra-op threads {env['intra_op_threads']}, "
+        f"{len(devices)} {kind}, intra-op threads {env['intra_op_threads']}, "
         f"inter-op threads {env['inter_op_threads']}; load {env['load_average_start']}",
         flush=True,
     )

@@ -56,9 +56,14 @@ def main(argv: list[str]) -> None:
     with _common.exit_on_error():
         setup = _common.setup_devices(_VIRTUAL_DEVICES.value, _DEVICES.value, _CONTEXTS.value)
         print(setup.note)
-        model, shape = build_model(_MODEL.value, _WIDTH.value)
-        x = tf.constant(np.random.default_rng(1).random((_BATCH.value, *shape), dtype=np.float32))
-        want = model(x).numpy()
+        # The weights' home is the run's first device, not TensorFlow's default (GPU:0 on a
+        # machine with a GPU, even when --virtual_devices runs the shards on the CPU).
+        with tfshard.pin(setup.devices[0]):
+            model, shape = build_model(_MODEL.value, _WIDTH.value)
+            x = tf.constant(
+                np.random.default_rng(1).random((_BATCH.value, *shape), dtype=np.float32)
+            )
+            want = model(x).numpy()
 
         predict = tfshard.parallelize(model, devices=setup.devices)
         print("\nThe model as it is: its weights live on one device")

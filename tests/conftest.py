@@ -23,6 +23,45 @@ def _gpu_or_skip(count: int = 1) -> None:
     pytest.skip(reason)
 
 
+# What "equals one device" means for float32 (README, "Numerics on GPUs"): against the same
+# function on one device of the same kind, to 1e-5 relative; on a GPU that runs float32
+# matmuls and convolutions in TF32 (Ampere, Hopper; TensorFlow's default), to about 1e-3 of
+# the magnitudes summed, which no fixed relative tolerance of the result element bounds: a
+# sum that cancels to near 0 keeps the absolute error of its terms. The H100 run of
+# 2026-11-24 differed by up to 8.4e-4 absolute on results of order 1 (tests/test_replicas.py).
+TF32_RTOL = 2e-3
+TF32_ATOL = 2e-3
+
+
+def _tf32_applies(devices: Any) -> bool:
+    """True when one of `devices` is a GPU and TensorFlow runs float32 there in TF32."""
+    names = [devices] if isinstance(devices, str) else list(devices)
+    on_gpu = any(tf.DeviceSpec.from_string(str(d)).device_type == "GPU" for d in names)
+    return on_gpu and bool(tf.config.experimental.tensor_float_32_execution_enabled())
+
+
+def _float32_tolerance(devices: Any, rtol: float = 1e-5, atol: float = 0.0) -> dict[str, float]:
+    """`rtol`/`atol` for `np.testing.assert_allclose` of float32 results computed on `devices`.
+
+    The given tolerances stand where the devices compute exact float32 (CPUs; GPUs with
+    ``tf.config.experimental.enable_tensor_float_32_execution(False)``); they widen to
+    TF32's only where a GPU with TF32 enabled runs the op. Compare against the same function
+    on one device of the same kind (or NumPy, which is exact float32 and more).
+    """
+    if _tf32_applies(devices):
+        return {"rtol": max(rtol, TF32_RTOL), "atol": max(atol, TF32_ATOL)}
+    return {"rtol": rtol, "atol": atol}
+
+
+@pytest.fixture
+def float32_tolerance() -> Callable[..., dict[str, float]]:
+    """`float32_tolerance(devices, rtol=1e-5, atol=0.0)`: assert_allclose's keywords.
+
+    Usage: ``np.testing.assert_allclose(got, want, **float32_tolerance(f.devices))``.
+    """
+    return _float32_tolerance
+
+
 @pytest.fixture
 def one_gpu():
     """Skips (or, with TFSHARD_REQUIRE_GPU=1, fails) without a GPU."""
@@ -47,6 +86,23 @@ def _session_config() -> Any:
     return config
 
 
+def _run_traced(concrete: Any, *inputs: Any) -> Any:
+    """Runs a traced graph once in a TF1 session with a full trace; returns its step stats."""
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    config = _session_config()
+    feeds = {t.name: value for t, value in zip(concrete.inputs, inputs)}
+    with tf.compat.v1.Session(graph=concrete.graph, config=config) as session:
+        session.run([t.name for t in concrete.outputs], feeds, options, metadata)
+    return metadata.step_stats
+
+
+@pytest.fixture
+def traced_run() -> Callable[..., Any]:
+    """`traced_run(concrete_function, *inputs)`: one run's step stats (GPU streams included)."""
+    return _run_traced
+
+
 def _executed_nodes(concrete: Any, *inputs: Any) -> list[tuple[str, str, str]]:
     """Runs a traced graph once; returns [(node, op type, device it ran on)].
 
@@ -57,14 +113,8 @@ def _executed_nodes(concrete: Any, *inputs: Any) -> list[tuple[str, str, str]]:
     it needs no process-global logging
     (tf.debugging.set_log_device_placement).
     """
-    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    metadata = tf.compat.v1.RunMetadata()
-    config = _session_config()
-    feeds = {t.name: value for t, value in zip(concrete.inputs, inputs)}
-    with tf.compat.v1.Session(graph=concrete.graph, config=config) as session:
-        session.run([t.name for t in concrete.outputs], feeds, options, metadata)
     ran = []
-    for device in metadata.step_stats.dev_stats:
+    for device in _run_traced(concrete, *inputs).dev_stats:
         if "/stream:" in device.device or "/memcpy" in device.device:
             continue  # GPU kernel timings, listed again by stream
         for node in device.node_stats:

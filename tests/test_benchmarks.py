@@ -204,6 +204,7 @@ def test_script_runs_end_to_end(tmp_path):
             "--depth=1",
             "--batch_sizes=4",
             "--max_devices=3",
+            "--device_type=cpu",  # the CPU bed by name: a GPU machine's default is its GPUs
             f"--json={out}",
         ],
         capture_output=True,
@@ -263,10 +264,45 @@ def _script(tmp_path: Path, script: str, *flags: str) -> tuple[subprocess.Comple
 
 
 def test_first_call_script_measures_every_configuration(tmp_path):
-    _, numbers = _script(tmp_path, "first_call.py", "--devices=1,2", "--leaves=2")
+    flags = ("--devices=1,2", "--leaves=2", "--device_type=cpu")
+    _, numbers = _script(tmp_path, "first_call.py", *flags)
+    assert numbers["devices"] == ["/device:CPU:0", "/device:CPU:1"]
     rows = numbers["rows"]
     assert [(r["devices"], r["leaves"]) for r in rows] == [(1, 2), (2, 2)]
     assert all(r["first_s"] > r["later_s"] > 0 and r["first_in_tf_function_s"] > 0 for r in rows)
+
+
+def _split_one_gpu() -> list[str]:
+    """The flags that give a script two GPUs on a machine with one (overheads only)."""
+    if len(tf.config.list_physical_devices("GPU")) == 1:
+        return ["--split_gpu=2", "--gpu_memory_mb=2048"]
+    return []
+
+
+def test_scaling_and_first_call_take_the_machines_gpus(two_gpus, tmp_path):
+    tiny = ["--case=compute", "--repeats=1", "--warmup=0", "--batch=32", "--width=8"]
+    _, report = _script(tmp_path, "scaling.py", *tiny, "--depth=1", *_split_one_gpu())
+    devices = report["environment"]["logical_devices"]
+    assert len(devices) >= 2 and all(d.startswith("/device:GPU:") for d in devices), devices
+    assert report["cases"]["compute"]["devices"] == devices[:2]
+    flags = ("--devices=1,2", "--leaves=2", *_split_one_gpu())
+    _, numbers = _script(tmp_path, "first_call.py", *flags)
+    assert numbers["devices"][:2] == ["/device:GPU:0", "/device:GPU:1"]
+    assert [r["devices"] for r in numbers["rows"]] == [1, 2]
+
+
+def test_asking_for_gpus_where_there_are_none_says_so(tmp_path):
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "first_call.py"), "--device_type=gpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert "error: --device_type=gpu but TensorFlow lists no GPU" in proc.stderr
 
 
 def test_replicas_script_counts_the_weight_bytes_that_cross(tmp_path):

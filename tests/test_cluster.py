@@ -30,7 +30,14 @@ from tfshard.errors import ArgumentError, ClusterError, DeviceError
 
 ROOT = Path(__file__).resolve().parent.parent
 # Quiet TF's C++ logs in the children; keep tfshard's own.
-CHILD_ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+# The cluster bed is CPU workers (their CPU:0 is what the tests name); a GPU of the machine
+# would add /device:GPU:0 to every task's devices.
+CHILD_ENV = {
+    **os.environ,
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "PYTHONUNBUFFERED": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+}
 CHILD_ENV.pop(pinning.CONTEXTS_ENV, None)
 CHILD_ENV.pop(cluster.TF_CONFIG_ENV, None)
 START_TIMEOUT = 90  # seconds for a child to import TF and get going on a busy machine

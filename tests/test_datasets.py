@@ -665,7 +665,8 @@ def test_each_shards_next_rows_reach_its_device_while_the_current_batch_runs():
     w = tf.constant(rng.normal(size=[4, 3]).astype(np.float32))
     f = tfshard.parallelize(lambda b: tf.matmul(b, w), per_sample=False, devices=devices)
     x = rng.normal(size=[10, 4]).astype(np.float32)
-    np.testing.assert_allclose(f(tf.data.Dataset.from_tensor_slices(x).batch(4)), x @ w, rtol=1e-5)
+    want = x @ w.numpy()  # NumPy: `x @ w` would run on TensorFlow's default device (a GPU)
+    np.testing.assert_allclose(f(tf.data.Dataset.from_tensor_slices(x).batch(4)), want, rtol=1e-5)
     body, _ = _loop_body(f)
     nodes = {n.name: n for n in body.node_def}
     arguments = [arg.name for arg in body.signature.input_arg]

@@ -23,7 +23,6 @@ import tfshard
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-FAKE_NVIDIA_SMI_DIR = Path(__file__).resolve().parent / "fake_nvidia_smi"
 SCRIPTS = (
     "parallel_map",
     "matmul_scaling",
@@ -66,7 +65,15 @@ EXPECTED_FLAGS = {
         "steps",
         "timeout",
     ),
-    "check_utilization": ("gpu", "matrix_size", "threshold", "duration", "interval", "nvidia_smi"),
+    "check_utilization": (
+        "gpu",
+        "matrix_size",
+        "products",
+        "threshold",
+        "duration",
+        "interval",
+        "nvidia_smi",
+    ),  # fmt: skip
     "replicated_inference": (
         "devices",
         "contexts",
@@ -214,6 +221,9 @@ def test_tf_logs_stay_where_a_driver_is_installed(ex, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert ex._common.quiet_without_gpu({}) is False
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    # A machine with a driver also has /proc/driver/nvidia; this half is of one without.
+    exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p != "/proc/driver/nvidia" and exists(p))
     environ = {}
     assert ex._common.quiet_without_gpu(environ) is True and environ["TF_CPP_MIN_LOG_LEVEL"] == "3"
     assert ex._common.quiet_without_gpu({"TF_CPP_MIN_LOG_LEVEL": "0"}) is False
@@ -425,7 +435,7 @@ def test_data_parallel_training_plot_without_matplotlib_is_one_line(ex, monkeypa
 # ---------------------------------------------------- per_device_processes
 
 
-def test_per_device_processes_runs_one_trial_per_worker(ex):
+def test_per_device_processes_runs_one_trial_per_worker(ex, monkeypatch):
     rates = [0.05, 0.2]
     shared = dict(steps=5, num_examples=32, features=4)
     results = ex.per_device_processes.run_sweep(["cpu", "cpu"], rates, timeout=180, **shared)
@@ -434,7 +444,8 @@ def test_per_device_processes_runs_one_trial_per_worker(ex):
     assert [r["device"] for r in results] == ["/device:CPU:0", "/device:CPU:0"]
     pids = {r["pid"] for r in results}
     assert len(pids) == 2 and os.getpid() not in pids
-    # The same trial in this process gives the same loss.
+    # The same trial in this process, on the CPU as the workers were, gives the same loss.
+    monkeypatch.setattr(tfshard, "try_gpu", lambda i=0: tfshard.cpu())
     for rate, result in zip(rates, results):
         here = ex.per_device_processes.train_trial(rate, **shared)
         assert result["loss"] == pytest.approx(here["loss"], rel=1e-5)
@@ -456,16 +467,8 @@ def test_per_device_processes_chooses_devices(ex):
 # ------------------------------------------------------- check_utilization
 
 
-@pytest.fixture
-def fake_nvidia_smi(monkeypatch):
-    """The recorded nvidia-smi of tests/fake_nvidia_smi first on PATH; picks a scenario."""
-    path = os.pathsep.join(
-        [str(FAKE_NVIDIA_SMI_DIR), str(Path(sys.executable).parent), os.environ["PATH"]]
-    )
-    monkeypatch.setenv("PATH", path)
-    for name in ("TFSHARD_NVIDIA_SMI", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
-        monkeypatch.delenv(name, raising=False)
-    return lambda scenario: monkeypatch.setenv("FAKE_NVIDIA_SMI_SCENARIO", scenario)
+# fake_nvidia_smi (tests/conftest.py): the recorded nvidia-smi first on PATH, and this
+# process's own GPUs hidden from the names, so a scenario's GPUs are named as recorded.
 
 
 @pytest.mark.parametrize(
@@ -497,12 +500,15 @@ def test_check_utilization_gpu_missing_from_nvidia_smi(ex, fake_nvidia_smi):
         ex.check_utilization.run_check(5, 8, duration=0.1, interval=0.05)
 
 
-def test_check_utilization_step_computes_the_product(ex):
-    step = ex.check_utilization.make_step("cpu:1", 8)
+@pytest.mark.parametrize("products", [1, 3])
+def test_check_utilization_step_computes_the_chain_of_products(ex, products):
+    step = ex.check_utilization.make_step("cpu:1", 8, products)
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((8, 8), dtype=np.float32)
+    x = rng.standard_normal((8, 8), dtype=np.float32)
     b = rng.standard_normal((8, 8), dtype=np.float32)
-    assert step() == pytest.approx(float((a @ b).sum()), rel=1e-4, abs=1e-4)
+    for _ in range(products):
+        x = np.tanh(x @ b / np.sqrt(8))
+    assert step() == pytest.approx(float(x.sum()), rel=1e-4, abs=1e-4)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -535,3 +541,16 @@ def test_replicated_inference_prints_the_bytes_crossing_before_and_after(ex, cap
     assert f"each call reads {tfshard.replicas.format_bytes(3 * weights)} of variables" in out
     assert out.count("each call reads 0 B of variables from other devices") == 1
     assert "outputs equal model(x) on one device" in out
+
+
+def test_replicated_inference_builds_the_model_on_the_first_device_not_the_default(ex, capsys):
+    # On a GPU machine TensorFlow's default device is GPU:0 even when --virtual_devices runs
+    # the shards on the CPU (the H100 run of 2026-11-24 found the weights there); here
+    # CPU:3 stands in for that default.
+    with (
+        tfshard.pin("/device:CPU:3"),  # a tf.device scope: the default of the ops inside
+        flagsaver.as_parsed(virtual_devices="4", batch="5", width="16", repeats="1"),
+    ):
+        ex.replicated_inference.main(["replicated_inference.py"])
+    out = capsys.readouterr().out
+    assert out.count("(8 on /device:CPU:0)") == 3 and "(8 on /device:CPU:3)" not in out

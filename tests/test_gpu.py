@@ -1,11 +1,13 @@
 """The GPU suite: what tests/test_gpu_kernels.py proves from the graph, checked on real GPUs.
 
-Every test needs GPUs: without them it skips, and with TFSHARD_REQUIRE_GPU=1
+Every test of a GPU needs GPUs: without them it skips, and with TFSHARD_REQUIRE_GPU=1
 it fails (tests/conftest.py), so a broken driver cannot pass as "skipped".
 With one physical GPU and TFSHARD_REQUIRE_GPU=1, the root conftest.py splits
-it into two logical GPUs, so the two-GPU checks run (the overlap check then
-measures two streams on one card, not two cards). BUILD.md says what each
-check means.
+it into two logical GPUs, so the two-GPU checks run: placement and copies are
+real, and overlap is read from the kernels' times in one run's trace (two
+streams of one card cannot show it as a speed-up, which is checked only on two
+physical GPUs). The checks themselves run on the CPU bed too, where they can.
+BUILD.md says what each check means.
 """
 
 import time
@@ -21,6 +23,59 @@ DTYPES = (
     "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
 )  # fmt: skip
 _PLAN_OPS = {"FloorDiv", "FloorMod", "Range", "Less", "Unpack", "Cumsum"}
+_SPLIT_OPS = {"SplitV", "StridedSlice", "Bitcast"}
+
+
+def _reads_the_batch_size(op_type: str, input_types: list[str]) -> bool:
+    """The plan's `tf.shape(x)[0]`: a StridedSlice of a Shape (placed on the host)."""
+    return op_type == "StridedSlice" and input_types[:1] == ["Shape"]
+
+
+def _split_and_plan(
+    ran: list[tuple[str, str, str]], top: dict[str, tuple[str, list[str]]]
+) -> tuple[set[str], set[str]]:
+    """Devices the split and the plan ran on, from one run's (node, op, device) rows.
+
+    `top` maps the traced graph's own nodes (not a shard's function body) to their op type
+    and their inputs' op types. The split is the top-level SplitV/Bitcast/StridedSlice that
+    cuts the batch; the StridedSlice of Shape that reads the batch size is the plan's, as
+    are `_PLAN_OPS`.
+    """
+    split, plan = set(), set()
+    for name, op, device in ran:
+        if name not in top:
+            continue
+        if op in _PLAN_OPS or _reads_the_batch_size(*top[name]):
+            plan.add(device)
+        elif op in _SPLIT_OPS:
+            split.add(device)
+    return split, plan
+
+
+def _check_placement(f, x, executed_nodes) -> None:
+    """From one run's step stats: each shard on its device, the gather on the output
+    device, the split on the first device and the plan on the host CPU."""
+    devices, out_device = f.devices, f.output_device
+    concrete = f.get_concrete_function(x)
+    ran = executed_nodes(concrete, x.numpy())
+    for k, device in enumerate(devices):
+        shard = {
+            d
+            for name, op, d in ran
+            if f"tfshard_shard_{k}/" in name and op not in ("Switch", "Identity")
+        }
+        assert shard == {device}, (k, shard)
+    # The shared trace's nodes (cond/... for the empty-shard guard) ran on each device.
+    shared = {d for name, _, d in ran if name.startswith("cond/")}
+    assert shared == (set() if out_device in devices else set(devices)), shared
+    collect = {d for name, _, d in ran if name.startswith("tfshard_collect/")}
+    assert collect == {out_device}
+    top = {
+        op.name: (op.type, [t.op.type for t in op.inputs]) for op in concrete.graph.get_operations()
+    }
+    split, plan = _split_and_plan(ran, top)
+    assert split == {devices[0]}, split
+    assert plan == {"/device:CPU:0"}, plan
 
 
 def _batch(dtype: str, n: int = 10) -> tf.Tensor:
@@ -44,26 +99,48 @@ def test_each_shard_runs_on_its_gpu_and_the_plan_on_the_host(
     out_device = gpus[1] if output == "gpu" else "/device:CPU:0"
     fn = (lambda s: s[:2]) if per_sample else (lambda x: x[:, :2])
     f = tfshard.parallelize(fn, devices=gpus, output_device=out_device, per_sample=per_sample)
-    x = _batch(dtype)
-    concrete = f.get_concrete_function(x)
-    ran = executed_nodes(concrete, x.numpy())
-    for k, device in enumerate(gpus):
-        shard = {
-            d
-            for name, op, d in ran
-            if f"tfshard_shard_{k}/" in name and op not in ("Switch", "Identity")
-        }
-        assert shard == {device}, (k, shard)
-    # The shared trace's nodes (cond/... for the empty-shard guard) ran on each GPU.
-    shared = {d for name, _, d in ran if name.startswith("cond/")}
-    assert shared == (set() if output == "gpu" else set(gpus)), shared
-    collect = {d for name, _, d in ran if name.startswith("tfshard_collect/")}
-    assert collect == {out_device}
-    split = {d for _, op, d in ran if op in ("SplitV", "StridedSlice", "Bitcast")}
-    assert gpus[0] in split and not any("CPU" in d for d in split - {gpus[0]}), split
-    top = {op.name for op in concrete.graph.get_operations()}
-    plan = {d for name, op, d in ran if op in _PLAN_OPS and name in top}
-    assert plan == {"/device:CPU:0"}
+    _check_placement(f, _batch(dtype), executed_nodes)
+
+
+@pytest.mark.parametrize("output", ["in_place", "host"])
+@pytest.mark.parametrize("per_sample", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_the_placement_check_does_not_count_the_plan_as_the_split(
+    dtype, per_sample, output, executed_nodes
+):
+    """The same check on CPU:1 and CPU:2, where the host plan's CPU:0 is another device.
+
+    The H100 run of 2026-11-24 (diag.log) showed the plan's StridedSlice of Shape on CPU:0
+    beside the SplitV on GPU:0; a check that took it for the split failed 60 times.
+    """
+    devices = ["/device:CPU:1", "/device:CPU:2"]
+    out_device = devices[1] if output == "in_place" else "/device:CPU:0"
+    fn = (lambda s: s[:2]) if per_sample else (lambda x: x[:, :2])
+    f = tfshard.parallelize(fn, devices=devices, output_device=out_device, per_sample=per_sample)
+    with tf.device(devices[0]):
+        x = tf.cast(tf.reshape(tf.range(40) % 7, [10, 4]), dtype)
+    _check_placement(f, x, executed_nodes)
+
+
+def test_split_and_plan_read_the_rows_of_the_h100_run():
+    # diag.log, float32 per_sample=True output=gpu: the rows the old check misread.
+    ran = [
+        ("strided_slice", "StridedSlice", "/device:CPU:0"),
+        ("split", "SplitV", "/device:GPU:0"),
+        ("tfshard_shard_0/cond/then/_0/tfshard_shard_0/cond/loop_body/strided_slice",
+         "StridedSlice", "/device:GPU:0"),
+        ("tfshard_shard_1/cond/then/_8/tfshard_shard_1/cond/loop_body/strided_slice",
+         "StridedSlice", "/device:GPU:1"),
+        ("Bitcast", "Bitcast", "/device:GPU:0"),
+        ("Cumsum", "Cumsum", "/device:CPU:0"),
+    ]  # fmt: skip
+    top = {
+        "strided_slice": ("StridedSlice", ["Shape", "Const", "Const", "Const"]),
+        "split": ("SplitV", ["Placeholder", "AddV2", "Const"]),
+        "Bitcast": ("Bitcast", ["Placeholder"]),
+        "Cumsum": ("Cumsum", ["Pack"]),
+    }
+    assert _split_and_plan(ran, top) == ({"/device:GPU:0"}, {"/device:CPU:0"})
 
 
 @pytest.mark.parametrize("reduce", [None, "sum", "max"])
@@ -105,8 +182,112 @@ def test_replicated_weights_are_read_on_each_gpu(two_gpus, jit_compile):
     np.testing.assert_allclose(result.numpy(), x.numpy() @ w.numpy(), rtol=1e-5)
 
 
-def test_shards_on_two_gpus_overlap_in_time(two_gpus):
+def _kernel_spans(step_stats, name_part: str) -> list[tuple[int, int]]:
+    """[start, end) in µs of every GPU kernel of one run whose op name holds `name_part`.
+
+    GPU kernels are the step stats' stream entries ("/device:GPU:0/stream:…"), timed on
+    the GPU by the device tracer; their node names are the ops that launched them.
+    """
+    spans = []
+    for device in step_stats.dev_stats:
+        if "/stream:" not in device.device:
+            continue  # the ops' own rows, and memcpy; "stream:all" may repeat a kernel
+        for node in device.node_stats:
+            if name_part in node.node_name:
+                start = node.all_start_micros
+                end = start + max(node.all_end_rel_micros, node.op_end_rel_micros, 1)
+                spans.append((start, end))
+    return spans
+
+
+def _overlapping_pairs(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """How many (kernel of a, kernel of b) pairs run at the same time."""
+    return sum(1 for s0, e0 in a for s1, e1 in b if s0 < e1 and s1 < e0)
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_float32_on_gpus_equals_one_gpu_within_the_stated_tolerance(
+    two_gpus, tf32, float32_tolerance
+):
+    """README, "Numerics on GPUs": TF32's tolerance with it on, exact float32 with it off."""
+    gpus = tfshard.list_devices("GPU")[:2]
+    before = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(tf32)
+    try:
+        with tf.device(gpus[0]):
+            w = tf.random.stateless_normal([256, 256], seed=[1, 2])
+            x = tf.random.stateless_normal([64, 256], seed=[3, 4])
+            one = tf.matmul(x, w).numpy()  # the same function on one device of the kind
+        f = tfshard.parallelize(lambda b: tf.matmul(b, w), devices=gpus, per_sample=False)
+        got = f(x).numpy()
+        assert float32_tolerance(gpus)["rtol"] == (2e-3 if tf32 else 1e-5)
+        np.testing.assert_allclose(got, one, **float32_tolerance(gpus))
+        exact = x.numpy().astype(np.float64) @ w.numpy().astype(np.float64)
+        error = float(np.max(np.abs(got - exact)) / np.max(np.abs(exact)))
+        print(f"TF32 {'on' if tf32 else 'off'}: max error {error:.2e} of the largest entry")
+        assert error < (2e-3 if tf32 else 1e-5)
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(before)
+
+
+def test_float32_tolerance_widens_only_where_a_gpu_runs_tf32(float32_tolerance, monkeypatch):
+    tf32 = [True]
+    monkeypatch.setattr(
+        tf.config.experimental, "tensor_float_32_execution_enabled", lambda: tf32[0]
+    )
+    exact = {"rtol": 1e-5, "atol": 0.0}
+    assert float32_tolerance(["/device:CPU:0", "/device:CPU:1"]) == exact
+    assert float32_tolerance(("/device:CPU:0", "/device:GPU:1")) == {"rtol": 2e-3, "atol": 2e-3}
+    remote = "/job:worker/replica:0/task:1/device:GPU:0"
+    assert float32_tolerance(remote, rtol=1e-2, atol=1e-6) == {"rtol": 1e-2, "atol": 2e-3}
+    tf32[0] = False  # tf.config.experimental.enable_tensor_float_32_execution(False)
+    assert float32_tolerance(["/device:GPU:0", "/device:GPU:1"]) == exact
+    assert float32_tolerance(["/device:GPU:0"], atol=1e-6) == {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_overlapping_pairs_counts_kernels_that_run_at_the_same_time():
+    assert _overlapping_pairs([(0, 10), (20, 30)], [(5, 25)]) == 2
+    assert _overlapping_pairs([(0, 10)], [(10, 20)]) == 0  # back to back is not at once
+
+
+def test_shards_on_two_gpus_run_kernels_at_the_same_time(two_gpus, traced_run):
+    """One run's trace: a kernel of shard 0 runs while a kernel of shard 1 runs.
+
+    The kernels are small (4 products of 256 x 256 each), so neither shard fills a card: on one
+    card split into two logical GPUs both streams can run at once, and whether they did is
+    what the trace says. Timing cannot say it there (the streams share the card's SMs).
+    """
+    gpus = tfshard.list_devices("GPU")[:2]
+
+    def chain(x):  # [n, 256, 256] -> [n]: 64 small dependent products per shard
+        for _ in range(64):
+            x = tf.tanh(tf.matmul(x, x) / 256.0)
+        return tf.reduce_sum(x, axis=[1, 2])
+
+    f = tfshard.parallelize(chain, devices=gpus, output_device=gpus[1], per_sample=False)
+    with tf.device(gpus[0]):
+        x = tf.random.stateless_uniform([8, 256, 256], seed=[1, 2])
+    concrete = f.get_concrete_function(x)
+    traced_run(concrete, x.numpy())  # warm-up: allocation and autotuning
+    stats = traced_run(concrete, x.numpy())
+    spans = [_kernel_spans(stats, f"tfshard_shard_{k}/") for k in range(2)]
+    seen = sorted({d.device for d in stats.dev_stats})
+    assert all(len(s) >= 64 for s in spans), (
+        f"kernels of shard 0, 1: {len(spans[0])}, {len(spans[1])}; "
+        f"devices in the trace: {seen} (no stream entries: the device tracer, CUPTI, is off)"
+    )
+    pairs = _overlapping_pairs(*spans)
+    print(f"kernel pairs of shards 0 and 1 running at the same time: {pairs}")
+    assert pairs > 0, f"the two shards' kernels never ran at the same time ({seen})"
+
+
+def test_shards_on_two_physical_gpus_are_faster_than_one(two_gpus):
     """One call on two GPUs against the same batch on one: overlapping shards are faster."""
+    if len(tf.config.list_physical_devices("GPU")) < 2:
+        pytest.skip(
+            "one physical GPU split in two: its two streams share one card's SMs, so a "
+            "speed-up cannot show overlap (the kernel trace test shows it)"
+        )
     gpus = tfshard.list_devices("GPU")[:2]
     size = 4096
 

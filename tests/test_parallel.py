@@ -32,23 +32,30 @@ def embed_one(sample):
     return tf.tanh(tf.linalg.matvec(W, sample, transpose_a=True))
 
 
-def reference(fn, x):
+def reference(fn, x, device="/device:CPU:0"):
     """The same per-sample function on one device, without tfshard."""
-    with tf.device("/device:CPU:0"):
+    with tf.device(device):
         return tf.vectorized_map(fn, tf.convert_to_tensor(x))
 
 
 @pytest.fixture(scope="module")
 def embed():
-    return tfshard.parallelize(embed_one)
+    # The CPU bed by name: the defaults are the GPUs on a machine that has some.
+    return tfshard.parallelize(embed_one, devices=CPUS)
 
 
 # ------------------------------------------------------------------ basics
 
 
-def test_default_devices_are_every_logical_cpu(embed):
-    assert embed.devices == CPUS
-    assert embed.output_device == CPUS[0]
+def test_default_devices_are_the_gpus_else_every_logical_cpu(float32_tolerance):
+    f = tfshard.parallelize(embed_one)
+    gpus = tuple(d.name for d in tf.config.list_logical_devices("GPU"))
+    assert f.devices == (gpus or CPUS)  # this machine's: every GPU, else every logical CPU
+    assert f.output_device == f.devices[0]
+    # Equal to one device of the same kind (TF32's tolerance where a GPU runs in it).
+    x = rng.normal(size=[9, 6]).astype(np.float32)
+    want = reference(embed_one, x, f.devices[0]).numpy()
+    np.testing.assert_allclose(f(x).numpy(), want, **float32_tolerance(f.devices))
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 17])
@@ -497,8 +504,9 @@ def test_bad_options_fail_at_decoration(kwargs, message):
 
 
 def test_weights_length_is_checked_against_default_devices():
-    f = tfshard.parallelize(tf.identity, weights=[1, 2])
-    with pytest.raises(ArgumentError, match=r"weights has 2 entries but there are 4 devices"):
+    n = len(tf.config.list_logical_devices("GPU")) or len(CPUS)  # the defaults' count
+    f = tfshard.parallelize(tf.identity, weights=[1] * (n + 1))
+    with pytest.raises(ArgumentError, match=rf"weights has {n + 1} entries but there are {n} "):
         f(np.ones([3]))
 
 
@@ -793,19 +801,21 @@ _PER_SAMPLE_SHARDED: dict = {}
 
 
 def test_a_keras_layer_or_model_wrapped_directly_runs_per_batch():
-    x = np.random.default_rng(0).normal(size=[7, 6]).astype(np.float32)
-    dense = tf.keras.layers.Dense(5)
-    dense.build((None, 6))
-    np.testing.assert_allclose(tfshard.parallelize(dense, devices=CPUS)(x), dense(x), rtol=RTOL)
-    model = tf.keras.Sequential(
-        [tf.keras.Input([8, 8, 3]), tf.keras.layers.Conv2D(4, 3), tf.keras.layers.Flatten()]
-    )
-    images = np.random.default_rng(1).normal(size=[3, 8, 8, 3]).astype(np.float32)
-    f = tfshard.parallelize(model, devices=CPUS)
-    assert f.__name__ == model.__class__.__name__ == "Sequential"
-    np.testing.assert_allclose(f(images), model(images), rtol=RTOL, atol=1e-6)
-    # Its attributes stay its own and ours stay ours.
-    assert not hasattr(f, "layers") and f.__wrapped__ is model
+    # Built and run once on the CPU bed by name (TensorFlow's default would be GPU:0).
+    with tf.device(CPUS[0]):
+        x = np.random.default_rng(0).normal(size=[7, 6]).astype(np.float32)
+        dense = tf.keras.layers.Dense(5)
+        dense.build((None, 6))
+        np.testing.assert_allclose(tfshard.parallelize(dense, devices=CPUS)(x), dense(x), rtol=RTOL)
+        model = tf.keras.Sequential(
+            [tf.keras.Input([8, 8, 3]), tf.keras.layers.Conv2D(4, 3), tf.keras.layers.Flatten()]
+        )
+        images = np.random.default_rng(1).normal(size=[3, 8, 8, 3]).astype(np.float32)
+        f = tfshard.parallelize(model, devices=CPUS)
+        assert f.__name__ == model.__class__.__name__ == "Sequential"
+        np.testing.assert_allclose(f(images), model(images), rtol=RTOL, atol=1e-6)
+        # Its attributes stay its own and ours stay ours.
+        assert not hasattr(f, "layers") and f.__wrapped__ is model
 
 
 def test_a_tf_module_with_attributes_of_ours_names():
@@ -1094,23 +1104,25 @@ def test_a_saved_model_exports_the_tf_function_that_calls_it(tmp_path):
 
 
 def test_a_keras_model_built_first_trains_through_tfshard_as_on_one_device():
-    model = tf.keras.Sequential([tf.keras.Input([6]), tf.keras.layers.Dense(3)])  # built
-    x = rng.normal(size=[10, 6]).astype(np.float32)
-    y = rng.normal(size=[10, 3]).astype(np.float32)
+    # Built and run once on the CPU bed by name (TensorFlow's default would be GPU:0).
+    with tf.device(CPUS[0]):
+        model = tf.keras.Sequential([tf.keras.Input([6]), tf.keras.layers.Dense(3)])  # built
+        x = rng.normal(size=[10, 6]).astype(np.float32)
+        y = rng.normal(size=[10, 3]).astype(np.float32)
 
-    def loss(batch, target):
-        return tf.reduce_mean(tf.square(model(batch) - target))
+        def loss(batch, target):
+            return tf.reduce_mean(tf.square(model(batch) - target))
 
-    f = tfshard.parallelize(loss, per_sample=False, reduce="mean", devices=CPUS[:3])
-    with tf.GradientTape() as tape:
-        sharded = f(x, y)
-    grads = tape.gradient(sharded, model.trainable_variables)
-    with tf.GradientTape() as tape:
-        one = loss(x, y)
-    expected = tape.gradient(one, model.trainable_variables)
-    assert all(g is not None for g in grads)
-    for g, e in zip(grads, expected):
-        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-4, atol=1e-6)
+        f = tfshard.parallelize(loss, per_sample=False, reduce="mean", devices=CPUS[:3])
+        with tf.GradientTape() as tape:
+            sharded = f(x, y)
+        grads = tape.gradient(sharded, model.trainable_variables)
+        with tf.GradientTape() as tape:
+            one = loss(x, y)
+        expected = tape.gradient(one, model.trainable_variables)
+        assert all(g is not None for g in grads)
+        for g, e in zip(grads, expected):
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-4, atol=1e-6)
 
 
 def test_batch_norm_updates_its_moving_statistics_once_per_shard_as_documented():

@@ -30,6 +30,23 @@ def no_replicas_outside(monkeypatch):
     Replicas.generation += 1  # functions traced with this test's replicas retrace
 
 
+@pytest.fixture(autouse=True)
+def built_on_the_cpu_bed():
+    """Eager variables and references live on DEVICES[0], by name.
+
+    TensorFlow's default device is GPU:0 on a machine with a GPU: a model built there would
+    make every CPU shard read remotely, and its reference would run in TF32.
+    """
+    with tf.device(DEVICES[0]):
+        yield
+
+
+def _home(variable) -> str:
+    """Where a (Keras) variable lives, as a local name (/device:CPU:0)."""
+    spec = tf.DeviceSpec.from_string(variable.value.device)
+    return tf.DeviceSpec(device_type=spec.device_type, device_index=spec.device_index).to_string()
+
+
 def _cnn() -> keras.Model:
     return keras.Sequential(
         [
@@ -61,7 +78,8 @@ def test_without_replicas_other_shards_read_the_weights_from_their_home_device()
     f = tfshard.parallelize(model, devices=DEVICES)
     x = _images(7)
     reads = _reads(f, x)
-    home = "/device:CPU:0"  # where the eager variables were created
+    home = _home(model.weights[0])  # where the eager variables were created
+    assert {_home(w) for w in model.weights} == {home} == {DEVICES[0]}
     assert [len(r) for r in reads] == [len(model.weights)] * 3
     assert all(not r.remote and r.device == home for r in reads[0])
     assert all(r.remote and r.device == home for shard in reads[1:] for r in shard)

@@ -318,6 +318,17 @@ def test_query_names_every_logical_gpu_of_a_split_gpu(
     assert "(/device:GPU:0, /device:GPU:1)" in str(verdict)
 
 
+def test_a_gpu_of_the_machine_running_the_tests_does_not_rename_a_scenarios_gpus(
+    tf_two_gpus_first_split, monkeypatch, tmp_path
+):
+    # As on the H100 of 2026-11-24: this process's TensorFlow has a GPU split in two when
+    # the scenario starts; the scenario's GPUs keep the names the CUDA rules give them.
+    fake.install(monkeypatch, tmp_path)("several_gpus_busy")
+    assert utilization.query() == SEVERAL_BUSY
+    [verdict] = utilization.check(devices="GPU:2", duration=0)
+    assert str(verdict).startswith(f"GPU 2 {A100} (/device:GPU:2): busy enough")
+
+
 def test_query_leaves_gpus_hidden_by_set_visible_devices_unnamed(
     nvidia_smi_several_gpus_busy, monkeypatch, tf_two_gpus_first_split
 ):

@@ -47,6 +47,7 @@ def install(monkeypatch: pytest.MonkeyPatch, state: Path) -> Callable[[str], Pat
     monkeypatch.setenv("FAKE_NVIDIA_SMI_STATE", str(state))
     for name in ("TFSHARD_NVIDIA_SMI", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
         monkeypatch.delenv(name, raising=False)
+    hide_this_process_gpus(monkeypatch)
 
     def use(scenario: str) -> Path:
         assert (SCENARIOS / f"{scenario}.txt").is_file(), scenario
@@ -54,6 +55,30 @@ def install(monkeypatch: pytest.MonkeyPatch, state: Path) -> Callable[[str], Pat
         return state
 
     return use
+
+
+def hide_this_process_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes this process's TensorFlow list no GPU for the rest of the test.
+
+    A scenario is a machine of its own: its GPUs are named by the CUDA rules alone, as in a
+    process whose TensorFlow lists no GPU. Without this, a real GPU of the machine running the
+    tests (an H100 split into two logical GPUs by ../conftest.py) would rename the scenario's
+    GPUs. Only the configuration queries tfshard's GPU naming reads are replaced, not the
+    runtime: ops still run where they ran. A test that fakes TensorFlow's GPUs itself patches
+    these after this.
+    """
+    tf = sys.modules.get("tensorflow")
+    if getattr(tf, "config", None) is None:
+        return  # TensorFlow not imported: the CUDA rules alone apply already
+
+    def without_gpus(query: Callable[..., list]) -> Callable[..., list]:
+        def listed(device_type: str | None = None) -> list:
+            return [d for d in query(device_type) if d.device_type != "GPU"]
+
+        return listed
+
+    for name in ("list_physical_devices", "get_visible_devices"):
+        monkeypatch.setattr(tf.config, name, without_gpus(getattr(tf.config, name)))
 
 
 def calls(state: Path) -> int:
