@@ -552,7 +552,7 @@ def test_the_readme_device_names_say_what_resolve_device_gives_here():
     for call, comment in checked:
         claimed = re.findall(r"'(/device:[A-Z]+:\d+)'", comment)
         try:
-            got = eval(call, {"tfshard": tfshard})  # noqa: S307 - the README's own line
+            got = eval(call, {"tfshard": tfshard})  # The README's own line, as a reader runs it.
         except DeviceError:
             assert "else DeviceError" in comment, (call, comment)
             assert tfshard.num_gpus() < 2, (call, comment)
