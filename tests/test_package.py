@@ -1,9 +1,11 @@
 """The public surface changes only on purpose."""
 
+import importlib
 import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import tfshard
 
@@ -49,9 +51,15 @@ def test_all_is_the_documented_contract():
     assert set(tfshard.__all__) == CONTRACT
 
 
-def test_every_public_name_resolves():
+def test_every_public_name_resolves_to_what_its_module_defines():
     for name in tfshard.__all__:
-        assert getattr(tfshard, name) is not None
+        value = getattr(tfshard, name)
+        if isinstance(value, types.ModuleType):  # processes, replicas, utilization
+            assert value is importlib.import_module(f"tfshard.{name}"), name
+        else:
+            home = importlib.import_module(value.__module__)
+            assert getattr(home, name) is value, name
+            assert value.__module__.startswith("tfshard."), (name, value.__module__)
     assert callable(tfshard.utilization.query)
 
 
