@@ -133,8 +133,12 @@ def executed_nodes() -> Callable[..., list[tuple[str, str, str]]]:
 
 @pytest.fixture(autouse=True)
 def no_active_contexts(monkeypatch):
-    """Every test starts with no context map, explicit or from the environment."""
-    monkeypatch.setattr(pinning, "_explicit", [])
+    """Every test starts with no context map, explicit or from the environment.
+
+    A fresh copy of pinning's one piece of process state (its docstring says why
+    there is one): no `set_contexts` map, no `use_contexts` block, nothing logged.
+    """
+    monkeypatch.setattr(pinning, "_active", pinning._ActiveContexts())
     monkeypatch.delenv(pinning.CONTEXTS_ENV, raising=False)
 
 

@@ -52,21 +52,7 @@ def _free_port() -> int:
 # ------------------------------------------------------- names, in-process
 
 
-@pytest.mark.parametrize(
-    "spec, expected",
-    [
-        ("worker1:GPU:0", ("worker", 1, "GPU", 0)),
-        ("worker1:cpu", ("worker", 1, "CPU", 0)),
-        ("worker12:gpu:3", ("worker", 12, "GPU", 3)),
-        ("ps0:CPU:1", ("ps", 0, "CPU", 1)),
-        ("/job:worker/task:1/device:CPU:0", ("worker", 1, "CPU", 0)),
-        ("/job:worker/replica:0/task:1/device:GPU:2", ("worker", 1, "GPU", 2)),
-    ],
-)
-def test_remote_spellings_parse_to_job_task_and_device(spec, expected):
-    parsed = pinning.parse_spec(spec)
-    assert (parsed.job, parsed.task, parsed.device_type, parsed.device_index) == expected
-    assert pinning.is_remote(spec)
+# How remote spellings parse: tests/test_device_names.py.
 
 
 @pytest.mark.parametrize("spec", ["cpu:1", "/device:CPU:0", "GPU:1", "cuda1", 2])
@@ -76,18 +62,17 @@ def test_local_spellings_are_not_remote(spec):
 
 
 def test_short_remote_name_without_a_cluster_says_to_connect():
-    with pytest.raises(DeviceError, match=r"'worker1:GPU:0' .*does not exist.*tfshard\.connect"):
+    with pytest.raises(
+        DeviceError,
+        match=r"'worker1:GPU:0' .*does not exist.*this process is not connected to a cluster: "
+        r"call tfshard\.connect\(cluster\) first \(with a 'worker' job of at least 2 task",
+    ):
         tfshard.resolve_device("worker1:GPU:0")
+    assert cluster.host_of("worker1:GPU:0") is None
 
 
-def test_host_of_a_remote_device_reads_the_connected_cluster(monkeypatch):
-    connection = cluster._Connection({"worker": {0: "127.0.0.1:1", 1: "127.0.0.1:2"}}, "x:3")
-    monkeypatch.setattr(cluster, "_connection", connection)
-    assert cluster.host_of("worker1:CPU:0") == "127.0.0.1:2"
-    assert cluster.host_of("/job:worker/replica:0/task:0/device:CPU:0") == "127.0.0.1:1"
-    assert cluster.host_of("worker7:CPU:0") is None
-    with pytest.raises(DeviceError, match=r"connected cluster has worker tasks \[0, 1\]"):
-        tfshard.resolve_device("worker7:CPU:0")
+# With a cluster connected, what host_of and resolve_device say of remote names:
+# test_parallelize_across_two_workers_survives_a_worker_restart (a real connection).
 
 
 # ------------------------------------------------------ clusters, in-process
@@ -143,14 +128,21 @@ def test_bad_clusters_name_the_job_task_and_fix(spelling, message):
         cluster.cluster_spec(spelling)
 
 
-def test_worker_command_reproduces_the_cluster():
-    jobs = cluster.cluster_jobs("127.0.0.1:2222,127.0.0.1:2223")
-    assert cluster._worker_command(jobs, "worker", 1) == (
-        "python -m tfshard.worker --cluster=127.0.0.1:2222,127.0.0.1:2223 --task=1"
-    )
-    jobs = cluster.cluster_jobs({"worker": ["127.0.0.1:2222"], "ps": ["127.0.0.1:2224"]})
-    assert cluster.cluster_jobs(json.loads(cluster.cluster_flag(jobs))) == jobs
-    assert "--job=ps --task=0" in cluster._worker_command(jobs, "ps", 0)
+def test_a_failed_connect_gives_the_command_that_starts_each_worker():
+    ports = [_free_port() for _ in range(3)]  # Nothing listens there now.
+    addresses = [f"127.0.0.1:{port}" for port in ports]
+    with pytest.raises(ClusterError) as raised:
+        tfshard.connect(",".join(addresses[:2]), timeout=1)
+    message = str(raised.value)
+    assert "connect: 2 of 2 worker(s) did not answer within 1 s:" in message
+    assert f"--cluster={addresses[0]},{addresses[1]} --task=1" in message
+    two_jobs = {"worker": addresses[:2], "ps": addresses[2:]}
+    with pytest.raises(ClusterError) as raised:
+        tfshard.connect(two_jobs, timeout=1)
+    flag = cluster.cluster_flag(cluster.cluster_jobs(two_jobs))
+    assert cluster.cluster_jobs(json.loads(flag)) == cluster.cluster_jobs(two_jobs)
+    assert f"/job:ps/task:0 at {addresses[2]}: " in str(raised.value)
+    assert f"python -m tfshard.worker --cluster='{flag}' --job=ps --task=0" in str(raised.value)
 
 
 def test_connect_to_a_closed_port_fails_fast_naming_the_address():
@@ -162,7 +154,10 @@ def test_connect_to_a_closed_port_fails_fast_naming_the_address():
     message = str(raised.value)
     assert f"/job:worker/task:0 at 127.0.0.1:{port}: Connection refused for 2 s" in message
     assert f"python -m tfshard.worker --cluster=127.0.0.1:{port} --task=0" in message
-    assert cluster._connection is None  # Nothing changed: TF was never asked.
+    # Nothing changed: TF was never asked to connect.
+    assert cluster.host_of("worker0:CPU:0") is None
+    with pytest.raises(DeviceError, match=r"this process is not connected to a cluster"):
+        tfshard.resolve_device("worker0:CPU:0")
 
 
 def test_a_port_that_never_answers_is_bounded_by_the_timeout():
@@ -171,10 +166,12 @@ def test_a_port_that_never_answers_is_bounded_by_the_timeout():
         silent.listen(4)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         start = time.monotonic()
-        problem, local = cluster._probe(address, timeout=1.0)
+        with pytest.raises(ClusterError) as raised:
+            tfshard.connect(address, timeout=1.0)
     assert time.monotonic() - start < 4
-    assert local == "127.0.0.1"
-    assert "did not answer" in problem
+    assert f"/job:worker/task:0 at {address}: accepted a connection but did not answer " in str(
+        raised.value
+    )
 
 
 def test_connect_rejects_a_bad_timeout():
@@ -245,7 +242,19 @@ CLIENT = textwrap.dedent(
     say(event="connected", remote=remote, devices=tfshard.list_devices(),
         short=tfshard.resolve_device("worker1:cpu"),
         full=tfshard.resolve_device("/job:worker/task:0/device:CPU:0"),
-        local=tfshard.resolve_device("cpu:0"), host=cluster.host_of("worker1:CPU:0"))
+        local=tfshard.resolve_device("cpu:0"), host=cluster.host_of("worker1:CPU:0"),
+        host0=cluster.host_of("/job:worker/replica:0/task:0/device:CPU:0"),
+        host_outside=cluster.host_of("worker7:CPU:0"))
+
+    def missing(spec):
+        try:
+            tfshard.resolve_device(spec)
+        except tfshard.DeviceError as error:
+            return str(error)
+        return "resolved"
+
+    say(event="missing", task=missing("worker7:CPU:0"), job=missing("ps0:CPU:0"),
+        device=missing("worker1:CPU:5"))
 
     W = tf.constant(np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32))
 
@@ -424,6 +433,15 @@ def test_parallelize_across_two_workers_survives_a_worker_restart(two_workers):
         assert connected["short"] == remote[1] and connected["full"] == remote[0]
         assert connected["local"] == "/device:CPU:0"
         assert connected["host"] == two_workers.addresses[1]
+        assert connected["host0"] == two_workers.addresses[0]
+        assert connected["host_outside"] is None
+        missing = _event(client, "missing")
+        for name in ("task", "job"):
+            assert missing[name].endswith("; the connected cluster has worker tasks [0, 1]")
+        assert missing["device"].startswith(
+            "device 'worker1:CPU:5' (/job:worker/replica:0/task:1/device:CPU:5) does not exist"
+        )
+        assert missing["device"].endswith("; /job:worker/task:1 has no such device")
 
         results = _event(client, "results")
         for check in results["checks"]:  # Order, exactly once, and the local result.

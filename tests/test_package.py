@@ -1,5 +1,6 @@
 """The public surface changes only on purpose."""
 
+import importlib
 import os
 import pathlib
 import subprocess
@@ -50,13 +51,15 @@ def test_all_is_the_documented_contract():
     assert set(tfshard.__all__) == CONTRACT
 
 
-def test_every_public_name_resolves_to_tfshards_own_object_of_that_name():
+def test_every_public_name_resolves_to_what_its_module_defines():
     for name in tfshard.__all__:
         value = getattr(tfshard, name)
-        if isinstance(value, types.ModuleType):
-            assert value.__name__ == f"tfshard.{name}"
+        if isinstance(value, types.ModuleType):  # processes, replicas, utilization
+            assert value is importlib.import_module(f"tfshard.{name}"), name
         else:
-            assert value.__module__.startswith("tfshard.") and value.__name__ == name, name
+            home = importlib.import_module(value.__module__)
+            assert getattr(home, name) is value, name
+            assert value.__module__.startswith("tfshard."), (name, value.__module__)
     assert callable(tfshard.utilization.query)
 
 

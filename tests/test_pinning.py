@@ -2,6 +2,7 @@
 
 import logging
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -13,7 +14,6 @@ import pytest
 import tensorflow as tf
 
 import tfshard
-from tfshard import pinning
 from tfshard.errors import (
     ArgumentError,
     ContextMapError,
@@ -34,10 +34,9 @@ def test_list_devices_reports_the_four_logical_cpus():
     assert tfshard.list_devices() == [d.name for d in tf.config.list_logical_devices()]
 
 
-def test_num_gpus_counts_logical_gpus_without_starting_tf():
+def test_num_gpus_counts_logical_gpus():
+    # That it does not start TF: test_virtual_devices_before_start_splits_the_cpu.
     assert tfshard.num_gpus() == len(tf.config.list_logical_devices("GPU"))
-    # The same configuration-only count agrees with the runtime for the CPUs.
-    assert pinning._local_count("CPU") == len(tf.config.list_logical_devices("CPU")) == 4
 
 
 def test_cpu_names_the_first_cpu():
@@ -108,22 +107,23 @@ def test_resolve_device_accepts_logical_devices_and_device_specs():
     "spec", [1, "gpu:1", "GPU:1", "/gpu:1", "/device:GPU:1", "cuda1", "device:gpu:1"]
 )
 def test_every_gpu_spelling_names_gpu_one(spec):
-    if isinstance(spec, int):
-        parsed = tf.DeviceSpec(device_type="GPU", device_index=spec)
-    else:
-        parsed = pinning.parse_spec(spec)
-    assert (parsed.device_type, parsed.device_index) == ("GPU", 1)
     if tfshard.num_gpus() >= 2:
         assert tfshard.resolve_device(spec) == "/device:GPU:1"
     else:
-        with pytest.raises(DeviceError, match=r"does not exist; this process has /device:CPU:0"):
+        # The message spells out which device the spelling named.
+        with pytest.raises(
+            DeviceError, match=r"\(/device:GPU:1\) does not exist; this process has /device:CPU:0"
+        ):
             tfshard.resolve_device(spec)
 
 
 @pytest.mark.parametrize("spec", ["cuda", "gpu", "cuda0", "GPU:0"])
 def test_bare_gpu_spellings_mean_gpu_zero(spec):
-    parsed = pinning.parse_spec(spec)
-    assert (parsed.device_type, parsed.device_index) == ("GPU", 0)
+    if tfshard.num_gpus():
+        assert tfshard.resolve_device(spec) == "/device:GPU:0"
+    else:
+        with pytest.raises(DeviceError, match=r"\(/device:GPU:0\) does not exist"):
+            tfshard.resolve_device(spec)
 
 
 def test_gpu_spellings_resolve_on_a_gpu_machine(two_gpus):
@@ -273,7 +273,6 @@ def test_environment_variable_supplies_the_map(monkeypatch):
 
 
 def test_environment_map_logs_its_mappings_once(monkeypatch, caplog):
-    monkeypatch.setattr(pinning, "_env_contexts", pinning._EnvContexts())
     monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:1;dev1->GPU:9")
     with caplog.at_level(logging.INFO, logger="tfshard"):
         assert tfshard.resolve_device("dev0") == "/device:CPU:1"
@@ -379,15 +378,23 @@ def test_virtual_devices_before_start_splits_the_cpu():
     script = textwrap.dedent(
         """
         import tfshard
+        # These read the configuration only: the split below still works after them.
+        print(tfshard.num_gpus(), tfshard.try_gpu(5), len(tfshard.try_all_gpus()) >= 1)
         print(tfshard.virtual_devices(3))
         print(tfshard.list_devices("CPU"))
         """
     )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=env,
     ).stdout.splitlines()
     names = str(["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"])
-    assert out == [names, names]
+    assert out == ["0 /device:CPU:0 True", names, names]
 
 
 # -------------------------------------------------------------- transfers
@@ -524,3 +531,30 @@ def test_reading_the_environment_map_does_not_start_tensorflow():
     assert done.stdout.splitlines() == [str(["/device:CPU:0", "/device:CPU:1"]), "/device:CPU:1"]
     # The mappings are still logged, once, when a name is first resolved.
     assert done.stderr.count("Mapped name dev1 to device /device:CPU:1") == 1
+
+
+# ----------------------------------------------------------------- README
+
+
+def _readme_device_lines() -> list[tuple[str, str]]:
+    """README's "Devices by name" snippet: (call, comment) of each resolve_device line."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Devices by name, not by card", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    lines = [line.partition("#") for line in snippet.splitlines()]
+    return [(c.strip(), n.strip()) for c, _, n in lines if c.startswith("tfshard.resolve_device(")]
+
+
+def test_the_readme_device_names_say_what_resolve_device_gives_here():
+    # Whatever this machine has: 4 logical CPUs here, GPUs on a GPU machine.
+    checked = _readme_device_lines()
+    assert checked
+    for call, comment in checked:
+        claimed = re.findall(r"'(/device:[A-Z]+:\d+)'", comment)
+        try:
+            got = eval(call, {"tfshard": tfshard})  # The README's own line, as a reader runs it.
+        except DeviceError:
+            assert "else DeviceError" in comment, (call, comment)
+            assert tfshard.num_gpus() < 2, (call, comment)
+        else:
+            assert got == claimed[0], (call, comment)

@@ -608,3 +608,36 @@ def test_check_a_real_h100_ramp_is_not_steadily_busy(fake_nvidia_smi):
     assert (gpu.summary.utilization_gpu_min, gpu.summary.utilization_gpu_max) == (0, 100)
     assert 0 < gpu.summary.utilization_gpu_mean < 90
     assert gpu.summary.memory_used_peak_mib == 1651
+
+
+# --- the table -----------------------------------------------------------------------------
+
+
+def test_format_table_shows_a_dash_for_a_gpu_tensorflow_does_not_see():
+    reading = GpuReading(3, None, None, None, 12.0, 1, 2)
+    assert utilization.format_table([reading], threshold=50).splitlines()[1].split() == [
+        "3",
+        "-",
+        "?",
+        "n/a",
+        "12",
+        "1",
+        "/",
+        "2",
+        "n/a",
+    ]
+
+
+def test_format_table_aligns_columns_and_marks_the_threshold():
+    readings = [
+        GpuReading(0, U0, A100, 93.0, 41.0, 15012, 40960, "/device:GPU:0"),
+        GpuReading(1, U1, A100, 7.5, 3.0, 812, 40960, devices=("/device:GPU:1", "/device:GPU:2")),
+    ]
+    assert utilization.format_table(readings, threshold=50).splitlines() == [
+        "gpu  tf device                     name                   util %  mem util %  "
+        "memory MiB     vs 50 %",
+        "  0  /device:GPU:0                 NVIDIA A100-SXM4-40GB      93          41  "
+        "15012 / 40960  ok",
+        "  1  /device:GPU:1, /device:GPU:2  NVIDIA A100-SXM4-40GB     7.5           3  "
+        "812 / 40960    below",
+    ]

@@ -1,8 +1,8 @@
 """Tests of ``python -m tfshard.utilization`` (tfshard/_utilization_cli.py).
 
 The readings come from the fake nvidia-smi in tests/fake_nvidia_smi, as in
-tests/test_utilization.py; `run_cli` and `format_table` are reached through their public home,
-tfshard.utilization.
+tests/test_utilization.py. The table itself is the core's (`tfshard.utilization.format_table`,
+tested there); this module loops, prints and parses flags.
 """
 
 from __future__ import annotations
@@ -18,34 +18,27 @@ import pytest
 from fake_nvidia_smi import fake
 
 from tfshard import _utilization_cli, utilization
+from tfshard._utilization_cli import run_cli
 from tfshard.errors import ArgumentError
-from tfshard.utilization import GpuReading, format_table, run_cli
+from tfshard.utilization import GpuReading
 
 REPO = Path(__file__).resolve().parents[1]
 _calls = fake.calls
 
 
-def test_public_names_live_on_in_tfshard_utilization():
-    assert utilization.format_table is format_table is _utilization_cli.format_table
-    assert utilization.run_cli is run_cli is _utilization_cli.run_cli
-    assert {"format_table", "run_cli"} <= set(utilization.__all__)
-    with pytest.raises(AttributeError, match="has no attribute 'main'"):
-        utilization.main  # noqa: B018 - the CLI's entry point is not public
-
-
-def test_format_table_shows_a_dash_for_a_gpu_tensorflow_does_not_see():
-    reading = GpuReading(3, None, None, None, 12.0, 1, 2)
-    assert format_table([reading], threshold=50).splitlines()[1].split() == [
-        "3",
-        "-",
-        "?",
-        "n/a",
-        "12",
-        "1",
-        "/",
-        "2",
-        "n/a",
-    ]
+def test_the_core_never_loads_its_command_line():
+    # gpustat's rule: the CLI imports the core, never the reverse, not even lazily.
+    code = (
+        "import sys, tfshard.utilization as u\n"
+        "[getattr(u, name) for name in u.__all__]\n"
+        "print('tfshard._utilization_cli' in sys.modules, 'absl' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
+    assert "run_cli" not in utilization.__all__ and not hasattr(utilization, "run_cli")
+    assert _utilization_cli.format_table is utilization.format_table
 
 
 def test_run_cli_prints_a_table_and_exits_0_when_every_gpu_is_busy(
@@ -144,6 +137,7 @@ _CLI_RUNS = {
     "below_threshold": ("one_gpu_idle",),
     "no_driver": (_NO_DRIVER,),
     "bad_flag": ("several_gpus_busy", "--no-such-flag"),
+    "help": ("several_gpus_busy", "--help"),
 }
 
 
@@ -210,3 +204,12 @@ def test_cli_flag_errors_exit_2(cli_runs):
     status, _, err, _ = cli_runs["bad_flag"]
     assert status == 2
     assert "no-such-flag" in err and "Traceback" not in err
+
+
+def test_cli_help_exits_0_and_lists_the_flags(cli_runs):
+    # absl's own exit status after --help is 1, which would read as "not busy".
+    status, out, err, state = cli_runs["help"]
+    assert status == 0, err
+    for flag in ("--threshold", "--watch", "--count", "--[no]json"):
+        assert flag in out
+    assert not (state / "calls").exists()  # help only: nvidia-smi never ran

@@ -2,10 +2,10 @@
 
 It prints a table of ``nvidia-smi`` readings (``--watch SECONDS`` to refresh, ``--threshold``,
 ``--json``) and exits 0 when every GPU meets the threshold, 1 when one does not, 2 when no
-reading could be taken. The readings come from `tfshard.utilization.query`; this module only
-formats them and parses flags (absl), as gpustat keeps its CLI apart from its core.
-`format_table` and `run_cli` are public as ``tfshard.utilization.format_table`` and
-``tfshard.utilization.run_cli``.
+reading could be taken; ``--help`` exits 0. The readings come from
+`tfshard.utilization.query` and the table from `tfshard.utilization.format_table`; this module
+only loops, prints and parses flags (absl), as gpustat keeps its CLI apart from its core: it
+imports the core, and the core never imports it. `run_cli` is the command as a function.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from tfshard.errors import ArgumentError, UtilizationError
 from tfshard.utilization import (
@@ -23,61 +23,11 @@ from tfshard.utilization import (
     GpuReading,
     check_positive,
     check_threshold,
+    format_table,
     query,
 )
 
-__all__ = ("format_table", "main", "run_as_script", "run_cli")
-
-
-def format_table(readings: Iterable[GpuReading], threshold: float = DEFAULT_THRESHOLD) -> str:
-    """Formats readings as the table ``python -m tfshard.utilization`` prints.
-
-    >>> reading = GpuReading(0, "GPU-8f3a", "NVIDIA A100-SXM4-40GB", 93.0, 41.0, 15012, 40960,
-    ...                      "/device:GPU:0")
-    >>> print(format_table([reading]))
-    gpu  tf device      name                   util %  mem util %  memory MiB     vs 90 %
-      0  /device:GPU:0  NVIDIA A100-SXM4-40GB      93          41  15012 / 40960  ok
-
-    Args:
-        readings: The readings to show.
-        threshold: The utilisation bar, in percent, for the last column.
-
-    Returns:
-        The table, one line per GPU under a header line, without a final newline.
-    """
-    rows = [
-        ("gpu", "tf device", "name", "util %", "mem util %", "memory MiB", f"vs {threshold:g} %")
-    ]
-    for r in readings:
-        if r.utilization_gpu is None:
-            status = "n/a"
-        else:
-            status = "ok" if r.utilization_gpu >= threshold else "below"
-        rows.append(
-            (
-                str(r.index),
-                ", ".join(r.devices) or "-",
-                r.name or "?",
-                _show(r.utilization_gpu),
-                _show(r.utilization_memory),
-                f"{_show(r.memory_used_mib)} / {_show(r.memory_total_mib)}",
-                status,
-            )
-        )
-    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
-    right = {0, 3, 4}  # numbers line up on the right
-    lines = []
-    for row in rows:
-        cells = [
-            cell.rjust(width) if col in right else cell.ljust(width)
-            for col, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _show(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:g}"
+__all__ = ("main", "run_as_script", "run_cli")
 
 
 def _exit_status(readings: Sequence[GpuReading], threshold: float) -> int:
@@ -183,10 +133,15 @@ def _define_flags() -> None:
     flags.DEFINE_float("watch", None, "Refresh the table every this many seconds.")
     flags.DEFINE_integer("count", 0, "With --watch, stop after this many refreshes (0: never).")
     flags.DEFINE_bool("json", False, "Print the readings as JSON (GpuReading field names).")
+    # --help lists the key flags of the script absl runs (sys.argv[0], the core's file):
+    # these, though this module defines them.
+    for name in ("threshold", "watch", "count", "json"):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    # absl exits 1 on a flag error, which here would read as "a GPU is not busy".
+    # absl exits 1 on a flag error and after printing --help (--helpshort, --helpfull,
+    # --helpxml), which here would read as "a GPU is not busy": 2 and 0 instead.
     from absl import flags
 
     try:
@@ -194,6 +149,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as err:
         print(f"tfshard.utilization: {err}; see --help", file=sys.stderr)
         sys.exit(2)
+    except SystemExit as done:  # Only absl's help flags exit while the flags are parsed.
+        sys.exit(0 if done.code == 1 else done.code)
 
 
 def run_as_script() -> None:

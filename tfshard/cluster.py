@@ -7,9 +7,16 @@ resolves with `tfshard.resolve_device`, and `parallelize` can place shards
 there. `start_server` is the other end, one per task; ``python -m
 tfshard.worker`` (tfshard/worker.py) is its command line.
 
-This module builds on `tfshard.pinning` (device names) and is never imported by
-it; it installs, when imported, what `tfshard.resolve_device` says about a
-remote name that does not resolve (`pinning.set_remote_hint`).
+This module reads device names with ``tfshard/_device_names.py`` and is
+imported by no device module: `tfshard.resolve_device` explains a remote name
+that does not resolve from the devices TensorFlow lists, not from here.
+
+One piece of state is module-level, `_connection`: the record of the cluster
+this process is connected to (its tasks' addresses and this client's). It
+mirrors TensorFlow's own cluster connection, which is process-global (one
+server def per process, replaced by `tf.config.experimental_connect_to_cluster`),
+so there is exactly one to record; only `connect` replaces it, whole and under
+a lock, and `host_of` and `explain_remote_error` read it.
 
 A worker that dies fails the running or next call at once with
 `tf.errors.UnavailableError` naming its task (`explain_remote_error` says which
@@ -49,7 +56,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfshard import pinning
+from tfshard import _device_names
 from tfshard.errors import ArgumentError, ClusterError
 
 __all__ = (
@@ -350,20 +357,6 @@ def _worker_command(jobs: Jobs, job: str, task: int) -> str:
     )
 
 
-def _remote_hint(job: str, task: int) -> str | None:
-    """What `tfshard.resolve_device` adds when ``/job:{job}/task:{task}`` has no such device."""
-    connection = _connection
-    if connection is None:
-        return None  # pinning says to connect first.
-    if connection.address(job, task) is None:
-        have = ", ".join(f"{j} tasks {sorted(ts)}" for j, ts in connection.jobs.items())
-        return f"the connected cluster has {have}"
-    return f"/job:{job}/task:{task} at {connection.address(job, task)} has no such device"
-
-
-pinning.set_remote_hint(_remote_hint)
-
-
 # ------------------------------------------------------------------ connect
 
 
@@ -463,15 +456,15 @@ def connect(cluster: Any = None, *, timeout: float = 10.0) -> list[str]:
             jobs[job][task],
             ", ".join(n.rsplit("/device:", 1)[-1] for n in names),
         )
-    return [name for name in devices if pinning.is_remote(name)]
+    return [name for name in devices if _device_names.is_remote(name)]
 
 
 _MAX_TIMEOUT = 86400.0  # A day; sockets and gRPC overflow on far larger ones (inf).
 
 
-def _task_of(device: pinning.DeviceSpecLike) -> tuple[str, int] | None:
+def _task_of(device: _device_names.DeviceSpecLike) -> tuple[str, int] | None:
     """``(job, task)`` of a remote device name (no task: task 0); None when local."""
-    parsed = pinning.parse_name(device)
+    parsed = _device_names.parse_name(device)
     if parsed is None or parsed.job in (None, "localhost"):
         return None
     return parsed.job, parsed.task or 0
@@ -582,7 +575,7 @@ def _check_links(devices: list[str], jobs: Jobs, client: str, deadline: float) -
 # ------------------------------------------------------------ remote errors
 
 
-def host_of(device: pinning.DeviceSpecLike) -> str | None:
+def host_of(device: _device_names.DeviceSpecLike) -> str | None:
     """The ``host:port`` of the worker server a device lives on; None when local.
 
     Also None for a remote name outside the connected cluster (or before

@@ -18,25 +18,36 @@ runtime, after which logical devices can no longer be configured: call
 configuration and do not start the runtime.
 
 Remote names (``"/job:worker/task:1/device:GPU:0"``, short ``"worker1:GPU:0"``)
-resolve once `tfshard.connect` has connected this process to their machines;
-those machines are `tfshard.cluster`'s business, which imports this module.
+resolve once `tfshard.connect` has connected this process to their machines.
+Those machines are `tfshard.cluster`'s business, which imports this module; this
+one knows the cluster only as TensorFlow lists its devices.
 
-Shared internals (plain, not in ``__all__``): `parse_spec`, `parse_name`, `set_remote_hint`.
+Spellings are read into `tf.DeviceSpec` names by ``tfshard/_device_names.py``
+(pure parsing, nothing started); this module resolves them against the devices
+TensorFlow lists. It re-exports `is_remote` (public) and, for the modules that
+reach names through it, `DeviceSpecLike`, `parse_spec`, `parse_name` and
+`same_device`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import tensorflow as tf
 
+from tfshard._device_names import (
+    DeviceKey,
+    DeviceSpecLike,
+    is_remote,
+    parse_name,
+    parse_spec,
+    same_device,
+)
 from tfshard.errors import ArgumentError, ContextMapError, DeviceError, DeviceSetupError
 
 __all__ = (
@@ -59,19 +70,8 @@ __all__ = (
 
 _log = logging.getLogger("tfshard")
 
-DeviceSpecLike = int | str | tf.config.LogicalDevice | tf.DeviceSpec
-
 CONTEXTS_ENV = "TFSHARD_CONTEXTS"
 
-# Spellings people type for a local device: "gpu", "GPU:1", "/gpu:1",
-# "/device:GPU:1", "device:gpu:1", "cuda", "cuda1", "cpu:0".
-_LOCAL_RE = re.compile(r"^/?(?:device:)?(?P<type>[A-Za-z_]+)(?::(?P<index>\d+))?$")
-_CUDA_RE = re.compile(r"^cuda(?P<index>\d*)$", re.IGNORECASE)
-# The short spelling of a remote device: "worker1:GPU:0" is task 1 of job
-# "worker", device GPU:0 ("worker1:cpu" is its CPU:0).
-_SHORT_REMOTE_RE = re.compile(
-    r"^(?P<job>[A-Za-z][A-Za-z0-9_]*?)(?P<task>\d+):(?P<type>[A-Za-z_]+)(?::(?P<index>\d+))?$"
-)
 _RESERVED_PREFIXES = ("cuda", "opencl", "gpu", "cpu")
 # Device types TensorFlow places ops on, besides those of this machine's devices.
 _DEVICE_TYPES = frozenset({"CPU", "GPU", "TPU", "TPU_SYSTEM", "XLA_CPU", "XLA_GPU"})
@@ -183,54 +183,6 @@ def list_devices(device_type: str | None = None) -> list[str]:
 # ---------------------------------------------------------------- resolution
 
 
-@dataclasses.dataclass(frozen=True)
-class _Key:
-    """What identifies a device, so that equal keys name one device: job None is
-    this process, and a missing replica or task is 0, as TensorFlow reads it."""
-
-    job: str | None
-    replica: int
-    task: int
-    device_type: str
-    index: int
-
-    @classmethod
-    def of(cls, spec: tf.DeviceSpec) -> _Key:
-        job = spec.job if spec.job != "localhost" else None
-        replica, task = (spec.replica or 0, spec.task or 0) if job is not None else (0, 0)
-        return cls(job, replica, task, spec.device_type.upper(), spec.device_index)
-
-
-def parse_spec(text: str) -> tf.DeviceSpec | None:
-    """The DeviceSpec for a device spelling, or None when it is not one.
-
-    Shared internal (tfshard.processes reads device names with it too). Pure
-    name parsing: it does not start TensorFlow or check that the device exists.
-    """
-    cuda = _CUDA_RE.match(text)
-    if cuda:
-        return tf.DeviceSpec(device_type="GPU", device_index=int(cuda["index"] or 0))
-    local = _LOCAL_RE.match(text)
-    if local:
-        index = int(local["index"]) if local["index"] is not None else 0
-        return tf.DeviceSpec(device_type=local["type"].upper(), device_index=index)
-    short = _SHORT_REMOTE_RE.match(text)
-    if short:
-        index = int(short["index"] or 0)
-        return tf.DeviceSpec(short["job"], 0, int(short["task"]), short["type"].upper(), index)
-    if text.startswith("/job:") or text.startswith("/replica:") or "/device:" in text:
-        try:
-            spec = tf.DeviceSpec.from_string(text)
-        except ValueError:
-            return None
-        if spec.device_type is None:
-            return None
-        if spec.device_index is None:
-            spec = spec.replace(device_index=0)
-        return spec.replace(device_type=spec.device_type.upper())
-    return None
-
-
 def resolve_device(spec: DeviceSpecLike) -> str:
     """Turns any accepted device spelling into its canonical name.
 
@@ -261,24 +213,20 @@ def resolve_device(spec: DeviceSpecLike) -> str:
     """
     if isinstance(spec, str):
         contexts = active_contexts()
-        _env_contexts.log_once(contexts)
+        _active.log_env_once(contexts)
         if contexts is not None and spec.strip() in contexts:
             return contexts.resolve(spec.strip())
     parsed = _parse_request(spec)
-    wanted = _Key.of(parsed)
+    wanted = DeviceKey.of(parsed)
     devices = tf.config.list_logical_devices()
     for device in devices:
-        if wanted == _Key.of(tf.DeviceSpec.from_string(device.name)):
+        if wanted == DeviceKey.of(tf.DeviceSpec.from_string(device.name)):
             return device.name
     hint = ""
     if wanted.device_type == "GPU":
         hint = "; tfshard.try_gpu()/try_all_gpus() fall back to the CPU when a GPU is missing"
     if wanted.job is not None:
-        hint += "; " + (
-            (_remote_hint and _remote_hint(wanted.job, wanted.task))
-            or "this process is not connected to a cluster: call tfshard.connect(cluster) "
-            f"first (with a {wanted.job!r} job of at least {wanted.task + 1} task(s))"
-        )
+        hint += "; " + _remote_hint(wanted, devices)
     else:
         hint += (
             "; tfshard.virtual_devices(n) before the first TF op splits the CPU (or a "
@@ -288,6 +236,29 @@ def resolve_device(spec: DeviceSpecLike) -> str:
         f"device {spec!r} ({parsed.to_string()}) does not exist; this process has "
         f"{_existing(devices)}{hint}"
     )
+
+
+def _remote_hint(wanted: DeviceKey, devices: list[tf.config.LogicalDevice]) -> str:
+    """Why task `wanted.task` of job `wanted.job` has no such device, from TF's device list.
+
+    TensorFlow lists a remote task's devices once this process is connected to its
+    cluster, so the list says whether a cluster is connected and which tasks it has.
+    """
+    tasks: dict[str, set[int]] = {}
+    for device in devices:
+        key = DeviceKey.of(tf.DeviceSpec.from_string(device.name))
+        if key.job is not None:
+            tasks.setdefault(key.job, set()).add(key.task)
+    job, task = wanted.job, wanted.task
+    if not tasks:
+        return (
+            "this process is not connected to a cluster: call tfshard.connect(cluster) "
+            f"first (with a {job!r} job of at least {task + 1} task(s))"
+        )
+    if task not in tasks.get(job or "", ()):
+        have = ", ".join(f"{j} tasks {sorted(ts)}" for j, ts in tasks.items())
+        return f"the connected cluster has {have}"
+    return f"/job:{job}/task:{task} has no such device"
 
 
 def _parse_request(spec: Any) -> tf.DeviceSpec:
@@ -323,20 +294,6 @@ def _parse_request(spec: Any) -> tf.DeviceSpec:
             f"'cpu', '/job:worker/task:1/device:CPU:0', 'worker1:CPU:0'){known}"
         )
     return parsed
-
-
-def parse_name(device: Any) -> tf.DeviceSpec | None:
-    """`parse_spec` of a name, a LogicalDevice or a DeviceSpec; None for anything else.
-
-    Shared internal (tfshard.cluster reads remote names' job and task with it).
-    """
-    if isinstance(device, tf.config.LogicalDevice):
-        return parse_spec(device.name)
-    if isinstance(device, tf.DeviceSpec):
-        return parse_spec(device.to_string())
-    if isinstance(device, str):
-        return parse_spec(device.strip())
-    return None
 
 
 def _existing(devices: list[tf.config.LogicalDevice] | None = None) -> str:
@@ -502,37 +459,71 @@ def _check_context_entry(name: str, device: str, where: str) -> None:
         raise ContextMapError(f"{where}: the device of {name!r} is empty")
 
 
-class _EnvContexts:
-    """``TFSHARD_CONTEXTS``, parsed once per value under the lock (any thread may
-    read it first); logged once, when `resolve_device` first reads a name: logging
-    resolves devices, which starts TF's runtime, and would break `virtual_devices`."""
+class _ActiveContexts:
+    """Where `active_contexts` looks: this thread's `use_contexts` blocks, innermost
+    last, then the process's `set_contexts` map, then ``TFSHARD_CONTEXTS``.
+
+    Process state on purpose, as TensorFlow's own `tf.device` scopes are: an op
+    reads the active device scope, and `resolve_device` reads the active map, so a
+    map chosen once (a ``--contexts`` flag, the environment, a ``with`` block)
+    reaches every name resolved under it without passing through the user's code.
+    It lives in this one object, which only `active_contexts`, `set_contexts`,
+    `use_contexts` and `resolve_device` touch (tests swap in a fresh one).
+
+    The variable is parsed once per value, under the lock (any thread may read it
+    first), and logged once, when `resolve_device` first reads a name: logging
+    resolves devices, which starts TF's runtime, and would break `virtual_devices`.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._text: str | None = None
-        self._map: ContextMap | None = None
-        self._logged = False
+        self._lock = threading.Lock()  # Guards all but the per-thread blocks.
+        self._thread = threading.local()
+        # `set_contexts`' map: [] until set, then [map] ([None] hides the variable's).
+        self._explicit: list[ContextMap | None] = []
+        self._env: tuple[str, ContextMap] | None = None  # (text, its map)
+        self._env_logged = False
+
+    def blocks(self) -> list[ContextMap | None]:
+        """This thread's `use_contexts` maps, innermost last; a new thread has none."""
+        if not hasattr(self._thread, "maps"):
+            self._thread.maps = []
+        return self._thread.maps
 
     def get(self) -> ContextMap | None:
+        blocks = self.blocks()
+        if blocks:
+            return blocks[-1]
+        with self._lock:
+            if self._explicit:
+                return self._explicit[-1]
+        return self._from_env()
+
+    def set(self, contexts: ContextMap | None) -> None:
+        with self._lock:
+            self._explicit[:] = [contexts]
+
+    def _from_env(self) -> ContextMap | None:
         """The map the variable spells now, None when unset; ContextMapError if malformed."""
         text = os.environ.get(CONTEXTS_ENV, "")
         if not text.strip():
             return None
         with self._lock:
-            if text != self._text:
+            if self._env is None or self._env[0] != text:
                 try:
                     parsed = ContextMap.parse(text)
                 except ContextMapError as error:
                     raise ContextMapError(f"{CONTEXTS_ENV}: {error}") from None
-                self._text, self._map, self._logged = text, parsed, False
-            return self._map
+                self._env, self._env_logged = (text, parsed), False
+            return self._env[1]
 
-    def log_once(self, contexts: ContextMap | None) -> None:
+    def log_env_once(self, contexts: ContextMap | None) -> None:
         """Logs the mappings of `contexts` if it is the variable's map, not logged yet."""
         with self._lock:  # Marked first: logging resolves, which reads the map again.
-            if contexts is None or contexts is not self._map or self._logged:
+            if contexts is None or self._env is None or contexts is not self._env[1]:
                 return
-            self._logged = True
+            if self._env_logged:
+                return
+            self._env_logged = True
         try:
             contexts.log_mappings()
         except DeviceError as error:
@@ -540,18 +531,7 @@ class _EnvContexts:
             _log.warning("%s: %s", CONTEXTS_ENV, error)
 
 
-class _Scopes(threading.local):
-    """This thread's `use_contexts` maps, innermost last; a new thread has none."""
-
-    def __init__(self) -> None:
-        self.maps: list[ContextMap | None] = []
-
-
-_scopes = _Scopes()
-_contexts_lock = threading.Lock()  # Guards _explicit, which any thread may set.
-# `set_contexts`' map, for every thread: [] until set, then [map] ([None] hides the env's).
-_explicit: list[ContextMap | None] = []
-_env_contexts = _EnvContexts()
+_active = _ActiveContexts()
 
 
 def active_contexts() -> ContextMap | None:
@@ -562,12 +542,7 @@ def active_contexts() -> ContextMap | None:
     Raises:
       ContextMapError: ``TFSHARD_CONTEXTS`` is set but malformed.
     """
-    if _scopes.maps:
-        return _scopes.maps[-1]
-    with _contexts_lock:
-        if _explicit:
-            return _explicit[-1]
-    return _env_contexts.get()
+    return _active.get()
 
 
 def _coerce_map(contexts: ContextMap | str | Mapping[str, str] | None) -> ContextMap | None:
@@ -607,8 +582,7 @@ def set_contexts(
     parsed = _coerce_map(contexts)
     if parsed is not None and log:
         parsed.log_mappings()
-    with _contexts_lock:
-        _explicit[:] = [parsed]
+    _active.set(parsed)
     return parsed
 
 
@@ -631,7 +605,7 @@ def use_contexts(
     parsed = _coerce_map(contexts)
     if parsed is not None and log:
         parsed.log_mappings()
-    maps = _scopes.maps
+    maps = _active.blocks()
     maps.append(parsed)
     depth = len(maps)
     try:
@@ -704,19 +678,6 @@ def virtual_devices(
 # ------------------------------------------------------------------ transfers
 
 
-def same_device(have: str, want: str) -> bool:
-    """Whether two device names name one device ("" names none: a graph tensor unplaced).
-
-    Shared internal (tfshard.replicas compares a variable's device with a shard's).
-    """
-    if not have:  # A tensor in a graph, before placement.
-        return False
-    try:
-        return _Key.of(tf.DeviceSpec.from_string(have)) == _Key.of(tf.DeviceSpec.from_string(want))
-    except ValueError:
-        return False
-
-
 def to_device(x: Any, device: DeviceSpecLike) -> Any:
     """Copies `x` (a tensor, array, or nested structure of them) to a device.
 
@@ -771,33 +732,3 @@ def pin(device: DeviceSpecLike) -> Iterator[str]:
     name = resolve_device(device)
     with tf.device(name):
         yield name
-
-
-# -------------------------------------------------------------- remote names
-
-
-def is_remote(device: DeviceSpecLike) -> bool:
-    """True when a device lives on another TensorFlow server (so data crosses the network).
-
-    Pure name inspection: it does not start TensorFlow or resolve the device.
-
-    >>> tfshard.pinning.is_remote("/job:worker/replica:0/task:1/device:CPU:0")
-    True
-    >>> tfshard.pinning.is_remote("worker1:GPU:0"), tfshard.pinning.is_remote("/device:CPU:1")
-    (True, False)
-    """
-    parsed = parse_name(device)
-    return parsed is not None and parsed.job not in (None, "localhost")
-
-
-# Set once by tfshard.cluster, replaced whole, so readers need no lock.
-_remote_hint: Callable[[str, int], str | None] | None = None
-
-
-def set_remote_hint(hint: Callable[[str, int], str | None]) -> None:
-    """Shared internal, for tfshard.cluster (which this module must not import),
-    which knows the connected cluster and calls this when imported (`connect`
-    lives there): ``hint(job, task)`` is what `resolve_device` says when that
-    task has no such device, or None when no cluster is connected."""
-    global _remote_hint
-    _remote_hint = hint

@@ -66,7 +66,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tfshard import _gpu_ids, pinning
+from tfshard import _device_names, _gpu_ids, pinning
 from tfshard.errors import ArgumentError, DeviceError, WorkerError
 
 __all__ = ("WorkerError", "run_per_device")
@@ -78,7 +78,9 @@ _GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"
 # How long a stopped (SIGTERM) worker may take to exit before it is killed, and
 # how long a worker that reported its result may take to exit by itself.
 _GRACE_S = 5.0
-# Workers are spawned one at a time while CUDA_VISIBLE_DEVICES is swapped.
+# Workers are spawned one at a time while CUDA_VISIBLE_DEVICES is swapped. Module
+# state because what it guards is: os.environ is the process's, and a spawned
+# worker inherits it, so two threads calling run_per_device share this lock.
 _spawn_lock = threading.Lock()
 
 
@@ -164,7 +166,7 @@ def _gpu_index(text: Any, position: int, spec: Any) -> int | None:
             )
         return text
     # Read as resolve_device reads it, but only the local spellings.
-    parsed = pinning.parse_spec(text.strip())
+    parsed = _device_names.parse_spec(text.strip())
     if parsed is not None and parsed.job in (None, "localhost"):
         if parsed.device_type == "CPU":
             return None
@@ -213,7 +215,7 @@ def run_per_device(
     per_device_args: Sequence[Any],
     *,
     shared: Mapping[str, Any] | None = None,
-    devices: Sequence[pinning.DeviceSpecLike] | None = None,
+    devices: Sequence[_device_names.DeviceSpecLike] | None = None,
     timeout: float | None = None,
 ) -> list[Any]:
     """Runs ``fn(per_device_args[i], **shared)`` in one new process per device.

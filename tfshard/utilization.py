@@ -11,10 +11,11 @@ standard library (absl is used by the command line only).
   GPU (`GpuSummary`).
 - `check` runs a function under a `Monitor` and returns a `Verdict` per GPU: busy enough to
   scale out, or not, with the reason and what to change.
-- ``python -m tfshard.utilization`` prints a table (``--watch SECONDS`` to refresh,
+- `format_table` lays readings out as the table the command line prints.
+- ``python -m tfshard.utilization`` prints that table (``--watch SECONDS`` to refresh,
   ``--threshold``, ``--json``); it exits 0 when every GPU meets the threshold, 1 when one
-  does not, 2 when no reading could be taken. The command line, with `format_table` and
-  `run_cli`, lives in ``tfshard/_utilization_cli.py``.
+  does not, 2 when no reading could be taken, and 0 for ``--help``. The command line
+  lives in ``tfshard/_utilization_cli.py``, which imports this module, never the reverse.
 
 The ``nvidia-smi`` executable is, in order: the ``nvidia_smi=`` argument, the
 ``TFSHARD_NVIDIA_SMI`` environment variable, ``nvidia-smi`` on ``PATH``.
@@ -48,14 +49,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from tfshard import _gpu_ids
 from tfshard.errors import ArgumentError, UtilizationError
-
-if TYPE_CHECKING:
-    from tfshard._utilization_cli import format_table, run_cli
 
 __all__ = (
     "GpuReading",
@@ -66,7 +64,6 @@ __all__ = (
     "format_table",
     "parse",
     "query",
-    "run_cli",
 )
 
 _QUERY_FIELDS = (
@@ -733,19 +730,62 @@ def check_threshold(threshold: float) -> None:
         raise ArgumentError(f"threshold={threshold!r}; give a percentage from 0 to 100")
 
 
-# The command line lives in tfshard/_utilization_cli.py, which imports this module; its public
-# names load from there on first use (PEP 562), so the library does not load the CLI.
-_CLI_NAMES = ("format_table", "run_cli")
+# --- the table ----------------------------------------------------------------------
 
 
-def __getattr__(name: str) -> Any:
-    if name in _CLI_NAMES:
-        from tfshard import _utilization_cli
+def format_table(readings: Iterable[GpuReading], threshold: float = DEFAULT_THRESHOLD) -> str:
+    """Formats readings as the table ``python -m tfshard.utilization`` prints.
 
-        return getattr(_utilization_cli, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    >>> reading = GpuReading(0, "GPU-8f3a", "NVIDIA A100-SXM4-40GB", 93.0, 41.0, 15012, 40960,
+    ...                      "/device:GPU:0")
+    >>> print(format_table([reading]))
+    gpu  tf device      name                   util %  mem util %  memory MiB     vs 90 %
+      0  /device:GPU:0  NVIDIA A100-SXM4-40GB      93          41  15012 / 40960  ok
+
+    Args:
+        readings: The readings to show.
+        threshold: The utilisation bar, in percent, for the last column.
+
+    Returns:
+        The table, one line per GPU under a header line, without a final newline.
+    """
+    rows = [
+        ("gpu", "tf device", "name", "util %", "mem util %", "memory MiB", f"vs {threshold:g} %")
+    ]
+    for r in readings:
+        if r.utilization_gpu is None:
+            status = "n/a"
+        else:
+            status = "ok" if r.utilization_gpu >= threshold else "below"
+        rows.append(
+            (
+                str(r.index),
+                ", ".join(r.devices) or "-",
+                r.name or "?",
+                _show(r.utilization_gpu),
+                _show(r.utilization_memory),
+                f"{_show(r.memory_used_mib)} / {_show(r.memory_total_mib)}",
+                status,
+            )
+        )
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    right = {0, 3, 4}  # numbers line up on the right
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(width) if col in right else cell.ljust(width)
+            for col, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
 
 
+def _show(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:g}"
+
+
+# Run by `python -m tfshard.utilization` only, never on import: the command line imports
+# this module (as tfshard.utilization) and does the rest.
 if __name__ == "__main__":
     from tfshard import _utilization_cli
 

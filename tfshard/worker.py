@@ -13,6 +13,10 @@ task index, then connect from the client::
 The server (a `tf.distribute.Server`, started by `tfshard.cluster.start_server`)
 listens on its port on every interface, without authentication: run it on a
 trusted network only. It serves until the process is stopped (Ctrl-C or SIGTERM).
+
+A bad cluster, job or task, or a port in use, ends it with status 1 and one line
+``tfshard.worker: error: ...`` naming the fix; once the server listens it prints
+`READY` (scripts wait for that line); Ctrl-C ends it with status 0.
 """
 
 from __future__ import annotations
@@ -25,41 +29,64 @@ from absl import app, flags, logging
 from tfshard import cluster
 from tfshard.errors import TfshardError
 
-__all__ = ("READY", "main")
+__all__ = ("READY", "main", "serve")
 
 # Printed (and flushed) once the server listens; scripts and tests wait for it.
 READY = "tfshard.worker: serving"
+_WAKE_S = 0.5  # The longest a served worker takes to see Ctrl-C (see `serve`).
 
 
-def _define_flags() -> tuple[flags.FlagHolder, flags.FlagHolder, flags.FlagHolder]:
+def _define_flags() -> None:
     """The script's flags, defined only when it runs as a script.
 
     Defining them at import would put --cluster, --job and --task into the flags
     of every program that imports tfshard.worker (pytest imports it for its
     doctests), where an example's own --cluster would then clash.
     """
-    cluster_flag = flags.DEFINE_string(
+    flags.DEFINE_string(
         "cluster",
         None,
         "The cluster: a comma list of host:port (job 'worker', task i is entry i), or JSON "
         'such as \'{"worker": ["host1:2222", "host2:2222"]}\'. Default: TF_CONFIG\'s cluster.',
     )
-    job = flags.DEFINE_string(
+    flags.DEFINE_string(
         "job", None, "This server's job name. Default: TF_CONFIG's task type, else 'worker'."
     )
-    task = flags.DEFINE_integer(
+    flags.DEFINE_integer(
         "task", None, "This server's task index in its job. Default: TF_CONFIG's.", lower_bound=0
     )
-    return cluster_flag, job, task
 
 
 def main(argv: list[str]) -> None:
+    """The entry point of ``python -m tfshard.worker``, after absl parsed the flags.
+
+    Reads ``--cluster``, ``--job`` and ``--task`` from absl's flags, as an absl
+    program does, and `serve`s; a `TfshardError` ends the process with status 1
+    and its message, without a traceback.
+    """
     del argv
+    values = flags.FLAGS
     try:
-        server = cluster.start_server(_CLUSTER.value, _JOB.value, _TASK.value)
+        serve(values.cluster, values.job, values.task)
     except TfshardError as error:
         sys.exit(f"tfshard.worker: error: {error}")
-    jobs = cluster.cluster_jobs(_CLUSTER.value)
+
+
+def serve(cluster_spec: str | None = None, job: str | None = None, task: int | None = None) -> None:
+    """Starts one task's server, prints `READY` and serves until Ctrl-C.
+
+    Args:
+      cluster_spec: anything `tfshard.cluster.cluster_spec` accepts; None reads
+        ``TF_CONFIG``.
+      job: this task's job, as `tfshard.cluster.start_server` takes it.
+      task: this task's index, as `tfshard.cluster.start_server` takes it.
+
+    Raises:
+      ArgumentError: as `tfshard.cluster.start_server` raises, before anything
+        listens.
+    """
+    server = cluster.start_server(cluster_spec, job, task)
+    jobs = cluster.cluster_jobs(cluster_spec)
     job, task = server.server_def.job_name, server.server_def.task_index
     address = jobs[job][task]
     logging.info(
@@ -70,16 +97,19 @@ def main(argv: list[str]) -> None:
         f"tfshard.connect({cluster.cluster_flag(jobs)!r})",
         flush=True,
     )
-    # Not server.join(): Python runs signal handlers only between bytecodes, so
-    # a main thread blocked in join() would never see Ctrl-C. SIGTERM keeps its
+    # Not server.join(), nor one long sleep: Python runs signal handlers in the
+    # main thread between bytecodes, and the kernel may hand Ctrl-C's SIGINT to
+    # any of TensorFlow's threads, which leaves a blocked main thread asleep
+    # (measured: a worker in time.sleep(3600) still served 15 s after SIGINT).
+    # Waking every _WAKE_S bounds how long Ctrl-C takes. SIGTERM keeps its
     # default action and ends the process at once (a TF server has no stop).
     try:
         while True:
-            time.sleep(3600)
+            time.sleep(_WAKE_S)
     except KeyboardInterrupt:
         logging.info("tfshard worker: job %s task %d stopped", job, task)
 
 
 if __name__ == "__main__":
-    _CLUSTER, _JOB, _TASK = _define_flags()
+    _define_flags()
     app.run(main)
