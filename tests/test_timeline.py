@@ -137,11 +137,13 @@ def test_shards_are_in_order_with_the_plans_rows_and_consistent_times(pure_four)
 
 def test_busy_time_follows_the_work_each_shard_got():
     # Independent of the record: shard 0 gets 5 times the rows of each other shard.
+    # Busy time includes time an op's thread waited for a core, so under load
+    # the best of three runs is compared, with a wide margin (5x expected).
     f = _pure(FOUR, weights=[5, 1, 1, 1])
-    timeline = f.timeline(_rows(2048))
-    busy = [s.busy_ms for s in timeline.shards]
-    assert [s.rows for s in timeline.shards] == f.plan(2048) == [1280, 256, 256, 256]
-    assert all(busy[0] > 2 * b for b in busy[1:]), busy
+    timelines = [f.timeline(_rows(2048)) for _ in range(3)]
+    assert [s.rows for s in timelines[0].shards] == f.plan(2048) == [1280, 256, 256, 256]
+    ratios = [t.shards[0].busy_ms / max(s.busy_ms for s in t.shards[1:]) for t in timelines]
+    assert max(ratios) > 2.0, ratios
 
 
 def test_copies_count_each_shards_rows_in_and_its_result_out(pure_four):
@@ -191,6 +193,15 @@ def test_a_keras_model_is_recorded_with_its_weights_untouched():
     assert all(s.ops > 0 for s in timeline.shards)
     for w, b in zip(model.get_weights(), before):
         np.testing.assert_array_equal(w, b)
+
+
+def test_compiled_shards_count_their_one_kernel_as_busy():
+    # With XLA each shard is one call whose ops the record does not list.
+    f = _pure(FOUR, jit_compile=True)
+    timeline = f.timeline(_rows(256))
+    assert [s.rows for s in timeline.shards] == [64, 64, 64, 64]
+    for s in timeline.shards:
+        assert s.ops >= 1 and s.busy_ms > 0.5, s
 
 
 def test_a_dataset_is_refused_with_the_remedy(pure_four):

@@ -496,7 +496,12 @@ def _span(ops: list[_Op], device: str) -> dict[str, Any]:
     runs whenever its inputs resolve, often long after the work.
     """
     kernels = [o for o in ops if o.kind == "kernel"]
-    work = kernels or [o for o in ops if o.kind == "op" and o.op not in _NOT_WORK | _CALL_OPS]
+    inner = [o for o in ops if o.kind == "op" and o.op not in _NOT_WORK | _CALL_OPS]
+    # A call whose ops the record does not list (an XLA cluster runs as one
+    # kernel) is itself the work; otherwise its ops are, and the call only waits.
+    calls = [o for o in ops if o.kind == "op" and o.op in _CALL_OPS]
+    opaque = [c for c in calls if not any(c.start <= o.start <= c.end for o in inner)]
+    work = kernels or inner + opaque
     timed = work or [o for o in ops if o.kind == "op"]
     intervals = _union((o.start, o.end) for o in work)
     return dict(
