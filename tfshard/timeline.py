@@ -289,7 +289,9 @@ def record(
         )
     graph, feeds, initial = _replay(concrete, tensors, name)
     fetches = [graph.get_tensor_by_name(t.name) for t in concrete.outputs]
-    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    options = tf.compat.v1.RunOptions(
+        trace_level=tf.compat.v1.RunOptions.FULL_TRACE, output_partition_graphs=True
+    )
     metadata = tf.compat.v1.RunMetadata()
     with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
         if initial:
@@ -297,7 +299,7 @@ def record(
         session.run(fetches, feeds)  # warm-up: kernels made, memory allocated
         session.run(fetches, feeds, options, metadata)
     fed = {name: int(np.asarray(value).nbytes) for name, value in feeds.items()}
-    return _read(metadata.step_stats, graph, fed, devices, rows, name)
+    return _read(metadata, fed, devices, rows, name)
 
 
 def _replay(concrete: Any, tensors: Sequence[Any], name: str) -> tuple[Any, dict, dict]:
@@ -514,47 +516,48 @@ def _span(ops: list[_Op], device: str) -> dict[str, Any]:
     )
 
 
-def _copies(ops: list[_Op], graph: Any, fed: dict[str, int]) -> tuple[Copies, ...]:
-    """Bytes on the graph's edges between devices, and each device's memcpy time.
+def _copies(ops: list[_Op], partitions: Sequence[Any], fed: dict[str, int]) -> tuple[Copies, ...]:
+    """Bytes sent between devices, and each device's memcpy time.
 
-    `fed` gives the size of each tensor fed to the session (the call's inputs,
-    captured tensors): they arrive on the host, as an eager call's inputs
-    usually live there.
+    The executed partition graphs list every tensor that crossed: a ``_Recv``
+    on the receiving device for each (tensor, device) pair, whose ``_Send``
+    names the tensor's producer, whose size the step stats give. `fed` gives
+    the sizes of the tensors fed to the session (the call's inputs, captured
+    tensors), which arrive on the host. Control edges carry no data.
     """
-    ran_as: dict[str, list[_Op]] = {}
-    for o in ops:
-        if o.kind == "op":
-            ran_as.setdefault(o.name, []).append(o)
-
-    def placed(op: Any) -> _Op | None:
-        # A function's ops may share a name with the graph's (Identity): the
-        # graph's op is the one on the device it asked for, or the only one.
-        found = ran_as.get(op.name, [])
-        if len(found) > 1 and op.device:
-            asked = _local(op.device)
-            found = [o for o in found if o.device == asked]
-        return found[0] if len(found) == 1 else None
-
-    moved: dict[tuple[str, str], tuple[str, int]] = {}
-    for consumer in graph.get_operations():
-        ran = placed(consumer)
-        if ran is None:
+    produced = {(o.name, o.device): o.output_bytes for o in ops if o.kind == "op"}
+    sends: dict[str, tuple[str, Any]] = {}  # tensor_name -> (device, the _Send's input)
+    client: dict[str, str] = {}  # node name -> the fed tensor it receives
+    receives = []
+    for partition in partitions:
+        for node in partition.node:
+            attr = node.attr
+            if node.op in ("_Send", "_HostSend"):
+                sends[attr["tensor_name"].s.decode()] = (_local(node.device), node.input[0])
+            elif node.op in ("_Recv", "_HostRecv"):
+                if attr["client_terminated"].b:
+                    client[node.name] = attr["tensor_name"].s.decode()
+                else:
+                    receives.append(node)
+    moved: list[tuple[str, str, int]] = []
+    for node in receives:
+        sent = sends.get(node.attr["tensor_name"].s.decode())
+        if sent is None:
             continue
-        for tensor in consumer.inputs:
-            producer = placed(tensor.op)
-            if producer is not None:
-                source = producer.device
-                sizes = producer.output_bytes
-                size = sizes[tensor.value_index] if tensor.value_index < len(sizes) else 0
-            elif tensor.name in fed:
-                source, size = _HOST, fed[tensor.name]
-            else:
-                continue
-            if source != ran.device:
-                moved[(tensor.name, ran.device)] = (source, size)
+        source, producer = sent
+        name, _, slot = producer.partition(":")
+        if "/ctrl/" in name or name.startswith("^"):
+            continue  # a control edge's dummy value
+        if name in client:
+            size = fed.get(client[name], 0)
+        else:
+            sizes = produced.get((name, source), [])
+            index = int(slot or 0)
+            size = sizes[index] if index < len(sizes) else 0
+        moved.append((source, _local(node.attr["recv_device"].s.decode()), size))
     bytes_in: dict[str, int] = {}
     bytes_out: dict[str, int] = {}
-    for (_, destination), (source, size) in moved.items():
+    for source, destination, size in moved:
         bytes_in[destination] = bytes_in.get(destination, 0) + size
         bytes_out[source] = bytes_out.get(source, 0) + size
     memcpy: dict[str, float] = {}
@@ -571,14 +574,13 @@ def _device_order(name: str) -> tuple[str, int]:
 
 
 def _read(
-    step_stats: Any,
-    graph: Any,
+    metadata: Any,
     fed: dict[str, int],
     devices: Sequence[str],
     rows: Sequence[int] | None,
     name: str,
 ) -> Timeline:
-    ops = _ops(step_stats)
+    ops = _ops(metadata.step_stats)
     per_shard, gathered, other = _attribute(ops, len(devices))
     shards = tuple(
         Shard(
@@ -596,7 +598,7 @@ def _read(
         name=name,
         shards=shards,
         gather=gather,
-        copies=_copies(ops, graph, fed),
+        copies=_copies(ops, metadata.partition_graphs, fed),
         total_ms=max((o.end for o in ops), default=0.0),
         unattributed_ms=leftover["busy_ms"],
     )
