@@ -164,7 +164,7 @@ def test_copies_count_each_shards_rows_in_and_its_result_out(pure_four):
         # Its rows, the 20 weight matrices it reads, and its row count.
         assert 0 <= c.bytes_in - (row_bytes + 20 * WIDTH * WIDTH * 4 + 4) <= 16
         assert c.ms is None  # logical CPU devices share memory: no copy, no time
-    assert copies[DEVICES[0]].bytes_in == sum(sizes[1:]) * WIDTH * 4
+    assert 0 <= copies[DEVICES[0]].bytes_in - sum(sizes[1:]) * WIDTH * 4 <= 16
 
 
 def test_the_table_names_every_device_rows_and_parallelism(pure_four):
