@@ -106,8 +106,9 @@ class Shard(Span):
 class Copies:
     """What crossed into and out of one device during the call.
 
-    Bytes are the tensors on the graph's edges between devices, each tensor
-    counted once per device it went to. Logical CPU devices share the host's
+    Bytes are the tensors the run sent between devices (the executed
+    partition graphs' send/receive pairs), each tensor counted once per
+    device it went to. Logical CPU devices share the host's
     memory, so there TF hands tensors over without copying and records no
     time (`ms` is None); on a GPU, `ms` is the time of the copies on its
     ``memcpy`` stream.
