@@ -469,7 +469,7 @@ class ShardedFunction:
           **kwargs: likewise.
 
         Returns:
-          A `tfshard.timeline.Timeline`: ``.shards`` (device, rows, start_ms,
+          A `tfshard.Timeline`: ``.shards`` (device, rows, start_ms,
           end_ms, busy_ms), ``.parallelism``, ``.copies``, ``.gather``;
           ``print`` it for a table, ``.plot(path)`` for a PNG.
 

@@ -299,7 +299,7 @@ def record(
             session.run([v.initializer for v in initial], dict(initial.values()))
         session.run(fetches, feeds)  # warm-up: kernels made, memory allocated
         session.run(fetches, feeds, options, metadata)
-    fed = {name: int(np.asarray(value).nbytes) for name, value in feeds.items()}
+    fed = {tensor: int(np.asarray(value).nbytes) for tensor, value in feeds.items()}
     return _read(metadata, fed, devices, rows, name)
 
 
