@@ -43,6 +43,8 @@ CONTRACT = {
     "WorkerError",
     # A copy of the weights per device (issue 13): apply_gradients, Replicas.
     "replicas",
+    # What ran where and when in one call (issue 24): f.timeline(x) returns one.
+    "Timeline",
 }
 
 

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from tfshard.pinning import try_gpu as try_gpu
     from tfshard.pinning import use_contexts as use_contexts
     from tfshard.pinning import virtual_devices as virtual_devices
+    from tfshard.timeline import Timeline as Timeline
 
 __version__ = "0.1.0"
 
@@ -69,6 +70,7 @@ _LAZY = {
     "try_gpu": "tfshard.pinning",
     "use_contexts": "tfshard.pinning",
     "virtual_devices": "tfshard.pinning",
+    "Timeline": "tfshard.timeline",
     "processes": None,
     "replicas": None,
     "utilization": None,
@@ -84,6 +86,7 @@ __all__ = (
     "ShardError",
     "ShardedFunction",
     "TfshardError",
+    "Timeline",
     "UtilizationError",
     "WorkerError",
     "active_contexts",

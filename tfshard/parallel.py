@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tfshard import _arguments, _autograph, _options, _sharding, cluster, datasets, pinning
 from tfshard import replicas as replicas_lib
+from tfshard import timeline as timeline_lib
 from tfshard.errors import ArgumentError
 
 __all__ = ("ShardedFunction", "parallelize")
@@ -414,6 +415,54 @@ class ShardedFunction:
                 if self._streams is None:
                     self._streams = datasets.Runner(engine)
         return self._streams
+
+    # ------------------------------------------------------------ timeline
+
+    @_not_converted
+    def timeline(self, *args: Any, **kwargs: Any) -> timeline_lib.Timeline:
+        """Runs one call with these arguments and returns what ran where and when.
+
+        The record is TensorFlow's own (the step stats of the call's graph, run
+        in a session of its own with a full trace; see `tfshard.timeline`), so
+        it answers "did my devices run at once, and where did the time go?"
+        without TensorBoard. The call's results are not returned, and writes
+        to variables go to copies: the function's variables are left as they
+        were.
+
+        Args:
+          *args: the arguments you would call the function with (tensors, not
+            a `tf.data.Dataset`: pass one batch of it).
+          **kwargs: likewise.
+
+        Returns:
+          A `tfshard.Timeline`: ``.shards`` (device, rows, start_ms,
+          end_ms, busy_ms), ``.parallelism``, ``.copies``, ``.gather``;
+          ``print`` it for a table, ``.plot(path)`` for a PNG.
+
+        Raises:
+          ArgumentError: a dataset, a device on another machine, or a captured
+            resource that is not a variable.
+
+        >>> f = tfshard.parallelize(tf.sin, devices=["cpu:0", "cpu:1"])
+        >>> print(f.timeline(np.zeros([6], np.float32)))  # doctest: +ELLIPSIS
+        sin: one call, 6 rows on 2 devices, ... ms; parallelism ...
+          shard   device         rows  start ms    end ms   busy ms  |0 ...
+          0       /device:CPU:0     3  ...
+          1       /device:CPU:1     3  ...
+        """
+        if args and isinstance(args[0], tf.data.Dataset):
+            raise ArgumentError(
+                f"{self.__name__}.timeline() records one call on tensors; pass one batch "
+                "of the dataset, e.g. next(iter(dataset))"
+            )
+        call = self._arguments.classify(args, kwargs)
+        return timeline_lib.record(
+            self.get_concrete_function(*args, **kwargs),
+            call.tensors,
+            devices=self.devices,
+            rows=None if call.rows is None else self.plan(call.rows),
+            name=self.__name__,
+        )
 
 
 class _BoundMethod(ShardedFunction):
