@@ -30,7 +30,7 @@ import tensorflow as tf
 from tfshard import _arguments, _trees, cluster, collect, pinning
 from tfshard._autograph import autographed
 from tfshard._options import Options
-from tfshard._plan import INPUTS_DIFFER, host_cpu, plan_and_split, plan_rows
+from tfshard._plan import INPUTS_DIFFER, Planned, host_cpu, plan_and_split, plan_rows
 from tfshard._shards import (
     ROWS_DIFFER,
     Shard,
@@ -231,15 +231,20 @@ class Engine:
 
     # ------------------------------------------------------------- steps
 
+    def plan_and_split(
+        self, template: _arguments.Template, tensors: Sequence[Any], split_devices: Sequence[str]
+    ) -> tuple[Planned, Sequence[Any]]:
+        """A call's first step (`_plan.plan_and_split`), and its broadcast tensors."""
+        inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
+        count, paths = len(self.devices), template.split_paths()
+        weights = self.options.weights
+        return plan_and_split(inputs, split_devices, paths, count, weights, self.host), shared
+
     def body(
         self, template: _arguments.Template, tensors: Sequence[Any], split_devices: Sequence[str]
     ) -> Any:
         """A call's traced body: plan and split, run the shards, collect."""
-        inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
-        count = len(self.devices)
-        planned = plan_and_split(
-            inputs, split_devices, template.split_paths(), count, self.options.weights, self.host
-        )
+        planned, shared = self.plan_and_split(template, tensors, split_devices)
         outputs = self.run(template, shared, planned.pieces, planned.sizes)
         if self.options.reduce is None:
             outputs.check_gatherable()
@@ -261,15 +266,7 @@ class Engine:
         self, template: _arguments.Template, tensors: Sequence[Any], split_devices: Sequence[str]
     ) -> list[Any]:
         """A `per_shard` call's traced body: plan and split, run; each shard's outputs."""
-        inputs, shared = tensors[: template.split_count], tensors[template.split_count :]
-        planned = plan_and_split(
-            inputs,
-            split_devices,
-            template.split_paths(),
-            len(self.devices),
-            self.options.weights,
-            self.host,
-        )
+        planned, shared = self.plan_and_split(template, tensors, split_devices)
         outputs = self.run(template, shared, planned.pieces, planned.sizes)
         return [_trees.build(outputs.structure, iter(leaves)) for leaves in outputs.flat]
 

@@ -50,7 +50,7 @@ import tensorflow as tf
 
 from tfshard import _kinds, _trees, collect, pinning
 from tfshard._arguments import Arguments, Call, type_spec
-from tfshard._plan import host_cpu, plan_and_split, plan_sizes, rows, split
+from tfshard._plan import host_cpu, plan_sizes, rows, split
 from tfshard._sharding import Engine
 from tfshard.errors import ArgumentError
 
@@ -428,16 +428,7 @@ class Runner:
             template, split_devices = call.template, call.key.split_devices
 
             def body(*tensors: Any) -> Any:
-                inputs = tensors[: template.split_count]
-                shared = tensors[template.split_count :]
-                planned = plan_and_split(
-                    inputs,
-                    split_devices,
-                    template.split_paths(),
-                    len(engine.devices),
-                    engine.options.weights,
-                    engine.host,
-                )
+                planned, shared = engine.plan_and_split(template, tensors, split_devices)
                 outputs = engine.run(template, shared, planned.pieces, planned.sizes)
                 with tf.device(engine.output):
                     results, _ = engine.collect(outputs, planned.sizes, planned.total, finish=False)
@@ -580,17 +571,8 @@ class _Loop:
 
     def _probe(self, *tensors: Any) -> list[list[Any]]:
         """One batch planned and split in place, for the outputs' structure and specs."""
-        count = self._template.split_count
-        engine = self._engine
-        planned = plan_and_split(
-            tensors[:count],
-            self._split_devices,
-            self._template.split_paths(),
-            len(engine.devices),
-            engine.options.weights,
-            engine.host,
-        )
-        return self._run_batch((planned.total, planned.sizes, planned.pieces), tensors[count:])
+        planned, shared = self._engine.plan_and_split(self._template, tensors, self._split_devices)
+        return self._run_batch((planned.total, planned.sizes, planned.pieces), shared)
 
     def _run_batch(
         self, fed: tuple[tf.Tensor, tf.Tensor, list[list[Any]]], broadcast: Sequence[Any]
