@@ -193,6 +193,21 @@ def test_explain_remote_error_names_the_dead_worker(monkeypatch):
     assert cluster.explain_remote_error(ValueError("x")) is None
 
 
+def test_explain_remote_error_ignores_a_shards_error_that_a_worker_sent(monkeypatch):
+    """A worker that sent the shard's own error (gRPC status 3) is up: no hint, no probe."""
+    connection = cluster._Connection({"worker": {0: "127.0.0.1:1"}}, "127.0.0.1:9")
+    monkeypatch.setattr(cluster, "_connection", connection)
+    monkeypatch.setattr(cluster, "_probe_all", None)  # a probe would fail the test
+    error = tf.errors.InvalidArgumentError(
+        None,
+        None,
+        "log of a negative\nAdditional GRPC error information from remote target "
+        "/job:localhost/replica:0/task:0/device:CPU:0 and /job:worker/replica:0/task:0 "
+        'while calling x:\n:UNKNOWN:Error received from peer  {grpc_status:3, grpc_message:"log"}',
+    )
+    assert cluster.explain_remote_error(error) is None
+
+
 @pytest.mark.parametrize(
     "job, task, message",
     [
@@ -466,7 +481,7 @@ FAILING_CLIENT = textwrap.dedent(
     import numpy as np
     import tensorflow as tf
     import tfshard
-    from tfshard import _sharding, cluster
+    from tfshard import cluster, errors
 
     assert sys.stdin.readline().strip() == "go"
     cluster.connect(sys.argv[1], timeout=20)
@@ -489,7 +504,7 @@ FAILING_CLIENT = textwrap.dedent(
                 # read (TF's error, naming the shard's node or call).
                 text, k = str(error), bad // 3
                 named_k = f"shard {k} on {f.devices[k]} " in text or (
-                    _sharding.failing_shard(text) == k)
+                    errors.failing_shard(text) == k)
                 right = named_k and "log of a negative" in text
                 named.append("ok" if right else f"{type(error).__name__}: {text[:300]}")
     print(json.dumps({"event": "failures", "named": named}), flush=True)

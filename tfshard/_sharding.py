@@ -22,7 +22,6 @@ import copy
 import functools
 import inspect
 import math
-import re
 import threading
 import types
 import weakref
@@ -33,27 +32,28 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import _arguments, _trees, cluster, collect, pinning
-from tfshard.errors import ArgumentError, TfshardError, shard_error, user_frames
+from tfshard.errors import (
+    INPUTS_DIFFER,
+    ROWS_DIFFER,
+    SHARD_SCOPE,
+    ArgumentError,
+    TfshardError,
+    failing_shard,
+    inputs_error,
+    pfor_stack_failure,
+    rows_error,
+    shard_error,
+    user_frames,
+)
 from tfshard.replicas import Replicas, check_no_writes, keras_of, variable_reads
 
 # Integer weights are used as they are; other weights are scaled to integers
 # with this total, so a plan is exact integer arithmetic, the same in the graph
 # and in `Engine.plan`.
 WEIGHT_SCALE = 1 << 24
-SHARD_SCOPE = "tfshard_shard_"
-# Nodes an error names: the failing one ({{node N}}), then context ([[N]]).
-_ERROR_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}|\[\[([^\]{}\s]+)\]\]")
-_IN_SHARD_RE = re.compile(r"(?:^|/)" + SHARD_SCOPE + r"(\d+)/")
-_RECEIVE_RE = re.compile(r".*/_\d+")  # a receive the partitioner added, aborted with the step
-# Each of several root errors: "  (0) INVALID_ARGUMENT: ...".
-_ROOT_ERROR_RE = re.compile(r"^\s*\(\d+\) ([A-Z_]+):", re.MULTILINE)
 MAX_ROWS = _arguments.MAX_ROWS
 # A shard's computation: its rows and their number (int32) in, its outputs out.
 ShardFn = Callable[[Sequence[Any], tf.Tensor], Any]
-# Marks the in-graph check that a whole-shard function returned one row per row.
-ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
-# Marks the in-graph check that split arguments have the same rows (inside a tf.function).
-INPUTS_DIFFER = "tfshard: split arguments with different numbers of rows:"
 
 
 # ------------------------------------------------------------------- plans
@@ -372,10 +372,7 @@ class Engine:
                 f"{user_frames(error.message)}",
             )
         hint = cluster.explain_remote_error(error)  # None unless a worker is down
-        # pfor's own failures: stacking per-sample results whose shapes differ.
-        pfor_stack = "/pfor/" in error.message and (
-            "TensorList" in error.message or "Incompatible shapes" in error.message
-        )
+        pfor_stack = pfor_stack_failure(error.message)
         if hint is None and self.per_sample and not self.ragged and pfor_stack:
             hint = (
                 "It failed inside tf.vectorized_map (pfor), which cannot vectorize every op "
@@ -616,47 +613,6 @@ class Engine:
         return [guarded if here else shared for here in in_place]
 
 
-def failing_shard(message: str) -> int | None:
-    """The shard a TF error's message says failed, or None.
-
-    A message holds one error, or several root errors of which the first that
-    is not a cancellation is the cause. An error names its failing node
-    (``{{node N}}``), then the calls it ran in (``[[N]]``), innermost first.
-    The node is shard k's when it is in shard k's scope (traced in place), or
-    when it is inside a function called in shard k's scope
-    (``[[tfshard_shard_k/StatefulPartitionedCall]]``, the shared trace); the
-    outermost such name counts, as a parallelized function inside a shard
-    names its own shards too. A receive (``.../_12``) that TF aborted with the
-    step failed because something else did: it names no shard.
-    """
-    for block in _root_errors(message):
-        names = [(failing, failing or call) for failing, call in _ERROR_NODE_RE.findall(block)]
-        while names and not names[0][0]:
-            names.pop(0)  # calls before any failing node name nothing
-        if not names:
-            continue
-        if _RECEIVE_RE.fullmatch(names[0][1]):
-            continue  # an aborted receive: the cause is another root error
-        found = None
-        for i, (failing, name) in enumerate(names):
-            if i and failing:
-                break  # the next node's report: the failing node's calls ended
-            shard = _IN_SHARD_RE.search(name)
-            if shard is not None and not _RECEIVE_RE.fullmatch(name):
-                found = int(shard.group(1))  # the outermost call wins (nested tfshard)
-        return found  # None: a node outside every shard failed
-    return None
-
-
-def _root_errors(message: str) -> list[str]:
-    """The root errors a TF message lists, cancellations left out (all of it if one)."""
-    starts = list(_ROOT_ERROR_RE.finditer(message))
-    if not starts:
-        return [message]
-    ends = [m.start() for m in starts[1:]] + [len(message)]
-    return [message[m.end() : end] for m, end in zip(starts, ends) if m.group(1) != "CANCELLED"]
-
-
 def one_trace(guarded: ShardFn, **options: Any) -> ShardFn:
     """`guarded` as one `tf.function`, traced on first use; every later call runs that trace.
 
@@ -872,40 +828,6 @@ def is_ragged(t: Any) -> bool:
     return isinstance(t, tf.RaggedTensor)
 
 
-def inputs_error(name: str, message: str) -> ArgumentError:
-    """The failed in-graph check of the split arguments' rows as an ArgumentError."""
-    paths = _assert_text(message, INPUTS_DIFFER).split(", ")
-    got, want, k = _assert_vectors(message)
-    if k is None or k >= len(paths):
-        differ = "the split arguments have different numbers of rows"
-    else:
-        differ = f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
-    return ArgumentError(
-        f"{name}: {differ}; every split argument needs the same leading dimension "
-        "(name an argument in broadcast=(...) to copy it whole to each device)"
-    )
-
-
-def rows_error(name: str, devices: Sequence[str], message: str) -> ArgumentError:
-    """The failed check of `_check_rows` as an ArgumentError naming shard and fix."""
-    path = _assert_text(message, ROWS_DIFFER)
-    got, want, k = _assert_vectors(message)
-    where = ""
-    if k is not None:
-        where = f" on shard {k} ({devices[k]}) has {got[k]} rows for {want[k]}"
-    return ArgumentError(
-        f"{name}: {path}{where or ' has the wrong number of rows'}; with "
-        "per_sample=False each output must have one row per input row to be gathered "
-        "in order (return a [rows, ...] tensor), or be of fixed shape under reduce= "
-        "(a shard's value: pass reduce='sum'/'mean'/'max'/'min')"
-    )
-
-
-def _assert_text(message: str, marker: str) -> str:
-    """The text after `marker` in a failed assert's message (TF escapes its quotes)."""
-    return message.split(marker, 1)[1].split(" :end", 1)[0].strip().replace("\\'", "'")
-
-
 def host_assert(got: tf.Tensor, want: tf.Tensor, message: str) -> tf.Operation:
     """An Assert that `got` equals `want` (small int vectors), printing both if not.
 
@@ -918,17 +840,6 @@ def host_assert(got: tf.Tensor, want: tf.Tensor, message: str) -> tf.Operation:
         data=[tf.constant(message), got, want],
         summarize=int(want.shape[0]),  # K: a row count per shard
     )
-
-
-def _assert_vectors(message: str) -> tuple[list[int], list[int], int | None]:
-    """The two vectors a failed `host_assert` printed, and their first differing index."""
-    # It prints its data: "[message :end (...)] [1 4] [4 4]".
-    vectors = re.findall(r"(?<=\] )\[(-?\d+(?: -?\d+)*)\]", message)
-    if len(vectors) < 2:
-        return [], [], None
-    got, want = ([int(v) for v in vector.split()] for vector in vectors[:2])
-    k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    return got, want, k
 
 
 def per_row(value: Any) -> bool:
