@@ -337,19 +337,45 @@ class Engine:
                 )
 
     def call(self, call: _arguments.Call) -> Any:
-        """Runs one call through its traced graph; results land on the output device."""
+        """Runs one call through its traced graph; results land on the output device.
+
+        A call whose output device is on another server returns before its
+        shards ran, and TF would raise a failure only where the value is read,
+        naming no shard; a failed value left unread fails the next call ("Primary
+        device is not remote"). So such a call waits for its shards here, and a
+        failure leaves no error pending behind it.
+        """
         graph = self.trace(call)
+        remote = pinning.is_remote(self.output)
         try:
             # The call op's device is where TF leaves the function's outputs.
             with tf.device(self.output):
                 result = graph(*call.tensors)
+            if remote:
+                self._wait(result)
         except tf.errors.OpError as error:
+            if remote:
+                tf.experimental.async_clear_error()
             raise self.call_error(error, call.rows) from None
         structure = self.rebuilt.get(call.key)
         if structure is None:
             return result
         # As tf.nest would: the function's own defaultdicts, factories included.
         return _trees.build(structure, iter(_trees.flatten(result)[0]))
+
+    def _wait(self, result: Any) -> None:
+        """Waits for a call whose results stay on another server, raising its error.
+
+        Reading a number that one result's op made waits for that op (every
+        result comes from the one function call); only that number crosses.
+        """
+        leaves = tf.nest.flatten(result, expand_composites=True)
+        if not leaves:  # nothing to read: wait for every pending op, local and remote
+            with tf.experimental.async_scope():
+                pass
+            return
+        with tf.device(self.output):
+            tf.size(leaves[0]).numpy()
 
     def call_error(self, error: tf.errors.OpError, rows: int | None) -> Exception:
         """A failed call's error, naming the shard and, for a dead worker, the remedy."""
