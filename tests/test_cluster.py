@@ -517,6 +517,10 @@ FAILING_CLIENT = textwrap.dedent(
                     named.append(f"row {bad}: next call returned {good.ravel().tolist()}")
             except Exception as error:  # noqa: BLE001
                 named.append(f"row {bad}: next call {type(error).__name__}: {str(error)[:400]}")
+    # Inside a tf.function the call is traced, not run: nothing to wait for there.
+    outer = tf.function(lambda x: f(x))
+    if not np.allclose(outer(tf.fill([9, 1], np.float32(np.e))).numpy(), 1.0):
+        named.append("in a tf.function: a wrong result")
     print(json.dumps({"event": "failures", "named": named}), flush=True)
     """
 )

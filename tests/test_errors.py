@@ -169,6 +169,24 @@ def test_a_failing_shard_is_named_with_its_device_and_rows(shard):
     )
 
 
+@pytest.mark.parametrize("shard", [1, 2])
+def test_a_failure_in_the_users_own_tf_function_names_a_shard_that_calls_the_shared_trace(shard):
+    """Its nodes keep their names inside the user's function; the shared trace's call
+    (``[[tfshard_shard_k/StatefulPartitionedCall]]``) names the shard. (Shard 0, traced
+    in place, is named by no message: see the inlined case above.)"""
+
+    @tf.function
+    def my_step(block):
+        return tf.debugging.check_numerics(tf.math.log(block), "log of a negative")
+
+    devices = CPUS[1:]  # output on CPU:1: shards 1 and 2 call the shared trace
+    f = tfshard.parallelize(my_step, per_sample=False, devices=devices)
+    x = np.ones(9, np.float32)
+    x[3 * shard + 2] = -1.0
+    with pytest.raises(ShardError, match=rf"^my_step: shard {shard} on {devices[shard]} \(rows "):
+        f(x)
+
+
 # ------------------------------------------------ tfshard's in-graph checks
 
 

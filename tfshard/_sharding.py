@@ -346,7 +346,8 @@ class Engine:
         failure leaves no error pending behind it.
         """
         graph = self.trace(call)
-        remote = pinning.is_remote(self.output)
+        # (Inside the user's tf.function, the outer call raises: nothing to wait for.)
+        remote = pinning.is_remote(self.output) and tf.executing_eagerly()
         try:
             # The call op's device is where TF leaves the function's outputs.
             with tf.device(self.output):
