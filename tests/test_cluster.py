@@ -197,6 +197,21 @@ def test_explain_remote_error_names_the_dead_worker(monkeypatch):
     assert cluster.explain_remote_error(ValueError("x")) is None
 
 
+def test_explain_remote_error_ignores_a_shards_error_that_a_worker_sent(monkeypatch):
+    """A worker that sent the shard's own error (gRPC status 3) is up: no hint, no probe."""
+    connection = cluster._Connection({"worker": {0: "127.0.0.1:1"}}, "127.0.0.1:9")
+    monkeypatch.setattr(cluster, "_connection", connection)
+    monkeypatch.setattr(cluster, "_probe_all", None)  # a probe would fail the test
+    error = tf.errors.InvalidArgumentError(
+        None,
+        None,
+        "log of a negative\nAdditional GRPC error information from remote target "
+        "/job:localhost/replica:0/task:0/device:CPU:0 and /job:worker/replica:0/task:0 "
+        'while calling x:\n:UNKNOWN:Error received from peer  {grpc_status:3, grpc_message:"log"}',
+    )
+    assert cluster.explain_remote_error(error) is None
+
+
 @pytest.mark.parametrize(
     "job, task, message",
     [
@@ -491,40 +506,62 @@ FAILING_CLIENT = textwrap.dedent(
     import numpy as np
     import tensorflow as tf
     import tfshard
-    from tfshard import _sharding, cluster
+    from tfshard import cluster
+    from tfshard.errors import ShardError
 
     assert sys.stdin.readline().strip() == "go"
     cluster.connect(sys.argv[1], timeout=20)
     devices = ["worker0:CPU:0", "cpu:0", "worker1:CPU:0"]
     named = []
     for per_sample in (False, True):
+        # The output lands on worker 0 (the first device).
         f = tfshard.parallelize(
             lambda s: tf.debugging.check_numerics(tf.math.log(s), "log of a negative"),
             devices=devices, per_sample=per_sample)
         for bad in range(9):
             x = np.ones((9, 1), np.float32)
             x[bad] = -1.0
+            k = bad // 3
             try:
-                # The output is on worker 0: the call returns before the shards
-                # ran, and an error comes as a TF error when the value is read.
-                f(x).numpy()
-                named.append("no error")
+                f(x)  # never read: the call itself must fail, naming the shard
+                named.append(f"row {bad}: the call returned")
+            except ShardError as error:
+                text = str(error)
+                right = (
+                    f"shard {k} on {f.devices[k]} (rows [{3 * k}:{3 * k + 3}) of 9) failed: "
+                    in text and "log of a negative" in text
+                    and isinstance(error, tf.errors.InvalidArgumentError)
+                    and "lost contact" not in text  # the workers never went away
+                )
+                named.append("ok" if right else f"row {bad}: {text[:400]}")
             except Exception as error:  # noqa: BLE001
-                # Raised by the call (a ShardError naming the shard), or by the
-                # read (TF's error, naming the shard's node or call).
-                text, k = str(error), bad // 3
-                named_k = f"shard {k} on {f.devices[k]} " in text or (
-                    _sharding.failing_shard(text) == k)
-                right = named_k and "log of a negative" in text
-                named.append("ok" if right else f"{type(error).__name__}: {text[:300]}")
+                named.append(f"row {bad}: {type(error).__name__}: {str(error)[:400]}")
+            try:  # nothing is left pending: the next call works
+                good = f(np.full((9, 1), np.e, np.float32)).numpy()
+                if not np.allclose(good, 1.0):
+                    named.append(f"row {bad}: next call returned {good.ravel().tolist()}")
+            except Exception as error:  # noqa: BLE001
+                named.append(f"row {bad}: next call {type(error).__name__}: {str(error)[:400]}")
+    # Inside a tf.function the call is traced, not run: nothing to wait for there.
+    outer = tf.function(lambda x: f(x))
+    if not np.allclose(outer(tf.fill([9, 1], np.float32(np.e))).numpy(), 1.0):
+        named.append("in a tf.function: a wrong result")
     print(json.dumps({"event": "failures", "named": named}), flush=True)
     """
 )
 
 
 def test_a_failing_shard_across_workers_is_named_every_time(two_workers):
-    """Across workers each shard traces in place: as a shared call, a failure lost
-    its error to the cancelled receives from other tasks (7 of 18 times)."""
+    """With the output on a worker, the call itself fails naming the shard, its device
+    and rows, and leaves nothing behind for the next call.
+
+    Before, the call returned before the shards ran: TF raised where the value was
+    read, naming no shard; an unread failed value failed the next call ("Primary
+    device is not remote"), and a failure reported late by the other worker
+    surfaced in the next call, naming the shard that failed before (2 of 5 runs).
+    Across workers each shard traces in place: as a shared call, a failure lost
+    its error to the cancelled receives from other tasks (7 of 18 times).
+    """
     client = _Child([sys.executable, "-c", FAILING_CLIENT, two_workers.cluster])
     try:
         for task in range(2):

@@ -12,7 +12,6 @@ import pytest
 import tensorflow as tf
 
 import tfshard
-from tfshard import _sharding
 
 CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
 
@@ -161,84 +160,3 @@ def test_every_dtype_comes_back_bit_for_bit(dtype, per_sample):
         assert out["x"].numpy().tobytes() == x.tobytes()
         assert out["first"].numpy().tobytes() == np.ascontiguousarray(x[:, :1]).tobytes()
     assert set(seen) == {dtype}
-
-
-_ASSERT = "assertion failed: [boom]"
-_FAILING_SHARD_CASES = {
-    "in place": (f"{_ASSERT}\n\t [[{{{{node tfshard_shard_0/cond/loop_body/Assert}}}}]]", 0),
-    "shared trace": (
-        f"{_ASSERT}\n\t [[{{{{node cond/loop_body/Assert}}}}]]\n"
-        "\t [[tfshard_shard_2/StatefulPartitionedCall]]",
-        2,
-    ),
-    "user function in the shared trace": (
-        f"{_ASSERT}\n\t [[{{{{node inner/Assert}}}}]]\n\t [[cond/StatefulPartitionedCall]]\n"
-        "\t [[tfshard_shard_3/StatefulPartitionedCall]]",
-        3,
-    ),
-    "in place, other shards' receives after it": (
-        f"{_ASSERT}\n\t [[{{{{node tfshard_shard_0/Assert}}}}]]\n"
-        "\t [[tfshard_shard_2/StatefulPartitionedCall/_25]]\n"
-        "\t [[tfshard_shard_0/cond/branch_executed/_7/_7]]",
-        0,
-    ),
-    "shared trace, a receive between the node and its call": (
-        f"{_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n\t [[tfshard_shard_0/cond/pivot/_7/_7]]\n"
-        "\t [[tfshard_shard_1/StatefulPartitionedCall]]",
-        1,
-    ),
-    "the gather failed, a shard's receive after it": (
-        "Tried to set a tensor\n\t [[{{node tfshard_collect/TensorListSetItem}}]]\n"
-        "\t [[tfshard_shard_1/StatefulPartitionedCall/_15]]",
-        None,
-    ),
-    "an aborted receive": (
-        "RecvAsync is cancelled.\n\t [[{{node tfshard_shard_1/StatefulPartitionedCall/_15}}]]",
-        None,
-    ),
-    "a node of no shard, then another report": (
-        f"{_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n\t [[other/StatefulPartitionedCall]]\n"
-        "\t [[{{node tfshard_shard_1/Assert}}]]",
-        None,
-    ),
-    "the cause after a cancelled root": (
-        "2 root error(s) found.\n"
-        "  (0) CANCELLED: RecvAsync is cancelled.\n"
-        "\t [[{{node tfshard_shard_0/cond/Identity}}]]\n"
-        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n"
-        "\t [[tfshard_shard_3/StatefulPartitionedCall]]\n"
-        "0 successful operations.\n0 derived errors ignored.",
-        3,
-    ),
-    "the cause after an aborted receive's root": (
-        "2 root error(s) found.\n"
-        f"  (0) INVALID_ARGUMENT: {_ASSERT}\n"
-        "\t [[{{node tfshard_shard_1/StatefulPartitionedCall/_15}}]]\n"
-        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_2/Assert}}}}]]\n",
-        2,
-    ),
-    "only the first cause counts": (
-        "2 root error(s) found.\n"
-        f"  (0) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_1/Assert}}}}]]\n"
-        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_0/Assert}}}}]]\n",
-        1,
-    ),
-    "names no node": ("Graph execution error: out of memory", None),
-    "a parallelized function inside shard 3's shared trace": (
-        f"{_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n"
-        "\t [[cond/tfshard_shard_0/StatefulPartitionedCall]]\n"
-        "\t [[tfshard_shard_3/StatefulPartitionedCall]]",
-        3,
-    ),
-    "a parallelized function inside shard 2, in place": (
-        f"{_ASSERT}\n\t [[{{{{node tfshard_shard_2/cond/tfshard_shard_1/cond/Assert}}}}]]",
-        2,
-    ),
-}
-
-
-@pytest.mark.parametrize("case", _FAILING_SHARD_CASES)
-def test_failing_shard_reads_the_failing_node_and_its_calls(case):
-    """TF's message formats, written by hand: each names the shard that failed, or none."""
-    message, shard = _FAILING_SHARD_CASES[case]
-    assert _sharding.failing_shard(message) == shard

@@ -22,10 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import _kinds
-from tfshard.errors import ArgumentError
-
-# Marks the in-graph check that split arguments have the same rows (inside a tf.function).
-INPUTS_DIFFER = "tfshard: split arguments with different numbers of rows:"
+from tfshard.errors import INPUTS_DIFFER, ArgumentError
 
 # Integer weights are used as they are; other weights are scaled to integers
 # with this total, so a plan is exact integer arithmetic, the same in the graph

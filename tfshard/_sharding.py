@@ -20,7 +20,6 @@ batch's outputs itself.
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -30,9 +29,8 @@ import tensorflow as tf
 from tfshard import _arguments, _trees, cluster, collect, pinning
 from tfshard._autograph import autographed
 from tfshard._options import Options
-from tfshard._plan import INPUTS_DIFFER, Planned, host_cpu, plan_and_split, plan_rows
+from tfshard._plan import Planned, host_cpu, plan_and_split, plan_rows
 from tfshard._shards import (
-    ROWS_DIFFER,
     Shard,
     ShardOutputs,
     check_outputs,
@@ -41,16 +39,20 @@ from tfshard._shards import (
     shard_of,
     skip_if_empty,
 )
-from tfshard.errors import ArgumentError, shard_error, user_frames
+from tfshard.errors import (
+    INPUTS_DIFFER,
+    ROWS_DIFFER,
+    SHARD_SCOPE,
+    ArgumentError,
+    failing_shard,
+    inputs_error,
+    pfor_stack_failure,
+    rows_error,
+    shard_error,
+    user_frames,
+)
 from tfshard.replicas import Replicas, check_no_writes, variable_reads
 
-SHARD_SCOPE = "tfshard_shard_"
-# Nodes an error names: the failing one ({{node N}}), then context ([[N]]).
-_ERROR_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}|\[\[([^\]{}\s]+)\]\]")
-_IN_SHARD_RE = re.compile(r"(?:^|/)" + SHARD_SCOPE + r"(\d+)/")
-_RECEIVE_RE = re.compile(r".*/_\d+")  # a receive the partitioner added, aborted with the step
-# Each of several root errors: "  (0) INVALID_ARGUMENT: ...".
-_ROOT_ERROR_RE = re.compile(r"^\s*\(\d+\) ([A-Z_]+):", re.MULTILINE)
 # A shard's computation: its rows and their number (int32) in, its outputs out.
 ShardFn = Callable[[Sequence[Any], tf.Tensor], Any]
 
@@ -179,19 +181,50 @@ class Engine:
                 )
 
     def call(self, call: _arguments.Call) -> Any:
-        """Runs one call through its traced graph; results land on the output device."""
-        graph = self.trace(call)
-        try:
-            # The call op's device is where TF leaves the function's outputs.
-            with tf.device(self.output):
-                result = graph(*call.tensors)
-        except tf.errors.OpError as error:
-            raise self.call_error(error, call.rows) from None
+        """Runs one call through its traced graph; results land on the output device.
+
+        A call whose output device is on another server returns before its
+        shards ran, and TF would raise a failure only where the value is read,
+        naming no shard; a failed value left unread fails the next call ("Primary
+        device is not remote"). So such a call waits for its shards here, and a
+        failure leaves no error pending behind it.
+        """
+        result = self.execute(self.trace(call), call)
         structure = self.rebuilt.get(call.key)
         if structure is None:
             return result
         # As tf.nest would: the function's own defaultdicts, factories included.
         return _trees.build(structure, iter(_trees.flatten(result)[0]))
+
+    def execute(self, graph: Any, call: _arguments.Call) -> Any:
+        """Runs a traced graph on a call's tensors; a failure as `call_error` says."""
+        # (Inside the user's tf.function, the outer call raises: nothing to wait for.)
+        remote = pinning.is_remote(self.output) and tf.executing_eagerly()
+        try:
+            # The call op's device is where TF leaves the function's outputs.
+            with tf.device(self.output):
+                result = graph(*call.tensors)
+            if remote:
+                self._wait(result)
+        except tf.errors.OpError as error:
+            if remote:
+                tf.experimental.async_clear_error()
+            raise self.call_error(error, call.rows) from None
+        return result
+
+    def _wait(self, result: Any) -> None:
+        """Waits for a call whose results stay on another server, raising its error.
+
+        Reading a number that one result's op made waits for that op (every
+        result comes from the one function call); only that number crosses.
+        """
+        leaves = tf.nest.flatten(result, expand_composites=True)
+        if not leaves:  # nothing to read: wait for every pending op, local and remote
+            with tf.experimental.async_scope():
+                pass
+            return
+        with tf.device(self.output):
+            tf.size(leaves[0]).numpy()
 
     def call_error(self, error: tf.errors.OpError, rows: int | None) -> Exception:
         """A failed call's error, naming the shard and, for a dead worker, the remedy."""
@@ -214,10 +247,7 @@ class Engine:
                 f"{user_frames(error.message)}",
             )
         hint = cluster.explain_remote_error(error)  # None unless a worker is down
-        # pfor's own failures: stacking per-sample results whose shapes differ.
-        pfor_stack = "/pfor/" in error.message and (
-            "TensorList" in error.message or "Incompatible shapes" in error.message
-        )
+        pfor_stack = pfor_stack_failure(error.message)
         per_sample, ragged = self.options.per_sample, self.options.ragged
         if hint is None and per_sample and not ragged and pfor_stack:
             hint = (
@@ -272,12 +302,7 @@ class Engine:
 
     def per_shard(self, call: _arguments.Call) -> tuple[Any, ...]:
         """Runs one call; each shard's outputs as they are, on the shard's device."""
-        graph = self.trace(call, per_shard=True)
-        try:
-            with tf.device(self.output):
-                results = graph(*call.tensors)
-        except tf.errors.OpError as error:
-            raise self.call_error(error, call.rows) from None
+        results = self.execute(self.trace(call, per_shard=True), call)
         structure = self.rebuilt.get((call.key, "per_shard"))
         if structure is not None:  # the function's own defaultdicts, as `call` rebuilds them
             results = _trees.build(structure, iter(_trees.flatten(results)[0]))
@@ -418,47 +443,6 @@ class Engine:
         return [guarded if here else shared for here in in_place]
 
 
-def failing_shard(message: str) -> int | None:
-    """The shard a TF error's message says failed, or None.
-
-    A message holds one error, or several root errors of which the first that
-    is not a cancellation is the cause. An error names its failing node
-    (``{{node N}}``), then the calls it ran in (``[[N]]``), innermost first.
-    The node is shard k's when it is in shard k's scope (traced in place), or
-    when it is inside a function called in shard k's scope
-    (``[[tfshard_shard_k/StatefulPartitionedCall]]``, the shared trace); the
-    outermost such name counts, as a parallelized function inside a shard
-    names its own shards too. A receive (``.../_12``) that TF aborted with the
-    step failed because something else did: it names no shard.
-    """
-    for block in _root_errors(message):
-        names = [(failing, failing or call) for failing, call in _ERROR_NODE_RE.findall(block)]
-        while names and not names[0][0]:
-            names.pop(0)  # calls before any failing node name nothing
-        if not names:
-            continue
-        if _RECEIVE_RE.fullmatch(names[0][1]):
-            continue  # an aborted receive: the cause is another root error
-        found = None
-        for i, (failing, name) in enumerate(names):
-            if i and failing:
-                break  # the next node's report: the failing node's calls ended
-            shard = _IN_SHARD_RE.search(name)
-            if shard is not None and not _RECEIVE_RE.fullmatch(name):
-                found = int(shard.group(1))  # the outermost call wins (nested tfshard)
-        return found  # None: a node outside every shard failed
-    return None
-
-
-def _root_errors(message: str) -> list[str]:
-    """The root errors a TF message lists, cancellations left out (all of it if one)."""
-    starts = list(_ROOT_ERROR_RE.finditer(message))
-    if not starts:
-        return [message]
-    ends = [m.start() for m in starts[1:]] + [len(message)]
-    return [message[m.end() : end] for m, end in zip(starts, ends) if m.group(1) != "CANCELLED"]
-
-
 def one_trace(guarded: ShardFn, **options: Any) -> ShardFn:
     """`guarded` as one `tf.function`, traced on first use; every later call runs that trace.
 
@@ -488,48 +472,3 @@ def one_trace(guarded: ShardFn, **options: Any) -> ShardFn:
         return _trees.build(structure[0], iter(traced[0](list(rows_in), rows)))
 
     return call
-
-
-def inputs_error(name: str, message: str) -> ArgumentError:
-    """The failed in-graph check of the split arguments' rows as an ArgumentError."""
-    paths = _assert_text(message, INPUTS_DIFFER).split(", ")
-    got, want, k = _assert_vectors(message)
-    if k is None or k >= len(paths):
-        differ = "the split arguments have different numbers of rows"
-    else:
-        differ = f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
-    return ArgumentError(
-        f"{name}: {differ}; every split argument needs the same leading dimension "
-        "(name an argument in broadcast=(...) to copy it whole to each device)"
-    )
-
-
-def rows_error(name: str, devices: Sequence[str], message: str) -> ArgumentError:
-    """The failed check of `_check_rows` as an ArgumentError naming shard and fix."""
-    path = _assert_text(message, ROWS_DIFFER)
-    got, want, k = _assert_vectors(message)
-    where = ""
-    if k is not None:
-        where = f" on shard {k} ({devices[k]}) has {got[k]} rows for {want[k]}"
-    return ArgumentError(
-        f"{name}: {path}{where or ' has the wrong number of rows'}; with "
-        "per_sample=False each output must have one row per input row to be gathered "
-        "in order (return a [rows, ...] tensor), or be of fixed shape under reduce= "
-        f"(a shard's value: pass reduce={collect.reduction_names()})"
-    )
-
-
-def _assert_text(message: str, marker: str) -> str:
-    """The text after `marker` in a failed assert's message (TF escapes its quotes)."""
-    return message.split(marker, 1)[1].split(" :end", 1)[0].strip().replace("\\'", "'")
-
-
-def _assert_vectors(message: str) -> tuple[list[int], list[int], int | None]:
-    """The two vectors a failed `host_assert` printed, and their first differing index."""
-    # It prints its data: "[message :end (...)] [1 4] [4 4]".
-    vectors = re.findall(r"(?<=\] )\[(-?\d+(?: -?\d+)*)\]", message)
-    if len(vectors) < 2:
-        return [], [], None
-    got, want = ([int(v) for v in vector.split()] for vector in vectors[:2])
-    k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    return got, want, k

@@ -17,10 +17,7 @@ import tensorflow as tf
 
 from tfshard import _arguments, _kinds, _trees, collect
 from tfshard._plan import host_assert, row_count
-from tfshard.errors import ArgumentError, TfshardError
-
-# Marks the in-graph check that a whole-shard function returned one row per row.
-ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
+from tfshard.errors import ROWS_DIFFER, ArgumentError, TfshardError
 
 
 def shard_of(

@@ -57,7 +57,13 @@ from typing import Any
 import tensorflow as tf
 
 from tfshard import _device_names
-from tfshard.errors import ArgumentError, ClusterError
+from tfshard.errors import (
+    ArgumentError,
+    ClusterError,
+    grpc_reason,
+    peer_answered,
+    remote_tasks,
+)
 
 __all__ = (
     "cluster_spec",
@@ -591,13 +597,6 @@ def host_of(device: _device_names.DeviceSpecLike) -> str | None:
     return connection.address(*task)
 
 
-_REMOTE_TARGET_RE = re.compile(
-    r"remote target /job:(?P<job>[A-Za-z][A-Za-z0-9_]*)/replica:\d+/task:(?P<task>\d+)"
-)
-_PEER_RE = re.compile(r"ipv[46]:(?P<address>\[[^\]]+\]:\d+|[^\s:\"]+:\d+)")
-_GRPC_MESSAGE_RE = re.compile(r"grpc_message:\s*\"(?P<message>[^\"\\]*)")
-
-
 def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> str | None:
     """What a failed call's TensorFlow error means for the cluster, and what to do.
 
@@ -624,15 +623,13 @@ def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> st
     if connection is None or not isinstance(error, tf.errors.OpError):
         return None
     text = str(getattr(error, "message", "") or error)
-    named = {(m["job"], int(m["task"])) for m in _REMOTE_TARGET_RE.finditer(text)}
     by_address = {a: (j, t) for j, ts in connection.jobs.items() for t, a in ts.items()}
-    for match in _PEER_RE.finditer(text):
-        if match["address"] in by_address:
-            named.add(by_address[match["address"]])
+    # Tasks of the cluster only: a message also names this client (/job:localhost).
+    named = {(j, t) for j, t in remote_tasks(text, by_address) if t in connection.jobs.get(j, {})}
     unavailable = isinstance(error, tf.errors.UnavailableError | tf.errors.DeadlineExceededError)
-    if not named and not unavailable:
-        return None
-    reason = _GRPC_MESSAGE_RE.search(text)
+    if not unavailable and (not named or peer_answered(text)):
+        return None  # a shard's own error that crossed from a worker says nothing of the network
+    reason = grpc_reason(text)
     probes = _probe_all(connection.jobs, probe_timeout)
     down = [(key, problem) for key, (problem, _) in probes.items() if problem]
     command = "tfshard.connect(...) again with the same cluster"
@@ -651,7 +648,7 @@ def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> st
         ", ".join(f"/job:{j}/task:{t} at {connection.address(j, t)}" for j, t in sorted(named))
         or "a worker"
     )
-    detail = f" ({reason['message']})" if reason else ""
+    detail = f" ({reason})" if reason else ""
     return (
         f"the call lost contact with {where}{detail}, but every worker answers now: if it "
         f"restarted, its state from before is gone, so call {command} and retry the call"

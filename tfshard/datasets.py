@@ -437,11 +437,7 @@ class Runner:
 
             graph = tf.function(body, autograph=False).get_concrete_function(*call.specs())
             self._totals[call.key] = graph
-        try:
-            with tf.device(engine.output):
-                return graph(*call.tensors)
-        except tf.errors.OpError as error:
-            raise engine.call_error(error, call.rows) from None
+        return engine.execute(graph, call)
 
 
 def _batches(

@@ -1,9 +1,15 @@
-"""The one family of errors tfshard raises, and turning a TF op error into a ShardError.
+"""The one family of errors tfshard raises, and reading TensorFlow's error text.
 
 Every error derives from `TfshardError`. Errors caused by bad input also derive
 from `ValueError`, so code that already catches `ValueError` keeps working;
 errors about the state of the machine (no driver, TensorFlow already started)
 derive from `RuntimeError`.
+
+All parsing of a TensorFlow error's message lives here: which shard failed
+(`failing_shard`), what tfshard's own in-graph checks printed (`rows_error`,
+`inputs_error`), whether pfor failed to stack (`pfor_stack_failure`), and which
+workers a remote error names (`remote_tasks`, `grpc_reason`). The callers add
+what they know (devices, rows, the cluster); this module knows TF's formats.
 
 This module imports no TensorFlow: `tfshard.utilization` uses it without TF.
 """
@@ -11,11 +17,40 @@ This module imports no TensorFlow: `tfshard.utilization` uses it without TF.
 from __future__ import annotations
 
 import os
+import re
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 # Frames in this folder are tfshard's own: a shard's error leaves them out.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+# The name scope of shard k's ops (``tfshard_shard_k/...``): the engine writes it,
+# `failing_shard` reads it back from an error.
+SHARD_SCOPE = "tfshard_shard_"
+# Marks the in-graph check that a whole-shard function returned one row per row.
+ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
+# Marks the in-graph check that split arguments have the same rows (inside a tf.function).
+INPUTS_DIFFER = "tfshard: split arguments with different numbers of rows:"
+
+# Nodes an error names: the failing one ({{node N}}), then context ([[N]]).
+_ERROR_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}|\[\[([^\]{}\s]+)\]\]")
+_IN_SHARD_RE = re.compile(r"(?:^|/)" + SHARD_SCOPE + r"(\d+)/")
+_RECEIVE_RE = re.compile(r".*/_\d+")  # a receive the partitioner added, aborted with the step
+# Each of several root errors: "  (0) INVALID_ARGUMENT: ...".
+_ROOT_ERROR_RE = re.compile(r"^\s*\(\d+\) ([A-Z_]+):", re.MULTILINE)
+# A failed `host_assert` prints its data: "[message :end (...)] [1 4] [4 4]".
+_ASSERT_VECTOR_RE = re.compile(r"(?<=\] )\[(-?\d+(?: -?\d+)*)\]")
+# What a remote error says about the workers: the task it called, a peer's address,
+# and gRPC's own reason.
+_REMOTE_TARGET_RE = re.compile(
+    r"remote target /job:(?P<job>[A-Za-z][A-Za-z0-9_]*)/replica:\d+/task:(?P<task>\d+)"
+)
+_PEER_RE = re.compile(r"ipv[46]:(?P<address>\[[^\]]+\]:\d+|[^\s:\"]+:\d+)")
+_GRPC_MESSAGE_RE = re.compile(r"grpc_message:\s*\"(?P<message>[^\"\\]*)")
+_GRPC_STATUS_RE = re.compile(r"grpc_status:\s*(\d+)")
+# gRPC's codes for a peer that could not be reached in time: UNAVAILABLE, DEADLINE_EXCEEDED.
+_TRANSPORT_CODES = frozenset({14, 4})
 
 
 class TfshardError(Exception):
@@ -146,3 +181,178 @@ def user_frames(message: str) -> str:
             kept.extend([lines[i], *frames, ""])
         i = end
     return "\n".join(kept)
+
+
+# ------------------------------------------------------ reading TF's messages
+
+
+def failing_shard(message: str) -> int | None:
+    """The shard a TF error's message says failed, or None.
+
+    A message holds one error, or several root errors; the cause is the first
+    root error whose failing node lies in a shard, cancellations and aborted
+    receives left out (they failed because something else did). An error names
+    its failing node (``{{node N}}``), then the calls it ran in (``[[N]]``),
+    innermost first. The node is shard k's when it is in shard k's scope
+    (traced in place), or when it is inside a function called in shard k's
+    scope (``[[tfshard_shard_k/StatefulPartitionedCall]]``, the shared trace);
+    the outermost such name counts, as a parallelized function inside a shard
+    names its own shards too. A receive (``.../_12``) that TF aborted with the
+    step names no shard.
+
+    >>> failing_shard("boom\\n\\t [[{{node tfshard_shard_2/cond/Assert}}]]")
+    2
+    >>> failing_shard("out of memory") is None
+    True
+    """
+    for block in _root_errors(message):
+        found = _shard_of_root(block)
+        if found is not None:
+            return found
+    return None
+
+
+def _shard_of_root(block: str) -> int | None:
+    """The shard one root error's failing node lies in; None for no node or no shard."""
+    names = [(failing, failing or call) for failing, call in _ERROR_NODE_RE.findall(block)]
+    while names and not names[0][0]:
+        names.pop(0)  # calls before any failing node name nothing
+    if not names or _RECEIVE_RE.fullmatch(names[0][1]):
+        return None  # no node, or an aborted receive: the cause is another root error
+    found = None
+    for i, (failing, name) in enumerate(names):
+        if i and failing:
+            break  # the next node's report: the failing node's calls ended
+        shard = _IN_SHARD_RE.search(name)
+        if shard is not None and not _RECEIVE_RE.fullmatch(name):
+            found = int(shard.group(1))  # the outermost call wins (nested tfshard)
+    return found
+
+
+def _root_errors(message: str) -> list[str]:
+    """The root errors a TF message lists, consequences left out (all of it if one).
+
+    A root error CANCELLED or ABORTED is the step being stopped because
+    another op failed; it never names the cause.
+    """
+    starts = list(_ROOT_ERROR_RE.finditer(message))
+    if not starts:
+        return [message]
+    ends = [m.start() for m in starts[1:]] + [len(message)]
+    return [
+        message[m.end() : end]
+        for m, end in zip(starts, ends)
+        if m.group(1) not in ("CANCELLED", "ABORTED")
+    ]
+
+
+def pfor_stack_failure(message: str) -> bool:
+    """Whether a TF error is pfor's own: stacking per-sample results whose shapes differ.
+
+    >>> pfor_stack_failure("Incompatible shapes [[{{node loop_body/pfor/Add}}]]")
+    True
+    """
+    return "/pfor/" in message and ("TensorList" in message or "Incompatible shapes" in message)
+
+
+def inputs_error(name: str, message: str) -> ArgumentError:
+    """The failed in-graph check of the split arguments' rows (`INPUTS_DIFFER`) as an ArgumentError.
+
+    Args:
+      name: the parallelized function's name.
+      message: the TF error's message.
+    """
+    paths = _assert_text(message, INPUTS_DIFFER).split(", ")
+    got, want, k = _assert_vectors(message)
+    if k is None or k >= len(paths):
+        differ = "the split arguments have different numbers of rows"
+    else:
+        differ = f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
+    return ArgumentError(
+        f"{name}: {differ}; every split argument needs the same leading dimension "
+        "(name an argument in broadcast=(...) to copy it whole to each device)"
+    )
+
+
+def rows_error(name: str, devices: Sequence[str], message: str) -> ArgumentError:
+    """The failed check that whole shards return one row per row (`ROWS_DIFFER`), named.
+
+    Args:
+      name: the parallelized function's name.
+      devices: the shards' devices, in shard order.
+      message: the TF error's message.
+    """
+    path = _assert_text(message, ROWS_DIFFER)
+    got, want, k = _assert_vectors(message)
+    where = ""
+    if k is not None:
+        where = f" on shard {k} ({devices[k]}) has {got[k]} rows for {want[k]}"
+    return ArgumentError(
+        f"{name}: {path}{where or ' has the wrong number of rows'}; with "
+        "per_sample=False each output must have one row per input row to be gathered "
+        "in order (return a [rows, ...] tensor), or be of fixed shape under reduce= "
+        "(a shard's value: pass reduce='sum'/'mean'/'max'/'min')"
+    )
+
+
+def _assert_text(message: str, marker: str) -> str:
+    """The text after `marker` in a failed assert's message (TF escapes its quotes)."""
+    return message.split(marker, 1)[1].split(" :end", 1)[0].strip().replace("\\'", "'")
+
+
+def _assert_vectors(message: str) -> tuple[list[int], list[int], int | None]:
+    """The two vectors a failed `host_assert` printed, and their first differing index."""
+    vectors = _ASSERT_VECTOR_RE.findall(message)
+    if len(vectors) < 2:
+        return [], [], None
+    got, want = ([int(v) for v in vector.split()] for vector in vectors[:2])
+    k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    return got, want, k
+
+
+def remote_tasks(message: str, addresses: Mapping[str, tuple[str, int]]) -> set[tuple[str, int]]:
+    """The ``(job, task)`` of every worker a TF error's message names.
+
+    A worker is named by the task a call went to (``remote target
+    /job:worker/replica:0/task:1``) or by its address as a gRPC peer
+    (``ipv4:127.0.0.1:2223``).
+
+    Args:
+      message: the TF error's message.
+      addresses: ``host:port`` -> ``(job, task)`` of the connected cluster.
+
+    >>> sorted(remote_tasks("from remote target /job:worker/replica:0/task:1 while", {}))
+    [('worker', 1)]
+    """
+    named = {(m["job"], int(m["task"])) for m in _REMOTE_TARGET_RE.finditer(message)}
+    for match in _PEER_RE.finditer(message):
+        if match["address"] in addresses:
+            named.add(addresses[match["address"]])
+    return named
+
+
+def grpc_reason(message: str) -> str | None:
+    """gRPC's own reason in a TF error's message (``grpc_message:"..."``), or None.
+
+    >>> grpc_reason('{grpc_message:"Socket closed", grpc_status:14}')
+    'Socket closed'
+    """
+    reason = _GRPC_MESSAGE_RE.search(message)
+    return reason["message"] if reason else None
+
+
+def peer_answered(message: str) -> bool:
+    """Whether every gRPC status in a TF error's message is a peer's own answer.
+
+    A shard's error that crossed from a worker carries its code
+    (``grpc_status:3`` for INVALID_ARGUMENT): the worker was there to send it.
+    UNAVAILABLE (14) or DEADLINE_EXCEEDED (4) mean a peer was not reached, and
+    a message without a status says nothing either way (False).
+
+    >>> peer_answered('{grpc_status:3, grpc_message:"log of a negative"}')
+    True
+    >>> peer_answered('{grpc_message:"Socket closed", grpc_status:14}')
+    False
+    """
+    codes = {int(code) for code in _GRPC_STATUS_RE.findall(message)}
+    return bool(codes) and not codes & _TRANSPORT_CODES

@@ -1,0 +1,280 @@
+"""errors: the error family, and reading TensorFlow's error text back.
+
+Each parser is checked on messages TF really printed (captured from runs of
+tfshard on 4 logical CPUs and on two workers on loopback, stack frames left
+out) and on formats written by hand; the in-graph checks' messages come from
+running the check itself. Where a parser shows through a public call, the call
+is tested too.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfshard
+from tfshard import _plan, errors
+from tfshard.errors import ArgumentError, ShardError
+
+CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
+
+# --------------------------------------------------------- failing_shard
+
+_ASSERT = "assertion failed: [boom]"
+_NAN = "log of a negative : Tensor had NaN values"
+_NODE0 = "tfshard_shard_0/cond/loop_body/CheckNumerics/pfor/CheckNumerics"
+_FAILING_SHARD_CASES = {
+    "in place": (f"{_ASSERT}\n\t [[{{{{node tfshard_shard_0/cond/loop_body/Assert}}}}]]", 0),
+    "shared trace": (
+        f"{_ASSERT}\n\t [[{{{{node cond/loop_body/Assert}}}}]]\n"
+        "\t [[tfshard_shard_2/StatefulPartitionedCall]]",
+        2,
+    ),
+    "user function in the shared trace": (
+        f"{_ASSERT}\n\t [[{{{{node inner/Assert}}}}]]\n\t [[cond/StatefulPartitionedCall]]\n"
+        "\t [[tfshard_shard_3/StatefulPartitionedCall]]",
+        3,
+    ),
+    "in place, other shards' receives after it": (
+        f"{_ASSERT}\n\t [[{{{{node tfshard_shard_0/Assert}}}}]]\n"
+        "\t [[tfshard_shard_2/StatefulPartitionedCall/_25]]\n"
+        "\t [[tfshard_shard_0/cond/branch_executed/_7/_7]]",
+        0,
+    ),
+    "shared trace, a receive between the node and its call": (
+        f"{_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n\t [[tfshard_shard_0/cond/pivot/_7/_7]]\n"
+        "\t [[tfshard_shard_1/StatefulPartitionedCall]]",
+        1,
+    ),
+    "the gather failed, a shard's receive after it": (
+        "Tried to set a tensor\n\t [[{{node tfshard_collect/TensorListSetItem}}]]\n"
+        "\t [[tfshard_shard_1/StatefulPartitionedCall/_15]]",
+        None,
+    ),
+    "an aborted receive": (
+        "RecvAsync is cancelled.\n\t [[{{node tfshard_shard_1/StatefulPartitionedCall/_15}}]]",
+        None,
+    ),
+    "a node of no shard, then another report": (
+        f"{_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n\t [[other/StatefulPartitionedCall]]\n"
+        "\t [[{{node tfshard_shard_1/Assert}}]]",
+        None,
+    ),
+    "the cause after a cancelled root": (
+        "2 root error(s) found.\n"
+        "  (0) CANCELLED: RecvAsync is cancelled.\n"
+        "\t [[{{node tfshard_shard_0/cond/Identity}}]]\n"
+        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n"
+        "\t [[tfshard_shard_3/StatefulPartitionedCall]]\n"
+        "0 successful operations.\n0 derived errors ignored.",
+        3,
+    ),
+    "the cause after an aborted root": (
+        "2 root error(s) found.\n"
+        "  (0) ABORTED: Step 4 was aborted\n\t [[{{node tfshard_shard_0/cond/Identity}}]]\n"
+        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_2/Assert}}}}]]\n",
+        2,
+    ),
+    "the cause after an aborted receive's root": (
+        "2 root error(s) found.\n"
+        f"  (0) INVALID_ARGUMENT: {_ASSERT}\n"
+        "\t [[{{node tfshard_shard_1/StatefulPartitionedCall/_15}}]]\n"
+        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_2/Assert}}}}]]\n",
+        2,
+    ),
+    "a shard's root after a root of no shard": (
+        "2 root error(s) found.\n"
+        "  (0) INVALID_ARGUMENT: Tried to set a tensor\n"
+        "\t [[{{node tfshard_collect/TensorListSetItem}}]]\n"
+        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_2/Assert}}}}]]\n",
+        2,
+    ),
+    "only the first cause counts": (
+        "2 root error(s) found.\n"
+        f"  (0) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_1/Assert}}}}]]\n"
+        f"  (1) INVALID_ARGUMENT: {_ASSERT}\n\t [[{{{{node tfshard_shard_0/Assert}}}}]]\n",
+        1,
+    ),
+    "names no node": ("Graph execution error: out of memory", None),
+    "a parallelized function inside shard 3's shared trace": (
+        f"{_ASSERT}\n\t [[{{{{node cond/Assert}}}}]]\n"
+        "\t [[cond/tfshard_shard_0/StatefulPartitionedCall]]\n"
+        "\t [[tfshard_shard_3/StatefulPartitionedCall]]",
+        3,
+    ),
+    "a parallelized function inside shard 2, in place": (
+        f"{_ASSERT}\n\t [[{{{{node tfshard_shard_2/cond/tfshard_shard_1/cond/Assert}}}}]]",
+        2,
+    ),
+    # Captured: shard 0 failed on worker 0; the client got the error twice, once
+    # forwarded by shard 1's receive on worker 1 (gRPC quotes it), once itself.
+    "real: across workers, forwarded by a receive on another worker, then itself": (
+        "2 root error(s) found.\n"
+        f"  (0) INVALID_ARGUMENT:   {_NAN}\n\t [[{{{{node {_NODE0}}}}}]]\n"
+        "Additional GRPC error information from remote target /job:worker/replica:0/task:0 "
+        "while calling /tensorflow.WorkerService/RecvTensor:\n"
+        f':UNKNOWN:Error received from peer  {{grpc_status:3, grpc_message:"{_NAN}\\n\\t '
+        f'[[{{{{node {_NODE0}}}}}]]"}}\n'
+        "\t [[tfshard_shard_1/cond/branch_executed/_15/_31]]\n"
+        f"  (1) INVALID_ARGUMENT:  {_NAN}\n\t [[{{{{node {_NODE0}}}}}]]\n"
+        "0 successful operations.\n1 derived errors ignored. [Op:__inference_body_1300]",
+        0,
+    ),
+    # Captured: the output on worker 0, shard 2 failed on worker 1 (remote function format).
+    "real: remote, a function node before the failing node": (
+        f"{{{{function_node __inference_body_213}}}} {_NAN}\n"
+        "\t [[{{function_node tfshard_shard_2_cond_true_151}}"
+        "{{node tfshard_shard_2/cond/loop_body/CheckNumerics/pfor/CheckNumerics}}]]\n"
+        "Additional GRPC error information from remote target /job:worker/replica:0/task:1 "
+        "while calling /tensorflow.WorkerService/RecvTensor:\n"
+        f':UNKNOWN:Error received from peer  {{grpc_status:3, grpc_message:"{_NAN}"}}\n'
+        "\t [[tfshard_shard_2/cond/output/_22/_40]]",
+        2,
+    ),
+    # Captured: a user's tf.function inlined into shard 0 traced in place; TF names
+    # the node by its name in the function, and the receive after it is shard 1's.
+    "real: a user's tf.function inlined in place names no shard": (
+        "2 root error(s) found.\n"
+        f"  (0) INVALID_ARGUMENT:  {_NAN}\n\t [[{{{{node CheckNumerics}}}}]]\n"
+        "\t [[Func/tfshard_shard_1/cond/then/_8/tfshard_shard_1/cond/StatefulPartitionedCall"
+        "/input/_37/_14]]\n"
+        f"  (1) INVALID_ARGUMENT:  {_NAN}\n\t [[{{{{node CheckNumerics}}}}]]\n"
+        "0 successful operations.\n0 derived errors ignored. [Op:__inference_body_77]",
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", _FAILING_SHARD_CASES)
+def test_failing_shard_reads_the_failing_node_and_its_calls(case):
+    """Each message names the shard that failed, or none."""
+    message, shard = _FAILING_SHARD_CASES[case]
+    assert errors.failing_shard(message) == shard
+
+
+@pytest.mark.parametrize("shard", [0, 1])  # traced in place; calling the shared trace
+def test_a_failing_shard_is_named_with_its_device_and_rows(shard):
+    devices = CPUS[1:]  # three devices: shards 1 and 2 share a trace
+    f = tfshard.parallelize(
+        lambda s: tf.debugging.check_numerics(tf.math.log(s), "log of a negative"),
+        devices=devices,
+    )
+    x = np.ones(9, np.float32)
+    x[3 * shard + 1] = -1.0
+    with pytest.raises(ShardError) as raised:
+        f(x)
+    assert isinstance(raised.value, tf.errors.InvalidArgumentError)
+    start = 3 * shard
+    assert str(raised.value).startswith(
+        f"<lambda>: shard {shard} on {devices[shard]} (rows [{start}:{start + 3}) of 9) failed: "
+    )
+
+
+@pytest.mark.parametrize("shard", [1, 2])
+def test_a_failure_in_the_users_own_tf_function_names_a_shard_that_calls_the_shared_trace(shard):
+    """Its nodes keep their names inside the user's function; the shared trace's call
+    (``[[tfshard_shard_k/StatefulPartitionedCall]]``) names the shard. (Shard 0, traced
+    in place, is named by no message: see the inlined case above.)"""
+
+    @tf.function
+    def my_step(block):
+        return tf.debugging.check_numerics(tf.math.log(block), "log of a negative")
+
+    devices = CPUS[1:]  # output on CPU:1: shards 1 and 2 call the shared trace
+    f = tfshard.parallelize(my_step, per_sample=False, devices=devices)
+    x = np.ones(9, np.float32)
+    x[3 * shard + 2] = -1.0
+    with pytest.raises(ShardError, match=rf"^my_step: shard {shard} on {devices[shard]} \(rows "):
+        f(x)
+
+
+# ------------------------------------------------ tfshard's in-graph checks
+
+
+def _failed_check(got, want, message: str) -> str:
+    """The message TF raises for `_plan.host_assert` failing on these vectors."""
+
+    @tf.function
+    def check():
+        with tf.control_dependencies(
+            [_plan.host_assert(tf.constant(got), tf.constant(want), message)]
+        ):
+            return tf.constant(0)
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        check()
+    return raised.value.message
+
+
+def test_rows_error_names_the_output_the_shard_and_its_rows():
+    message = _failed_check(
+        [2, 1, 2], [2, 2, 2], f"{errors.ROWS_DIFFER} outputs['y'] :end (each shard's ...)"
+    )
+    error = errors.rows_error("step", CPUS[:3], message)
+    assert isinstance(error, ArgumentError)
+    assert str(error).startswith(
+        "step: outputs['y'] on shard 1 (/device:CPU:1) has 1 rows for 2; with per_sample=False"
+    )
+
+
+def test_inputs_error_names_the_argument_whose_rows_differ():
+    message = _failed_check([3, 3, 4], [3, 3, 3], f"{errors.INPUTS_DIFFER} a, b, c['d'] :end")
+    error = errors.inputs_error("step", message)
+    assert isinstance(error, ArgumentError)
+    assert str(error).startswith("step: c['d'] has 4 rows but a has 3; every split argument")
+
+
+def test_assert_parsers_without_the_vectors_still_say_what_failed():
+    rows = errors.rows_error("f", CPUS[:2], f"{errors.ROWS_DIFFER} outputs :end")
+    assert str(rows).startswith("f: outputs has the wrong number of rows; with per_sample=False")
+    inputs = errors.inputs_error("f", f"{errors.INPUTS_DIFFER} a, b :end")
+    assert "f: the split arguments have different numbers of rows;" in str(inputs)
+
+
+def test_whole_shard_outputs_with_the_wrong_rows_fail_naming_the_shard():
+    """rows_error through a call: shard 1 (rows [2:4)) returns one row for two."""
+    f = tfshard.parallelize(lambda x: x[:1], per_sample=False, devices=CPUS[:2])
+    with pytest.raises(ArgumentError, match=r"outputs on shard [01] \(/device:CPU:[01]\) has 1 "):
+        f(np.zeros([4, 2], np.float32))
+
+
+# ------------------------------------------------------------------ pfor
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ("Incompatible shapes: [2] vs. [3]\n\t [[{{node loop_body/pfor/Add}}]]", True),
+        ("TensorListStack: element shapes differ [[{{node x/pfor/TensorListStack}}]]", True),
+        ("Incompatible shapes: [2] vs. [3]\n\t [[{{node tfshard_shard_0/Add}}]]", False),
+        (f"{_NAN}\n\t [[{{{{node {_NODE0}}}}}]]", False),
+    ],
+)
+def test_pfor_stack_failure_is_pfors_own_stacking(message, expected):
+    assert errors.pfor_stack_failure(message) is expected
+
+
+# -------------------------------------------------------- remote errors
+
+_DEAD = (
+    "remote target /job:worker/replica:0/task:1/device:CPU:0 while calling "
+    "/tensorflow.eager.EagerService/Enqueue:\n:UNAVAILABLE:Connection refused "
+    '{grpc_message:"failed to connect to all addresses; last error: UNKNOWN: '
+    'ipv4:127.0.0.1:2223: Failed to connect to remote host", grpc_status:14}'
+)
+
+
+def test_remote_tasks_reads_the_called_task_and_peer_addresses():
+    addresses = {"127.0.0.1:2222": ("worker", 0), "127.0.0.1:2223": ("worker", 1)}
+    assert errors.remote_tasks(_DEAD, addresses) == {("worker", 1)}
+    assert errors.remote_tasks("Socket closed (ipv4:127.0.0.1:2222)", addresses) == {("worker", 0)}
+    assert errors.remote_tasks("ipv6:[::1]:2222 closed", addresses) == set()
+    assert errors.remote_tasks("out of memory", addresses) == set()
+
+
+def test_grpc_reason_and_whether_the_peer_answered():
+    assert errors.grpc_reason(_DEAD).startswith("failed to connect to all addresses")
+    assert errors.grpc_reason("no gRPC here") is None
+    assert not errors.peer_answered(_DEAD)  # UNAVAILABLE: the worker was not reached
+    forwarded = _FAILING_SHARD_CASES["real: remote, a function node before the failing node"]
+    assert errors.peer_answered(forwarded[0])  # the worker answered with the shard's error
+    assert not errors.peer_answered("no gRPC here")
