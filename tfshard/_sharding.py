@@ -43,7 +43,6 @@ from tfshard.errors import (
     INPUTS_DIFFER,
     ROWS_DIFFER,
     SHARD_SCOPE,
-    ArgumentError,
     failing_shard,
     inputs_error,
     pfor_stack_failure,
@@ -51,7 +50,7 @@ from tfshard.errors import (
     shard_error,
     user_frames,
 )
-from tfshard.replicas import Replicas, check_no_writes, variable_reads
+from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
 
 # A shard's computation: its rows and their number (int32) in, its outputs out.
 ShardFn = Callable[[Sequence[Any], tf.Tensor], Any]
@@ -137,7 +136,7 @@ class Engine:
 
                 graph = tf.function(body, autograph=False).get_concrete_function(*call.specs())
                 if self.options.jit_compile:
-                    self._check_compiled_reads(graph)
+                    check_compiled_reads(graph, self.devices, self.name)
                 if self.replicas is not None:
                     check_no_writes(graph, self.replicas, self.name)
                 outputs = _trees.flatten(graph.structured_outputs)[1]
@@ -164,21 +163,6 @@ class Engine:
                 for retrace in self.on_retrace:
                     retrace()
             self._generation = generation
-
-    def _check_compiled_reads(self, graph: Any) -> None:
-        """XLA cannot read a variable on another device: say so before the call fails."""
-        for k, reads in enumerate(variable_reads(graph, self.devices)):
-            remote = [r for r in reads if r.remote]
-            if remote:
-                names = ", ".join(f"{r.name} (on {r.device})" for r in remote[:3])
-                more = f" and {len(remote) - 3} more" if len(remote) > 3 else ""
-                raise ArgumentError(
-                    f"{self.name}: with jit_compile=True, shard {k} on {self.devices[k]} "
-                    f"reads {names}{more}, and XLA cannot read a variable on another "
-                    "device. Create the variables inside `with f.replicas():` (a copy per "
-                    "device; f.replicate(model) copies a built Keras model), or pass "
-                    "jit_compile=False"
-                )
 
     def call(self, call: _arguments.Call) -> Any:
         """Runs one call through its traced graph; results land on the output device.
@@ -357,42 +341,16 @@ class Engine:
     def collect(
         self, outputs: ShardOutputs, sizes: tf.Tensor, total: tf.Tensor, finish: bool = True
     ) -> tuple[list[Any], dict[int, tf.Tensor]]:
-        """Each output leaf gathered in shard order, or reduced over all samples.
+        """`collect.collect` of the shards' outputs under this function's options.
 
-        Call it under the output device's scope.
-
-        Args:
-          outputs: what `run` returned.
-          sizes: each shard's rows.
-          total: the rows of the batch.
-          finish: False leaves a mean undivided (`collect.combine`), for a
-            running total over batches.
-
-        Returns:
-          The results, and for gathered leaves the row count of each shard's
-          output as the gather saw it (by leaf index; none for unknown rank).
+        Call it under the output device's scope. A whole-shard output is
+        reduced by row when its first dimension is the shard's rows (`per_row`).
         """
+        leaves = outputs.leaves()
+        by_row = [self.options.per_sample or per_row(values[0]) for values in leaves]
+        paths = [outputs.path(i) for i in range(len(leaves))]
         op = self.options.reduce
-        per_shard_sizes = tf.unstack(sizes, num=len(self.devices))
-        results, counted = [], {}
-        for i, per_shard in enumerate(outputs.leaves()):
-            if op is None:
-                result, lengths = collect.gather_counted(per_shard)
-                results.append(result)
-                if lengths is not None:
-                    counted[i] = lengths
-                continue
-            collect.check_reducible(per_shard[0], op, outputs.path(i))
-            by_row = self.options.per_sample or per_row(per_shard[0])
-            partials = []
-            for k, device in enumerate(self.devices):
-                # Each shard reduces its own rows where they are.
-                with tf.device(device):
-                    partials.append(
-                        collect.shard_partial(per_shard[k], per_shard_sizes[k], op, by_row)
-                    )
-            results.append(collect.combine(partials, total, op, finish))
-        return results, counted
+        return collect.collect(leaves, paths, self.devices, sizes, total, op, by_row, finish)
 
     def _shard_runs(self, shard: Shard, share: bool) -> list[ShardFn]:
         """How each shard runs: traced in place, or one trace the shards share.

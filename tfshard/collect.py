@@ -147,6 +147,51 @@ def empty(signature: Any) -> Any:
     return _trees.map_leaves(zeros, signature)
 
 
+def collect(
+    leaves: Sequence[Sequence[Any]],
+    paths: Sequence[str],
+    devices: Sequence[str],
+    sizes: tf.Tensor,
+    total: tf.Tensor,
+    op: Reduction | None,
+    by_row: Sequence[bool],
+    finish: bool = True,
+) -> tuple[list[Any], dict[int, tf.Tensor]]:
+    """Each output leaf gathered in shard order, or reduced over all samples.
+
+    Args:
+      leaves: for each output leaf, its value from every shard, in shard order.
+      paths: each leaf's path, for messages.
+      devices: the shards' devices (each reduces its own rows there).
+      sizes: each shard's rows (an int64 vector).
+      total: the rows of the batch.
+      op: the reduction, or None to gather.
+      by_row: for each leaf, whether its first dimension is the shard's rows
+        (reduced over rows) or it is the shard's own value (`shard_partial`).
+      finish: False leaves a mean undivided (`combine`), for a running total.
+
+    Returns:
+      The results, and for gathered leaves the row count of each shard's
+      output as the gather saw it (by leaf index; none for unknown rank).
+    """
+    per_shard_sizes = tf.unstack(sizes, num=len(devices))
+    results, counted = [], {}
+    for i, per_shard in enumerate(leaves):
+        if op is None:
+            result, lengths = gather_counted(per_shard)
+            results.append(result)
+            if lengths is not None:
+                counted[i] = lengths
+            continue
+        check_reducible(per_shard[0], op, paths[i])
+        partials = []
+        for value, size, device in zip(per_shard, per_shard_sizes, devices):
+            with tf.device(device):  # each shard reduces its own rows where they are
+                partials.append(shard_partial(value, size, op, by_row[i]))
+        results.append(combine(partials, total, op, finish))
+    return results, counted
+
+
 def stacked_spec(batch: tf.TypeSpec) -> tf.TypeSpec:
     """The per-sample spec that `empty` stacks into a batch of `batch`'s spec.
 

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _autograph, _options, _sharding, cluster, datasets, pinning
+from tfshard import _arguments, _autograph, _explain, _options, _sharding, datasets, pinning
 from tfshard import replicas as replicas_lib
 from tfshard import timeline as timeline_lib
 from tfshard.errors import ArgumentError
@@ -132,74 +131,8 @@ class ShardedFunction:
         call = self._arguments.classify(args, kwargs)
         if call.rows is None:
             raise ArgumentError("explain() needs arguments whose row count is known")
-        sizes = self.plan(call.rows)
         engine = self._engine()
-        devices, output = engine.devices, engine.output
-        how = "per sample" if self._options.per_sample else "per shard"
-        op = self._options.reduce
-        result = f"reduced with {op.name!r}" if op else "gathered"
-        lines = [
-            f"{self.__name__}: {call.rows} rows on {len(devices)} devices, {how}, "
-            f"{result} on {output}"
-        ]
-        rows_cells, start = [], 0
-        for size in sizes:
-            rows_cells.append(f"[{start}:{start + size})")
-            start += size
-        width = max(len(d) for d in devices)
-        rows_width = max(len("rows"), *(len(r) for r in rows_cells))
-        size_width = max(len("size"), *(len(str(n)) for n in sizes))
-        remote = [pinning.is_remote(d) for d in devices]
-        lines.append(
-            f"  {'shard':<5}  {'device':<{width}}  {'rows':<{rows_width}}  "
-            f"{'size':>{size_width}}  output"
-        )
-        for k, (device, size) in enumerate(zip(devices, sizes)):
-            lands = output if device == output else f"-> {output}"
-            if remote[k] or pinning.is_remote(output):
-                # Rows go out to the shard and results come back, once per call.
-                lands += f"  (network: {cluster.host_of(device) or cluster.host_of(output)})"
-            lines.append(
-                f"  {k:<5}  {device:<{width}}  {rows_cells[k]:<{rows_width}}  "
-                f"{size:>{size_width}}  {lands}"
-            )
-        crossing = sum(
-            r or (d != output and pinning.is_remote(output)) for r, d in zip(remote, devices)
-        )
-        if crossing:
-            lines.append(
-                f"  {crossing} of {len(devices)} shards cross the network: each call sends "
-                "each its rows and every broadcast argument, and its result comes back to "
-                f"{output}"
-            )
-        lines.extend(self._explain_weights(engine, call))
-        return "\n".join(line.rstrip() for line in lines)
-
-    def _explain_weights(self, engine: _sharding.Engine, call: _arguments.Call) -> list[str]:
-        """Lines on the variables each shard reads, and how many bytes cross per call."""
-        reads = replicas_lib.variable_reads(engine.trace(call), engine.devices)
-        if not any(reads):
-            return []
-        lines = ["  shard  variables  read from another device per call"]
-        for k, shard in enumerate(reads):
-            remote = [r for r in shard if r.remote]
-            where = sorted({r.device for r in remote})
-            cell = replicas_lib.format_bytes(replicas_lib.remote_bytes(shard))
-            if where:
-                cell += f" ({len(remote)} on {', '.join(where)})"
-            lines.append(f"  {k:<5}  {len(shard):>9}  {cell}")
-        total = sum(replicas_lib.remote_bytes(shard) for shard in reads)
-        size = replicas_lib.format_bytes(total)
-        line = f"  each call reads {size} of variables from other devices"
-        lines.append(line)
-        if total:
-            named = isinstance(self._fn, types.FunctionType) and self.__name__.isidentifier()
-            f = self.__name__ if named and self.__name__ != "<lambda>" else "f"
-            lines.append(
-                f"  for a copy on each device, create them inside `with {f}.replicas():`, "
-                f"or model = {f}.replicate(model)"
-            )
-        return lines
+        return _explain.table(engine, call, self.plan(call.rows), self.__name__, self._fn)
 
     def replicas(self) -> contextlib.AbstractContextManager[Any]:
         """A scope in which new variables get one copy on each of this function's devices.
@@ -259,11 +192,10 @@ class ShardedFunction:
     def per_shard(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Runs the function on the batch as a call does; each shard's result as it is.
 
-        What MirroredStrategy's ``experimental_local_results`` gives: no gather
-        and no reduction, so a shard's value may have any shape (a loss, a
-        gradient, a count of its rows). The batch is split as a call splits it
-        (`plan`); with `per_sample`, a shard's result is its rows' outputs,
-        stacked. ``reduce=`` does not apply.
+        As MirroredStrategy's ``experimental_local_results``: no gather, no
+        reduction (``reduce=`` does not apply), so a shard's value may have any
+        shape. The batch is split as a call splits it (`plan`); per sample, a
+        shard's result is its rows' outputs, stacked.
 
         Args:
           *args: as for a call (tensors and arrays; not a dataset).
@@ -271,9 +203,8 @@ class ShardedFunction:
 
         Returns:
           A tuple with one result per shard, in device order (`devices`), each
-          on its shard's device. TensorFlow returns a function's outputs on the
-          device it was called from, so each result except the output
-          device's is copied back to its device after the call.
+          on its shard's device (TensorFlow returns a function's outputs on the
+          output device: the others are copied back to theirs).
 
         Raises:
           ArgumentError: bad arguments, or a dataset (stream it with `iterate`).

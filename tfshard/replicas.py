@@ -356,6 +356,22 @@ def variable_reads(concrete: Any, devices: Sequence[str]) -> list[list[VariableR
     return [list(r.values()) for r in reads]
 
 
+def check_compiled_reads(concrete: Any, devices: Sequence[str], name: str) -> None:
+    """XLA cannot read a variable on another device: say so before the call fails."""
+    for k, reads in enumerate(variable_reads(concrete, devices)):
+        remote = [r for r in reads if r.remote]
+        if remote:
+            names = ", ".join(f"{r.name} (on {r.device})" for r in remote[:3])
+            more = f" and {len(remote) - 3} more" if len(remote) > 3 else ""
+            raise ArgumentError(
+                f"{name}: with jit_compile=True, shard {k} on {devices[k]} "
+                f"reads {names}{more}, and XLA cannot read a variable on another "
+                "device. Create the variables inside `with f.replicas():` (a copy per "
+                "device; f.replicate(model) copies a built Keras model), or pass "
+                "jit_compile=False"
+            )
+
+
 def check_no_writes(concrete: Any, replicas: Replicas, name: str) -> None:
     """Refuses a traced call whose shards assign replicated variables.
 
