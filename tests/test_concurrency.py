@@ -209,7 +209,7 @@ def _speedups(count, per_sample):
         sys.executable,
         str(REPO / "benchmarks" / "concurrency.py"),
         f"--devices={count}",
-        f"--rows={256 if per_sample else 1024}",
+        "--rows=1024",
         "--repeats=5",
         "--warmup=1",
         f"--per_sample={per_sample}",
