@@ -20,6 +20,7 @@ batch's outputs itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -376,6 +377,16 @@ class Engine:
         the call's instantiation cost ~15 % of a two-device first call
         (measured, benchmarks/first_call.py). With XLA every shard calls one compiled
         function: a compiled call runs as one kernel, not a nested step.
+
+        Calls run at once whatever the function does (`unordered`): no order
+        of side effects across shards is promised, and none is imposed. A
+        trace that writes a resource (`writes_resources`: a variable, a
+        Generator's state) is not shared: TensorFlow orders the writes to one
+        resource in graph order, and for a call that means the whole call, so
+        the shards would run in turn. Traced in place, only the writes are
+        ordered (TensorFlow inlines in-place shards into the step), and the
+        shards' work overlaps. A compiled shard is one call either way: under
+        XLA, shards that write one resource run in turn.
         """
         count = len(self.devices)
 
@@ -384,8 +395,9 @@ class Engine:
 
         if self.options.jit_compile:
             if self.replicas is not None:  # a trace per device: tf.function keys on it
-                return [tf.function(guarded, autograph=False, jit_compile=True)] * count
-            return [one_trace(guarded, jit_compile=True)] * count
+                compiled = tf.function(_taking_token(guarded), autograph=False, jit_compile=True)
+                return unordered(compiled, self.devices)
+            return unordered(one_trace(guarded, jit_compile=True), self.devices)
         in_place = [
             pinning.same_device(d, self.output) or pinning.same_device(d, self.host)
             for d in self.devices
@@ -398,35 +410,134 @@ class Engine:
         # underscore is TF's spelling, not a private API. Pinned by
         # test_shards_off_the_output_device_call_one_shared_trace_each_on_its_device.
         shared = one_trace(guarded, experimental_attributes={"_noinline": True})
-        return [guarded if here else shared for here in in_place]
+        off = [d for d, here in zip(self.devices, in_place) if not here]
+        calls = iter(unordered(shared, off))
+        writes: list[bool] = []  # whether the shared trace writes a resource, once known
+
+        def in_place_if_writing(call: ShardFn) -> ShardFn:
+            def run(rows_in: Sequence[Any], rows: tf.Tensor) -> Any:
+                if not writes:
+                    writes.append(writes_resources(shared.traced(rows_in)))
+                return guarded(rows_in, rows) if writes[0] else call(rows_in, rows)
+
+            return run
+
+        return [guarded if here else in_place_if_writing(next(calls)) for here in in_place]
 
 
-def one_trace(guarded: ShardFn, **options: Any) -> ShardFn:
+# A shard's computation that also takes a resource handle it never reads (`unordered`).
+TokenShardFn = Callable[[Sequence[Any], tf.Tensor, tf.Tensor], Any]
+# Op types that write a resource they are given (prefixes): variables, Generator states.
+_RESOURCE_WRITES = (
+    "Assign",
+    "ResourceApply",
+    "ResourceScatter",
+    "ResourceSparseApply",
+    "ResourceStridedSliceAssign",
+    "RngReadAndSkip",
+    "RngSkip",
+    "StatefulRandomBinomial",
+    "StatefulStandardNormal",
+    "StatefulTruncatedNormal",
+    "StatefulUniform",
+)
+
+
+class OneTrace:
     """`guarded` as one `tf.function`, traced on first use; every later call runs that trace.
 
     A `tf.function` would trace again under each device scope (its cache keys
     on the scope), so every call goes to the first call's concrete function,
     traced with any number of rows. Outputs leave it flat and are rebuilt
-    with the traced structure, so a defaultdict stays one.
+    with the traced structure, so a defaultdict stays one. A call also takes
+    a token, a resource handle the trace never reads (`unordered`).
 
     Args:
       guarded: a shard's computation, from its rows and their number.
       **options: for `tf.function` (``jit_compile``, ``experimental_attributes``).
     """
-    structure: list[Hashable] = []
 
-    def flat(rows_in: Sequence[Any], rows: tf.Tensor) -> list[Any]:
-        leaves, key = _trees.flatten(guarded(rows_in, rows), "outputs")
-        structure.append(key)
-        return leaves
+    def __init__(self, guarded: ShardFn, **options: Any) -> None:
+        self._structure: list[Hashable] = []
 
-    function = tf.function(flat, autograph=False, **options)
-    traced: list[Any] = []
+        def flat(rows_in: Sequence[Any], rows: tf.Tensor, token: tf.Tensor) -> list[Any]:
+            del token  # its handle alone keeps this call out of the stateful chain
+            leaves, key = _trees.flatten(guarded(rows_in, rows), "outputs")
+            self._structure.append(key)
+            return leaves
 
-    def call(rows_in: Sequence[Any], rows: tf.Tensor) -> Any:
-        if not traced:
+        self._function = tf.function(flat, autograph=False, **options)
+        self._traced: Any = None
+
+    def traced(self, rows_in: Sequence[Any]) -> Any:
+        """The concrete function, traced on first use for rows like `rows_in`, any number."""
+        if self._traced is None:
             specs = [_arguments.type_spec(r, split=True) for r in rows_in]
-            traced.append(function.get_concrete_function(specs, tf.TensorSpec([], tf.int32)))
-        return _trees.build(structure[0], iter(traced[0](list(rows_in), rows)))
+            self._traced = self._function.get_concrete_function(
+                specs, tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.resource)
+            )
+        return self._traced
 
-    return call
+    def __call__(self, rows_in: Sequence[Any], rows: tf.Tensor, token: tf.Tensor) -> Any:
+        flat = self.traced(rows_in)(list(rows_in), rows, token)
+        return _trees.build(self._structure[0], iter(flat))
+
+
+def one_trace(guarded: ShardFn, **options: Any) -> OneTrace:
+    """`guarded` as one trace every shard calls (`OneTrace`)."""
+    return OneTrace(guarded, **options)
+
+
+def unordered(function: TokenShardFn, devices: Sequence[str]) -> list[ShardFn]:
+    """Calls of `function`, one per device, that TensorFlow does not chain one after another.
+
+    Inside a `tf.function`, automatic control dependencies chain every
+    stateful op that takes no resource in the order it was traced, and a
+    call of a function is stateful when its body is (a random op, dropout,
+    `tf.print`, an assertion). A non-inlined call is one kernel, so a shard
+    would wait for the whole of the shard before it. Ops that take a resource
+    are ordered per resource instead, and reads of one resource not against
+    each other: each call here takes a token, a variable handle on its own
+    device that nothing reads or writes, so the calls are ordered only by the
+    resources they write (`writes_resources`). The tokens are made here,
+    before any shard, so they wait for nothing the shards do. Every call still
+    runs (a stateful call is an output of the step), and each keeps the order
+    of side effects inside it.
+
+    Args:
+      function: a shard's computation from its rows, their number and a token.
+      devices: the device of each call, in shard order.
+
+    Returns:
+      One computation per device, from its rows and their number.
+    """
+    tokens = []
+    for device in devices:
+        with tf.device(device):
+            tokens.append(
+                tf.raw_ops.VarHandleOp(
+                    dtype=tf.float32, shape=[], shared_name="tfshard_unordered_token"
+                )
+            )
+    return [functools.partial(_with_token, function, token) for token in tokens]
+
+
+def _with_token(
+    function: TokenShardFn, token: tf.Tensor, rows_in: Sequence[Any], rows: tf.Tensor
+) -> Any:
+    return function(rows_in, rows, token)
+
+
+def _taking_token(guarded: ShardFn) -> TokenShardFn:
+    def run(rows_in: Sequence[Any], rows: tf.Tensor, token: tf.Tensor) -> Any:
+        del token  # see `unordered`
+        return guarded(rows_in, rows)
+
+    return run
+
+
+def writes_resources(concrete: Any) -> bool:
+    """Whether a traced function, or one it calls, writes a resource (`_RESOURCE_WRITES`)."""
+    graph = concrete.graph.as_graph_def()
+    nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+    return any(node.op.startswith(_RESOURCE_WRITES) for node in nodes)

@@ -1,0 +1,244 @@
+"""Shards run at once whatever the function does (issue 24), and keep their side effects.
+
+Devices: the 4 logical CPU devices of conftest.py; the speed-up proof also on
+8, in a subprocess that splits the CPU itself (benchmarks/concurrency.py).
+
+References: the traced graph's own control edges (what TensorFlow's automatic
+control dependencies added between shards), NumPy for values, and for the
+timed proof the same functions on one device, in the same process.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfshard
+from tfshard import _sharding
+
+CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
+REPO = Path(__file__).resolve().parent.parent
+_SHARD = re.compile(r"(?:^|/)tfshard_shard_(\d+)/")
+CALLS = ("StatefulPartitionedCall", "PartitionedCall")
+
+
+def _shard(name):
+    match = _SHARD.search(name)
+    return None if match is None else int(match.group(1))
+
+
+def _whole_call_waits(concrete):
+    """(waiting shard, shard waited for, op type) where a shard waits for another's whole call.
+
+    A control edge from a call (one kernel: the whole of a shard) to an op of
+    another shard, or into a call from another shard, makes that shard start
+    after the other; an edge between two in-place shards' ops is ordered op by
+    op, since TensorFlow inlines them into the step.
+    """
+    waits = []
+    for op in concrete.graph.get_operations():
+        for before in op.control_inputs:
+            s, t = _shard(op.name), _shard(before.name)
+            if s is None or t is None or s == t:
+                continue
+            if op.type in CALLS or before.type in CALLS:
+                waits.append((s, t, op.type))
+    return waits
+
+
+def _kinds():
+    generator = tf.random.Generator.from_seed(3)
+    variable = tf.Variable(tf.ones([3]))
+    dropout = tf.keras.layers.Dropout(0.5)
+
+    def printing(x):
+        tf.print("shard", tf.shape(x), output_stream="file:///dev/null")
+        return x * 2.0
+
+    def asserting(x):
+        tf.debugging.assert_all_finite(x, "rows must be finite")
+        return x * 2.0
+
+    return {
+        "uniform": lambda x: x + 0 * tf.random.uniform(tf.shape(x)),
+        "seeded uniform": lambda x: x + 0 * tf.random.uniform(tf.shape(x), seed=7),
+        "generator": lambda x: x + 0 * generator.uniform(tf.shape(x)),
+        "nn dropout": lambda x: tf.nn.dropout(x, 0.5),
+        "keras dropout": lambda x: dropout(x, training=True),
+        "print": printing,
+        "assertion": asserting,
+        "variable read": lambda x: x * variable,
+    }
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["whole shard", "per sample"])
+@pytest.mark.parametrize("kind", list(_kinds()))
+def test_no_shard_waits_for_another_shards_call(kind, per_sample):
+    f = tfshard.parallelize(_kinds()[kind], devices=CPUS, per_sample=per_sample)
+    x = np.ones([8, 3], np.float32)
+    f(x)
+    assert _whole_call_waits(f.get_concrete_function(x)) == []
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_a_random_op_leaves_the_shared_calls_unchained(jit_compile):
+    """The case of the issue: shards off the output device share one trace, and its calls,
+    stateful through the random op, were chained one after another."""
+    f = tfshard.parallelize(
+        lambda x: x + 0 * tf.random.uniform(tf.shape(x)), devices=CPUS, jit_compile=jit_compile
+    )
+    x = np.ones([8, 3], np.float32)
+    np.testing.assert_array_equal(f(x), x)
+    concrete = f.get_concrete_function(x)
+    calls = [op for op in concrete.graph.get_operations() if op.type in CALLS and _shard(op.name)]
+    assert {_shard(op.name) for op in calls} >= {1, 2, 3}  # the shared (or compiled) calls
+    assert _whole_call_waits(concrete) == []
+
+
+def test_the_check_finds_calls_chained_one_after_another():
+    """What tfshard's graph was before: one stateful trace called under each shard's scope
+    and device, which automatic control dependencies chain (the check can fail)."""
+    shared = tf.function(
+        lambda x: x + tf.random.uniform(tf.shape(x)),
+        experimental_attributes={"_noinline": True},
+    ).get_concrete_function(tf.TensorSpec([None], tf.float32))
+
+    @tf.function
+    def body(x):
+        outputs = []
+        for k, device in enumerate(CPUS):
+            with tf.name_scope(f"tfshard_shard_{k}"), tf.device(device):
+                outputs.append(shared(x))
+        return outputs
+
+    concrete = body.get_concrete_function(tf.TensorSpec([None], tf.float32))
+    assert [w[:2] for w in _whole_call_waits(concrete)] == [(1, 0), (2, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["whole shard", "per sample"])
+def test_a_print_that_feeds_no_output_prints_once_per_shard(tmp_path, per_sample):
+    log = tmp_path / "print.log"
+
+    def fn(x):
+        tf.print("rows", tf.shape(x)[0], output_stream=f"file://{log}")
+        return x + 1.0
+
+    f = tfshard.parallelize(fn, devices=CPUS, per_sample=per_sample)
+    np.testing.assert_array_equal(f(np.zeros([10, 3], np.float32)), np.ones([10, 3]))
+    lines = log.read_text().splitlines()
+    assert len(lines) == len(CPUS)  # one per shard: none dropped, none repeated
+    if not per_sample:
+        assert sorted(lines) == sorted(f"rows {n}" for n in f.plan(10))
+
+
+def test_a_shards_assign_then_read_stays_ordered():
+    """Inside a shard, the read after an assign sees it (0 if it ran first)."""
+    variable = tf.Variable(0.0)
+
+    def fn(x):
+        variable.assign(7.0)
+        return x + variable.read_value()
+
+    f = tfshard.parallelize(fn, devices=CPUS, per_sample=False)
+    for _ in range(5):
+        variable.assign(0.0)
+        np.testing.assert_array_equal(f(np.zeros([8, 1], np.float32)), np.full([8, 1], 7.0))
+
+
+def test_writes_to_one_variable_from_every_shard_are_all_kept():
+    counter = tf.Variable(0.0)
+
+    def fn(x):
+        counter.assign_add(tf.cast(tf.shape(x)[0], tf.float32))
+        return x
+
+    f = tfshard.parallelize(fn, devices=CPUS, per_sample=False)
+    for n in (8, 3, 0):
+        counter.assign(0.0)
+        f(np.zeros([n, 2], np.float32))
+        assert counter.numpy() == n
+
+
+def test_a_generator_draws_different_numbers_on_every_shard():
+    """The shards advance one state: no two shards draw the same numbers, and the
+    state moves on by what they drew together (in whatever order they ran)."""
+    generator = tf.random.Generator.from_seed(11)
+    f = tfshard.parallelize(lambda x: generator.uniform(tf.shape(x)), devices=CPUS)
+    before = generator.state.numpy().copy()
+    out = f(np.zeros([8, 1000], np.float32)).numpy()
+    assert len(np.unique(out, axis=0)) == len(out)  # no row drawn twice
+    assert not np.array_equal(generator.state.numpy(), before)
+
+
+def test_writes_resources_tells_a_writing_trace_from_a_reading_one():
+    variable, generator = tf.Variable(1.0), tf.random.Generator.from_seed(1)
+    spec = tf.TensorSpec([None], tf.float32)
+    traces = {
+        name: tf.function(fn).get_concrete_function(spec)
+        for name, fn in {
+            "read": lambda x: x * variable,
+            "random": lambda x: x + tf.random.uniform(tf.shape(x)),
+            "print": lambda x: (tf.print(x), x)[1],
+            "assign": lambda x: variable.assign_add(tf.reduce_sum(x)) * x,
+            "generator": lambda x: x + generator.normal(tf.shape(x)),
+            "nested": lambda x: tf.cond(x[0] > 0, lambda: variable.assign(1.0), lambda: 0.0) * x,
+        }.items()
+    }
+    writes = {name: _sharding.writes_resources(t) for name, t in traces.items()}
+    assert writes == {
+        "read": False,
+        "random": False,
+        "print": False,
+        "assign": True,
+        "generator": True,
+        "nested": True,
+    }
+
+
+# ------------------------------------------------------------ the speed-up proof
+
+
+def _speedups(count, per_sample):
+    """benchmarks/concurrency.py on `count` logical devices, in its own process."""
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "concurrency.py"),
+        f"--devices={count}",
+        "--rows=1024",
+        "--repeats=5",
+        "--warmup=1",
+        f"--per_sample={per_sample}",
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(line for line in out.stdout.splitlines() if line.startswith("{"))
+    return json.loads(line), out.stdout
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["whole shard", "per sample"])
+@pytest.mark.parametrize("count", [4, 8])
+def test_every_kind_scales_like_the_pure_function(count, per_sample):
+    """Each kind's speed-up over one device is >= 0.9 of the pure function's.
+
+    Timed on a shared machine: a pure speed-up under 1.4 says the cores were
+    busy with other work (the comparison then proves nothing), so the
+    measurement is retried; rerun a failure alone before believing it.
+    """
+    for _ in range(3):
+        result, table = _speedups(count, per_sample)
+        pure = result["speedup"]["pure"][str(count)]
+        if pure >= 1.4:
+            break
+    assert pure >= 1.4, f"no parallelism to compare with (other load?):\n{table}"
+    # keras_inference is keras_dropout's reference, not a kind with side effects. A
+    # Generator drawn per sample is the gap left open: pfor advances its state in a
+    # loop, one sample at a time, and the next shard's writes wait for that loop.
+    skip = {"keras_inference", *(("generator",) if per_sample else ())}
+    of_pure = {kind: v[str(count)] for kind, v in result["of_pure"].items() if kind not in skip}
+    slow = {kind: round(v, 2) for kind, v in of_pure.items() if v < 0.9}
+    assert not slow, f"kinds slower than 0.9 of the pure speed-up: {slow}\n{table}"
