@@ -9,7 +9,7 @@ graphs it traced. A call's body, traced once per trace key into one
       --Engine.collect (tf.device(output))--> [N, ...] in input order, or reduced
 
 A shard on the output device or the host traces `fn` in place; the others,
-when two or more, call one shared trace of it (`Engine._shard_runs` says
+when two or more, call one shared trace of it (`shard_runs` says
 when not): most of a first call's cost saved for every shard past the second.
 
 A dataset stream (`tfshard.datasets`) composes the same steps in its own loop:
@@ -310,7 +310,7 @@ class Engine:
           shared: the broadcast tensors, whole to every shard.
           pieces: ``pieces[i][k]``, split argument i's rows for shard k.
           sizes: each shard's rows (int64, on the host).
-          share: let shards share one trace of the function (`_shard_runs`);
+          share: let shards share one trace of the function (`shard_runs`);
             False where other transfers are pending beside the shards (a
             stream feeding its next batch ahead).
         """
@@ -330,7 +330,15 @@ class Engine:
             per_sample=self.options.per_sample,
             ragged=self.options.ragged,
         )
-        runs = self._shard_runs(shard, share)
+        runs = shard_runs(
+            shard,
+            self.devices,
+            self.output,
+            self.host,
+            self.replicas,
+            jit_compile=self.options.jit_compile,
+            share=share,
+        )
         outputs = []
         for k, (device, run) in enumerate(zip(self.devices, runs)):
             # With replicas, the shard reads the copy of each variable on its device.
@@ -353,76 +361,91 @@ class Engine:
         op = self.options.reduce
         return collect.collect(leaves, paths, self.devices, sizes, total, op, by_row, finish)
 
-    def _shard_runs(self, shard: Shard, share: bool) -> list[ShardFn]:
-        """How each shard runs: traced in place, or one trace the shards share.
 
-        Tracing is most of a first call (a vectorized function's pfor
-        conversion above all), so shards share one trace where that is right:
-        a function (`one_trace`) each calls under its own scope and device. It
-        is not inlined, so a failing op's error carries the calling op's name
-        (``tfshard_shard_k/...``) as context, which names the shard.
+def shard_runs(
+    shard: Shard,
+    devices: Sequence[str],
+    output: str,
+    host: str,
+    replicas: Replicas | None,
+    *,
+    jit_compile: bool,
+    share: bool,
+) -> list[ShardFn]:
+    """How each shard runs: traced in place, or one trace the shards share.
 
-        A shard on the output device or the host traces in place: a failure
-        inside a called function cancels the step, and the receives pending
-        beside its call (the gather's, the row checks') can then report their
-        cancellation first, so the error itself would be lost (measured: 3 to
-        14 of 20 failures of shard 0 came back as a bare CancelledError). In
-        place, the failing op is the first the step sees.
+    Tracing is most of a first call (a vectorized function's pfor
+    conversion above all), so shards share one trace where that is right:
+    a function (`one_trace`) each calls under its own scope and device. It
+    is not inlined, so a failing op's error carries the calling op's name
+    (``tfshard_shard_k/...``) as context, which names the shard.
 
-        No sharing: with replicas (each shard captures its own device's
-        copies), without `share`, across workers (a failing call loses its
-        error to the cancelled receives from other tasks: 7 of 18 failures
-        came back as a bare CancelledError), or where one shard would call the
-        shared trace (two devices): a trace called once saves no tracing, and
-        the call's instantiation cost ~15 % of a two-device first call
-        (measured, benchmarks/first_call.py). With XLA every shard calls one compiled
-        function: a compiled call runs as one kernel, not a nested step.
+    A shard on the output device or the host traces in place: a failure
+    inside a called function cancels the step, and the receives pending
+    beside its call (the gather's, the row checks') can then report their
+    cancellation first, so the error itself would be lost (measured: 3 to
+    14 of 20 failures of shard 0 came back as a bare CancelledError). In
+    place, the failing op is the first the step sees.
 
-        Calls run at once whatever the function does (`unordered`): no order
-        of side effects across shards is promised, and none is imposed. A
-        trace that writes a resource (`writes_resources`: a variable, a
-        Generator's state) is not shared: TensorFlow orders the writes to one
-        resource in graph order, and for a call that means the whole call, so
-        the shards would run in turn. Traced in place, only the writes are
-        ordered (TensorFlow inlines in-place shards into the step), and the
-        shards' work overlaps. A compiled shard is one call either way: under
-        XLA, shards that write one resource run in turn.
-        """
-        count = len(self.devices)
+    No sharing: with replicas (each shard captures its own device's
+    copies), without `share`, across workers (a failing call loses its
+    error to the cancelled receives from other tasks: 7 of 18 failures
+    came back as a bare CancelledError), or where one shard would call the
+    shared trace (two devices): a trace called once saves no tracing, and
+    the call's instantiation cost ~15 % of a two-device first call
+    (measured, benchmarks/first_call.py). With XLA every shard calls one compiled
+    function: a compiled call runs as one kernel, not a nested step.
 
-        def guarded(rows_in: Sequence[Any], rows: tf.Tensor) -> Any:
-            return skip_if_empty(shard, rows_in, rows > 0)
+    Calls run at once whatever the function does (`unordered`): no order
+    of side effects across shards is promised, and none is imposed. A
+    trace that writes a resource (`writes_resources`: a variable, a
+    Generator's state) is not shared: TensorFlow orders the writes to one
+    resource in graph order, and for a call that means the whole call, so
+    the shards would run in turn. Traced in place, only the writes are
+    ordered (TensorFlow inlines in-place shards into the step), and the
+    shards' work overlaps. A compiled shard is one call either way: under
+    XLA, shards that write one resource run in turn.
 
-        if self.options.jit_compile:
-            if self.replicas is not None:  # a trace per device: tf.function keys on it
-                compiled = tf.function(_taking_token(guarded), autograph=False, jit_compile=True)
-                return unordered(compiled, self.devices)
-            return unordered(one_trace(guarded, jit_compile=True), self.devices)
-        in_place = [
-            pinning.same_device(d, self.output) or pinning.same_device(d, self.host)
-            for d in self.devices
-        ]
-        remote = any(pinning.is_remote(d) for d in (*self.devices, self.output))
-        if not share or self.replicas is not None or remote or in_place.count(False) < 2:
-            return [guarded] * count
-        # "_noinline" reaches TF through the public `experimental_attributes`,
-        # which accepts it by name (its allowlist for `tf.function`); the
-        # underscore is TF's spelling, not a private API. Pinned by
-        # test_shards_off_the_output_device_call_one_shared_trace_each_on_its_device.
-        shared = one_trace(guarded, experimental_attributes={"_noinline": True})
-        off = [d for d, here in zip(self.devices, in_place) if not here]
-        calls = iter(unordered(shared, off))
-        writes: list[bool] = []  # whether the shared trace writes a resource, once known
+    Args:
+      shard: what one shard computes.
+      devices: the shards' devices; `output` and `host` as the engine's.
+      replicas: the replicas the shards read, or None.
+      jit_compile: compile each shard with XLA.
+      share: let shards share one trace (False where transfers are pending
+        beside the shards, as in a stream's feed-ahead loop).
+    """
+    count = len(devices)
 
-        def in_place_if_writing(call: ShardFn) -> ShardFn:
-            def run(rows_in: Sequence[Any], rows: tf.Tensor) -> Any:
-                if not writes:
-                    writes.append(writes_resources(shared.traced(rows_in)))
-                return guarded(rows_in, rows) if writes[0] else call(rows_in, rows)
+    def guarded(rows_in: Sequence[Any], rows: tf.Tensor) -> Any:
+        return skip_if_empty(shard, rows_in, rows > 0)
 
-            return run
+    if jit_compile:
+        if replicas is not None:  # a trace per device: tf.function keys on it
+            compiled = tf.function(_taking_token(guarded), autograph=False, jit_compile=True)
+            return unordered(compiled, devices)
+        return unordered(one_trace(guarded, jit_compile=True), devices)
+    in_place = [pinning.same_device(d, output) or pinning.same_device(d, host) for d in devices]
+    remote = any(pinning.is_remote(d) for d in (*devices, output))
+    if not share or replicas is not None or remote or in_place.count(False) < 2:
+        return [guarded] * count
+    # "_noinline" reaches TF through the public `experimental_attributes`,
+    # which accepts it by name (its allowlist for `tf.function`); the
+    # underscore is TF's spelling, not a private API. Pinned by
+    # test_shards_off_the_output_device_call_one_shared_trace_each_on_its_device.
+    shared = one_trace(guarded, experimental_attributes={"_noinline": True})
+    off = [d for d, here in zip(devices, in_place) if not here]
+    calls = iter(unordered(shared, off))
+    writes: list[bool] = []  # whether the shared trace writes a resource, once known
 
-        return [guarded if here else in_place_if_writing(next(calls)) for here in in_place]
+    def in_place_if_writing(call: ShardFn) -> ShardFn:
+        def run(rows_in: Sequence[Any], rows: tf.Tensor) -> Any:
+            if not writes:
+                writes.append(writes_resources(shared.traced(rows_in)))
+            return guarded(rows_in, rows) if writes[0] else call(rows_in, rows)
+
+        return run
+
+    return [guarded if here else in_place_if_writing(next(calls)) for here in in_place]
 
 
 # A shard's computation that also takes a resource handle it never reads (`unordered`).

@@ -129,7 +129,7 @@ class Shard(NamedTuple):
     """What one shard computes.
 
     Attributes:
-      run: its outputs, from its rows (traced in place or shared, `Engine._shard_runs`).
+      run: its outputs, from its rows (traced in place or shared, `_sharding.shard_runs`).
       empty: the outputs of a shard with no rows instead, from what `run`
         returned when traced, or None to run it after all (`skip_if_empty`).
     """
