@@ -291,7 +291,7 @@ def test_the_traced_loop_runs_each_sample_once():
 def test_the_traced_loop_keeps_no_graph_of_its_probe():
     # The loop learns its outputs' specs from a trace of the function on every device (the
     # probe) and keeps stand-ins from a graph of a few ops, so the probe's graph is freed
-    # (benchmarks/predict_memory.py: 22 MB of a MobileNetV2's first call on 2 devices).
+    # (benchmarks/predict_memory.py: 17 MB of a MobileNetV2's first call on 2 devices).
     def deep(block):
         for _ in range(20):
             block = tf.tanh(block * 0.5)

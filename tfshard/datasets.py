@@ -41,7 +41,6 @@ parallelism and buffers. On GPUs it stays on.
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -562,11 +561,11 @@ class _Loop:
         # One shard's (or the reduced) output leaves, and entries per batch: shards, or 1.
         self._leaves = _stand_ins(probe.structured_outputs[0])
         self._slots = len(probe.structured_outputs)
-        # The probe's graph holds the function once per device and is never run: freed
-        # before the loop traces it again (benchmarks/predict_memory.py: MobileNetV2 on 2
-        # devices, 22 MB less at the first call's peak RSS).
+        # The probe's graph holds the function once per device and is never run: nothing
+        # keeps it now, and Python's collector frees it while the loop traces (no collect
+        # of ours: it took 0.15 s of a Keras user's first call). benchmarks/predict_memory.py:
+        # MobileNetV2 on 2 devices, about 17 MB less at the first call's peak RSS.
         del probe
-        gc.collect()
         self._state_specs = (
             [tf.TensorSpec([], tf.variant)] * collect.array_count(self._leaves)
             if self._op is None
