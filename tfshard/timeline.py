@@ -455,8 +455,16 @@ def _shard_of(name: str) -> int | None:
     return None if found is None else int(found.group(1))
 
 
-def _attribute(ops: list[_Op], count: int) -> tuple[list[list[_Op]], list[_Op], list[_Op]]:
-    """Each op to its shard, the gather, or neither (see the module docstring)."""
+def _attribute(
+    ops: list[_Op], count: int, outer: frozenset[str] = frozenset()
+) -> tuple[list[list[_Op]], list[_Op], list[_Op]]:
+    """Each op to its shard, the gather, or neither (see the module docstring).
+
+    An op of the call's own graph (`outer`: the names in the partition graphs
+    that ran) outside every shard's scope belongs to no shard, whenever it
+    runs; only an op inside a called function (not in `outer`) goes to the
+    shard whose call was running on its device.
+    """
     shards: list[list[_Op]] = [[] for _ in range(count)]
     gather, other = [], []
     calls = [(k, o) for o in ops if o.op in _CALL_OPS and (k := _shard_of(o.name)) is not None]
@@ -465,7 +473,7 @@ def _attribute(ops: list[_Op], count: int) -> tuple[list[list[_Op]], list[_Op], 
         if k is None and o.name.startswith(COLLECT_SCOPE):
             gather.append(o)
             continue
-        if k is None:
+        if k is None and o.name not in outer:
             running = [(j, c) for j, c in calls if c.start <= o.start <= c.end]
             here = {j for j, c in running if c.device == o.device}
             anywhere = {j for j, _ in running}
@@ -582,7 +590,8 @@ def _read(
     name: str,
 ) -> Timeline:
     ops = _ops(metadata.step_stats)
-    per_shard, gathered, other = _attribute(ops, len(devices))
+    outer = frozenset(n.name for g in metadata.partition_graphs for n in g.node)
+    per_shard, gathered, other = _attribute(ops, len(devices), outer)
     shards = tuple(
         Shard(
             **_span(mine, _local(device)),
