@@ -1278,3 +1278,24 @@ def test_a_scalar_per_shard_names_per_shard_as_a_remedy():
     f = tfshard.parallelize(tf.reduce_sum, devices=CPUS[:2], per_sample=False)
     with pytest.raises(ArgumentError, match=r"scalar per shard.*f\.per_shard"):
         f(np.ones([4], np.float32))
+
+
+# ------------------------------------------------- a newcomer's first mistakes
+
+
+def test_a_python_generator_is_sent_to_dataset_from_generator():
+    f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[:2])
+    batches = (np.ones([4, 3], np.float32) for _ in range(3))
+    with pytest.raises(ArgumentError, match=r"generator or iterator.*Dataset\.from_generator"):
+        f(batches)
+
+
+def test_a_stream_keyword_on_a_tensor_says_it_is_for_datasets():
+    f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[:2])
+    x = np.ones([4, 3], np.float32)
+    for key, value in (("batch_size", 2), ("progress", True), ("batched", True)):
+        with pytest.raises(ArgumentError, match=rf"{key}= is for a tf.data.Dataset"):
+            f(x, **{key: value})
+    # A function that takes the keyword itself gets it.
+    g = tfshard.parallelize(lambda s, batch_size: s * batch_size, devices=CPUS[:2])
+    np.testing.assert_array_equal(g(x, batch_size=3).numpy(), 3 * x)

@@ -15,7 +15,7 @@ trace key is its dtype and shape, not a TensorSpec).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -231,6 +231,14 @@ class Arguments:
                 "tf.data.Dataset of batches)"
             )
         if not found.split:
+            given = [*args, *kwargs.values()]
+            if any(isinstance(v, Iterator) and as_tensor(v) is None for v in given):
+                raise ArgumentError(
+                    f"{self.name}() got a Python generator or iterator, which tfshard cannot "
+                    "split; wrap it as a dataset, tf.data.Dataset.from_generator(gen, "
+                    "output_signature=...), and pass that (each element one batch, or "
+                    "single samples with batch_size=N)"
+                )
             raise ArgumentError(
                 f"{self.name}() got no tensor or array to split across devices; pass "
                 "a tf.Tensor or NumPy array with a batch dimension (a Python list is a "

@@ -92,6 +92,7 @@ class Engine:
         self.output = output
         # The CPU of the output's machine: where plans and checks run.
         self.host = host_cpu(output)
+        self.remote_output = pinning.is_remote(output)
         self.graphs: dict[Hashable, Any] = {}
         # Output structures of graphs whose outputs tf.function rebuilds otherwise.
         self.rebuilt: dict[Hashable, Hashable] = {}
@@ -184,7 +185,7 @@ class Engine:
     def execute(self, graph: Any, call: _arguments.Call) -> Any:
         """Runs a traced graph on a call's tensors; a failure as `call_error` says."""
         # (Inside the user's tf.function, the outer call raises: nothing to wait for.)
-        remote = pinning.is_remote(self.output) and tf.executing_eagerly()
+        remote = self.remote_output and tf.executing_eagerly()
         try:
             # The call op's device is where TF leaves the function's outputs.
             with tf.device(self.output):

@@ -174,8 +174,8 @@ def collect(
       The results, and for gathered leaves the row count of each shard's
       output as the gather saw it (by leaf index; none for unknown rank).
     """
-    per_shard_sizes = tf.unstack(sizes, num=len(devices))
     results, counted = [], {}
+    per_shard_sizes = None if op is None else tf.unstack(sizes, num=len(devices))
     for i, per_shard in enumerate(leaves):
         if op is None:
             result, lengths = gather_counted(per_shard)

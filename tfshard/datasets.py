@@ -41,6 +41,7 @@ parallelism and buffers. On GPUs it stays on.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -65,6 +66,28 @@ _CHUNK_SECONDS = 0.5
 # Batches of the traced loop in flight at once: 1 runs batch i's shards while batch
 # i + 1 is fed to the devices, and nothing further (memory: two batches per device).
 _PARALLEL_ITERATIONS = 1
+
+
+def refuse_stream_options(arguments: Arguments, kwargs: dict[str, Any]) -> None:
+    """Raises ArgumentError for a stream's keyword in a call on tensors.
+
+    ``batch_size=``, ``batched=`` and ``progress=`` belong to tfshard only when
+    the first argument is a dataset; on tensors they would reach the user's
+    function, which then reads as rejecting them. A function that takes the
+    keyword itself (a parameter of that name, or ``**kwargs``) gets it.
+    """
+    params = arguments.signature.parameters if arguments.signature else {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in DATASET_OPTIONS:
+        if key in kwargs and key not in params:
+            name = arguments.name
+            raise ArgumentError(
+                f"{name}(..., {key}=...): {key}= is for a tf.data.Dataset, as in "
+                f"{name}(dataset, {key}=...) or {name}.iterate(dataset, {key}=...); "
+                f"with tensors or arrays the whole argument is one batch, so drop {key}= "
+                f"(or call {name} on parts of it)"
+            )
 
 
 def _leaf_paths(spec: Any) -> list[tuple[str, Any]]:

@@ -44,6 +44,7 @@ __all__ = ("ShardedFunction", "parallelize")
 # A user's tf.function converts what it calls with autograph, tfshard's own
 # methods too; they are plain Python that traces graphs, so they opt out.
 _not_converted = tf.autograph.experimental.do_not_convert
+_STREAM_KEYWORDS = frozenset(datasets.DATASET_OPTIONS)
 
 
 class ShardedFunction:
@@ -183,6 +184,8 @@ class ShardedFunction:
         if args and isinstance(args[0], tf.data.Dataset):
             options = {k: kwargs.pop(k) for k in datasets.DATASET_OPTIONS if k in kwargs}
             return self._runner().run(self._arguments, args[0], args[1:], kwargs, **options)
+        if kwargs and not _STREAM_KEYWORDS.isdisjoint(kwargs):
+            datasets.refuse_stream_options(self._arguments, kwargs)
         call = self._arguments.classify(args, kwargs)
         return self._engine().call(call)
 
