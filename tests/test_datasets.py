@@ -552,14 +552,14 @@ def test_a_call_of_the_loop_grows_at_most_twofold(monkeypatch):
     limits = []
     original = datasets._Loop.run
 
-    def run(self, batches, broadcast, meter):
+    def run(self, batches, broadcast, meter, interrupted):
         chunk = self._chunk
         self._chunk = lambda it, cur, i, limit, *rest: (
             limits.append(int(limit)),
             chunk(it, cur, i, limit, *rest),
         )[1]
         try:
-            return original(self, batches, broadcast, meter)
+            return original(self, batches, broadcast, meter, interrupted)
         finally:
             self._chunk = chunk
 
@@ -810,3 +810,46 @@ def test_a_stream_of_dtypes_a_gpu_tensorlist_cannot_hold_comes_back_exact(dtype)
     got = f(tf.data.Dataset.from_tensor_slices(x).batch(3))
     assert got.dtype == tf.as_dtype(dtype)
     np.testing.assert_array_equal(got.numpy(), x)
+
+
+CTRL_C_LOST_IN_A_FINALIZER = """
+import gc, os, signal, sys, time
+import numpy as np
+import tfshard
+tfshard.virtual_devices(2)
+import tensorflow as tf
+
+class Finalizer:  # what a traced graph freed by the garbage collector runs
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while Python runs a finalizer
+        time.sleep(0.05)
+
+def slow(block):
+    Finalizer()  # made and freed while f(ds) traces its loop: Ctrl-C lands in __del__
+    return tf.py_function(lambda t: (time.sleep(0.02), t)[1], [block], tf.float32)
+
+f = tfshard.parallelize(slow, per_sample=False, devices=["cpu:0", "cpu:1"])
+ds = tf.data.Dataset.from_tensor_slices(np.zeros([2000, 1], np.float32)).batch(2)
+start = time.monotonic()
+try:
+    f(ds)
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - start:.1f} s", flush=True)
+"""
+
+
+def test_ctrl_c_that_python_drops_in_a_finalizer_still_stops_the_stream():
+    # Python prints a KeyboardInterrupt raised inside __del__ as ignored and goes
+    # on; the stream must still stop at its next call of the loop, not run ~20 s.
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", CTRL_C_LOST_IN_A_FINALIZER],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.startswith("interrupted after"), (out.stdout, out.stderr[-2000:])
+    assert float(out.stdout.split()[2]) < 8.0, out.stdout

@@ -41,8 +41,11 @@ parallelism and buffers. On GPUs it stays on.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
@@ -88,6 +91,36 @@ def refuse_stream_options(arguments: Arguments, kwargs: dict[str, Any]) -> None:
                 f"with tensors or arrays the whole argument is one batch, so drop {key}= "
                 f"(or call {name} on parts of it)"
             )
+
+
+@contextlib.contextmanager
+def _ctrl_c() -> Iterator[Callable[[], bool]]:
+    """While a traced loop runs: whether Ctrl-C was pressed, however Python met it.
+
+    Python raises KeyboardInterrupt wherever the main thread is when SIGINT
+    arrives; raised inside a finalizer (a traced graph freed by the garbage
+    collector), it is printed as ignored and lost, and the stream would run to
+    its end. So the signal is also recorded here and raised again between
+    calls of the loop. Off the main thread, or under a handler of the user's,
+    nothing changes.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or (
+        previous is not signal.default_int_handler
+    ):
+        yield lambda: False
+        return
+    pressed: list[bool] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        pressed.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _leaf_paths(spec: Any) -> list[tuple[str, Any]]:
@@ -332,9 +365,10 @@ class Runner:
                 "(dataset.take(n))"
             )
         batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
-        loop = self._graph_loop(arguments, batches, args, kwargs, progress)
-        if loop is None:
-            loop = self._python_loop(arguments, batches, args, kwargs, progress)
+        with _ctrl_c() as interrupted:
+            loop = self._graph_loop(arguments, batches, args, kwargs, progress, interrupted)
+            if loop is None:
+                loop = self._python_loop(arguments, batches, args, kwargs, progress)
         result, total = loop
         if total == 0:
             # No elements: the function on a batch of zero rows (unknown dimensions 0).
@@ -350,6 +384,7 @@ class Runner:
         args: tuple,
         kwargs: dict,
         progress: bool | TextIO,
+        interrupted: Callable[[], bool],
     ) -> tuple[Any, int] | None:
         """The whole dataset through a traced loop; None where it does not apply.
 
@@ -389,7 +424,7 @@ class Runner:
                 loop = self.loops[key] = _Loop(engine, relaxed, call)
         meter = _meter(engine.name, batches, progress)
         try:
-            result, total = loop.run(batches, call.tensors[count:], meter)
+            result, total = loop.run(batches, call.tensors[count:], meter, interrupted)
         except tf.errors.InvalidArgumentError as error:
             if _ROWS_DIFFER in error.message:
                 raise ArgumentError(
@@ -722,9 +757,17 @@ class _Loop:
         return current, i, n, total, state
 
     def run(
-        self, batches: tf.data.Dataset, broadcast: list[Any], meter: _Progress | None
+        self,
+        batches: tf.data.Dataset,
+        broadcast: list[Any],
+        meter: _Progress | None,
+        interrupted: Callable[[], bool],
     ) -> tuple[Any, int]:
-        """All of `batches` through the loop: the result, and how many rows."""
+        """All of `batches` through the loop: the result, and how many rows.
+
+        `interrupted` says whether Ctrl-C was pressed (`_ctrl_c`); it is read
+        before each call of the loop.
+        """
         with tf.device(HOST):
             iterator = iter(batches)
             current = iterator.get_next_as_optional()
@@ -738,6 +781,8 @@ class _Loop:
         # Start from half the last run's size (one batch at first), then adapt.
         i, total, limit = tf.constant(0), 0, max(self._last_limit // 2, 1)
         while True:
+            if interrupted():  # pressed while Python could not raise it (`_ctrl_c`)
+                raise KeyboardInterrupt
             began = time.perf_counter()
             with tf.device(self._engine.output):
                 current, i, n, batch_rows, state = self._chunk(
