@@ -41,18 +41,14 @@ parallelism and buffers. On GPUs it stays on.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 import tensorflow as tf
 
-from tfshard import _kinds, _trees, collect, pinning
+from tfshard import _kinds, _stream, _trees, collect, pinning
 from tfshard._arguments import Arguments, Call, type_spec
 from tfshard._plan import host_cpu, plan_sizes, rows, split
 from tfshard._sharding import Engine
@@ -91,36 +87,6 @@ def refuse_stream_options(arguments: Arguments, kwargs: dict[str, Any]) -> None:
                 f"with tensors or arrays the whole argument is one batch, so drop {key}= "
                 f"(or call {name} on parts of it)"
             )
-
-
-@contextlib.contextmanager
-def _ctrl_c() -> Iterator[Callable[[], bool]]:
-    """While a traced loop runs: whether Ctrl-C was pressed, however Python met it.
-
-    Python raises KeyboardInterrupt wherever the main thread is when SIGINT
-    arrives; raised inside a finalizer (a traced graph freed by the garbage
-    collector), it is printed as ignored and lost, and the stream would run to
-    its end. So the signal is also recorded here and raised again between
-    calls of the loop. Off the main thread, or under a handler of the user's,
-    nothing changes.
-    """
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or (
-        previous is not signal.default_int_handler
-    ):
-        yield lambda: False
-        return
-    pressed: list[bool] = []
-
-    def handler(signum: int, frame: Any) -> None:
-        pressed.append(True)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield lambda: bool(pressed)
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _leaf_paths(spec: Any) -> list[tuple[str, Any]]:
@@ -217,53 +183,6 @@ def _on_host_cpus(engine: Engine) -> bool:
         tf.DeviceSpec.from_string(d).device_type == "CPU" and not pinning.is_remote(d)
         for d in engine.devices
     )
-
-
-class _Progress:
-    """A one-line progress report, ``batch 12/40  3072 samples  1234.5 samples/s``."""
-
-    def __init__(self, name: str, total: int | None, stream: TextIO | None) -> None:
-        self._name = name
-        self._total = total
-        self._stream = stream or sys.stderr
-        self._start = time.perf_counter()
-        self._last = 0.0
-        self._batches = 0
-        self._written = -1  # the batch count the last line showed
-        self.samples = 0
-
-    def update(self, rows: int, batches: int = 1) -> None:
-        self._batches += batches
-        self.samples += rows
-        now = time.perf_counter()
-        if now - self._last >= 0.5 or self._batches == self._total:
-            self._last = now
-            self._write(final=False)
-
-    def close(self) -> None:
-        tty = getattr(self._stream, "isatty", lambda: False)()
-        if tty or self._written != self._batches:  # a stream gets each line once
-            self._write(final=True)
-
-    def _write(self, final: bool) -> None:
-        elapsed = max(time.perf_counter() - self._start, 1e-9)
-        of = f"/{self._total}" if self._total is not None else ""
-        line = (
-            f"{self._name}: batch {self._batches}{of}  {self.samples} samples  "
-            f"{self.samples / elapsed:.1f} samples/s  {elapsed:.1f} s"
-        )
-        tty = getattr(self._stream, "isatty", lambda: False)()
-        if tty:
-            self._stream.write("\r" + line + ("\n" if final else ""))
-        elif final or self._batches == 1:
-            self._stream.write(line + "\n")
-            self._written = self._batches
-        self._stream.flush()
-
-
-def _cardinality(dataset: tf.data.Dataset) -> int | None:
-    count = int(dataset.cardinality())
-    return count if count >= 0 else None
 
 
 def _split_element(element: Any) -> tuple[Any, ...]:
@@ -365,7 +284,7 @@ class Runner:
                 "(dataset.take(n))"
             )
         batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
-        with _ctrl_c() as interrupted:
+        with _stream.ctrl_c() as interrupted:
             loop = self._graph_loop(arguments, batches, args, kwargs, progress, interrupted)
             if loop is None:
                 loop = self._python_loop(arguments, batches, args, kwargs, progress)
@@ -422,7 +341,7 @@ class Runner:
             loop = self.loops.get(key)
             if loop is None:
                 loop = self.loops[key] = _Loop(engine, relaxed, call)
-        meter = _meter(engine.name, batches, progress)
+        meter = _stream.meter(engine.name, batches, progress)
         try:
             result, total = loop.run(batches, call.tensors[count:], meter, interrupted)
         except tf.errors.InvalidArgumentError as error:
@@ -508,7 +427,7 @@ def _batches(
     progress: bool | TextIO,
 ) -> Iterator[tuple[Any, int]]:
     """The Python loop: `run` once per batch, checking per-sample shapes."""
-    meter = _meter(name, batches, progress)
+    meter = _stream.meter(name, batches, progress)
     first: list[Any] | None = None
     for element in batches:
         leaves, structure = _trees.flatten(element)
@@ -533,12 +452,6 @@ def _batches(
         yield result, batch_rows
     if meter:
         meter.close()
-
-
-def _meter(name: str, batches: tf.data.Dataset, progress: bool | TextIO) -> _Progress | None:
-    if not progress:
-        return None
-    return _Progress(name, _cardinality(batches), None if progress is True else progress)
 
 
 def _zeros(spec: Any) -> Any:
@@ -760,12 +673,12 @@ class _Loop:
         self,
         batches: tf.data.Dataset,
         broadcast: list[Any],
-        meter: _Progress | None,
+        meter: _stream.Progress | None,
         interrupted: Callable[[], bool],
     ) -> tuple[Any, int]:
         """All of `batches` through the loop: the result, and how many rows.
 
-        `interrupted` says whether Ctrl-C was pressed (`_ctrl_c`); it is read
+        `interrupted` says whether Ctrl-C was pressed (`_stream.ctrl_c`); it is read
         before each call of the loop.
         """
         with tf.device(HOST):
@@ -781,7 +694,7 @@ class _Loop:
         # Start from half the last run's size (one batch at first), then adapt.
         i, total, limit = tf.constant(0), 0, max(self._last_limit // 2, 1)
         while True:
-            if interrupted():  # pressed while Python could not raise it (`_ctrl_c`)
+            if interrupted():  # pressed while Python could not raise it (`_stream.ctrl_c`)
                 raise KeyboardInterrupt
             began = time.perf_counter()
             with tf.device(self._engine.output):
