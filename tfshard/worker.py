@@ -92,18 +92,20 @@ def serve(cluster_spec: str | None = None, job: str | None = None, task: int | N
     logging.info(
         "tfshard worker: job %s task %d serving at %s (%s)", job, task, address, server.target
     )
-    print(
-        f"{READY} /job:{job}/replica:0/task:{task} at {address}; connect with "
-        f"tfshard.connect({cluster.cluster_flag(jobs)!r})",
-        flush=True,
-    )
     # Not server.join(), nor one long sleep: Python runs signal handlers in the
     # main thread between bytecodes, and the kernel may hand Ctrl-C's SIGINT to
     # any of TensorFlow's threads, which leaves a blocked main thread asleep
     # (measured: a worker in time.sleep(3600) still served 15 s after SIGINT).
     # Waking every _WAKE_S bounds how long Ctrl-C takes. SIGTERM keeps its
     # default action and ends the process at once (a TF server has no stop).
+    # The ready line is inside the try: a Ctrl-C sent the moment it is read can
+    # land while print is still flushing it.
     try:
+        print(
+            f"{READY} /job:{job}/replica:0/task:{task} at {address}; connect with "
+            f"tfshard.connect({cluster.cluster_flag(jobs)!r})",
+            flush=True,
+        )
         while True:
             time.sleep(_WAKE_S)
     except KeyboardInterrupt:
