@@ -69,10 +69,17 @@ flags.register_multi_flags_validator(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: all held open while choosing, as the OS hands a
+    port just closed out again."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @contextlib.contextmanager
@@ -82,7 +89,7 @@ def local_workers(count: int) -> Iterator[str]:
     Yields:
       The cluster, as ``--cluster`` takes it ("127.0.0.1:p0,127.0.0.1:p1").
     """
-    addresses = ",".join(f"127.0.0.1:{_free_port()}" for _ in range(count))
+    addresses = ",".join(f"127.0.0.1:{port}" for port in _free_ports(count))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
     children = []
     try:

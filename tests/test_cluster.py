@@ -43,10 +43,21 @@ CHILD_ENV.pop(cluster.TF_CONFIG_ENV, None)
 START_TIMEOUT = 90  # seconds for a child to import TF and get going on a busy machine
 
 
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct ports nothing listens on now (all held open while choosing:
+    the OS hands a port just closed out again)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return _free_ports(1)[0]
 
 
 # ------------------------------------------------------- names, in-process
@@ -129,7 +140,7 @@ def test_bad_clusters_name_the_job_task_and_fix(spelling, message):
 
 
 def test_a_failed_connect_gives_the_command_that_starts_each_worker():
-    ports = [_free_port() for _ in range(3)]  # Nothing listens there now.
+    ports = _free_ports(3)  # Nothing listens there now.
     addresses = [f"127.0.0.1:{port}" for port in ports]
     with pytest.raises(ClusterError) as raised:
         tfshard.connect(",".join(addresses[:2]), timeout=1)
@@ -391,7 +402,7 @@ class _Workers:
     """``python -m tfshard.worker`` processes on 127.0.0.1, one per task."""
 
     def __init__(self, count: int) -> None:
-        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(count)]
+        self.addresses = [f"127.0.0.1:{port}" for port in _free_ports(count)]
         self.cluster = ",".join(self.addresses)
         self.children: dict[int, _Child] = {}
 
