@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import tensorflow as tf
+from ports import free_ports
 
 import tfshard
 from tfshard import cluster, pinning, worker
@@ -43,21 +44,8 @@ CHILD_ENV.pop(cluster.TF_CONFIG_ENV, None)
 START_TIMEOUT = 90  # seconds for a child to import TF and get going on a busy machine
 
 
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct ports nothing listens on now (all held open while choosing:
-    the OS hands a port just closed out again)."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def _free_port() -> int:
-    return _free_ports(1)[0]
+    return free_ports(1)[0]
 
 
 # ------------------------------------------------------- names, in-process
@@ -140,7 +128,7 @@ def test_bad_clusters_name_the_job_task_and_fix(spelling, message):
 
 
 def test_a_failed_connect_gives_the_command_that_starts_each_worker():
-    ports = _free_ports(3)  # Nothing listens there now.
+    ports = free_ports(3)  # Nothing listens there now.
     addresses = [f"127.0.0.1:{port}" for port in ports]
     with pytest.raises(ClusterError) as raised:
         tfshard.connect(",".join(addresses[:2]), timeout=1)
@@ -402,7 +390,7 @@ class _Workers:
     """``python -m tfshard.worker`` processes on 127.0.0.1, one per task."""
 
     def __init__(self, count: int) -> None:
-        self.addresses = [f"127.0.0.1:{port}" for port in _free_ports(count)]
+        self.addresses = [f"127.0.0.1:{port}" for port in free_ports(count)]
         self.cluster = ",".join(self.addresses)
         self.children: dict[int, _Child] = {}
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import free_addresses
 
 from tfshard import worker
 
@@ -25,19 +26,6 @@ START_TIMEOUT = 90  # seconds for a child to import TF and get going on a busy m
 # Quiet TF's C++ logs in the children; keep tfshard's own. No TF_CONFIG unless a test sets one.
 ENV = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
 ENV.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-
-
-def _free_addresses(count: int) -> list[str]:
-    """`count` distinct addresses nothing listens on now (all held open while choosing:
-    the OS hands a port just closed out again)."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [f"127.0.0.1:{sock.getsockname()[1]}" for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def _as_in_a_terminal() -> None:
@@ -88,7 +76,7 @@ def failed_runs():
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     busy_address = f"127.0.0.1:{busy.getsockname()[1]}"
-    two = ",".join(_free_addresses(2))
+    two = ",".join(free_addresses(2))
     cases = {
         "bad_task": (f"--cluster={two}", "--task=5"),
         "no_task": (f"--cluster={two}",),
@@ -149,7 +137,7 @@ def test_a_negative_task_is_a_flag_error(failed_runs):
 
 
 def test_a_worker_serves_its_task_until_ctrl_c():
-    addresses = _free_addresses(2)
+    addresses = free_addresses(2)
     process = _start(f"--cluster={','.join(addresses)}", "--task=1")
     try:
         line = _ready_line(process)
@@ -172,7 +160,7 @@ def test_a_worker_serves_its_task_until_ctrl_c():
 
 
 def test_a_worker_takes_its_cluster_and_task_from_tf_config_and_ends_on_sigterm():
-    worker_address, ps_address = _free_addresses(2)
+    worker_address, ps_address = free_addresses(2)
     jobs = {"worker": [worker_address], "ps": [ps_address]}
     config = {"cluster": jobs, "task": {"type": "ps", "index": 0}}
     process = _start(env={**ENV, "TF_CONFIG": json.dumps(config)})

@@ -148,16 +148,18 @@ class Planned(NamedTuple):
     pieces: list[list[Any]]
 
 
-def plan(
+def plan_and_split(
     inputs: Sequence[Any],
     split_devices: Sequence[str],
     paths: Sequence[str],
     count: int,
     weights: tuple[int, ...] | None,
     host: str,
-) -> tuple[tf.Tensor, tf.Tensor]:
-    """The rows and the shard sizes of a call's split arguments, on the host.
+) -> Planned:
+    """The rows and shard sizes on the host, then every split argument cut where it lives.
 
+    The sizes are int64 arithmetic on the host, so nothing waits for a GPU, and
+    each argument is split on its own device, so each shard's rows cross once.
     Inside a tf.function the split arguments' rows are unknown to Python, so
     there the plan waits for a check that they are equal (its message starts
     with `INPUTS_DIFFER`, then the arguments' paths).
@@ -185,19 +187,7 @@ def plan(
                 )
             )
         with tf.control_dependencies(checks):
-            return counts[0], plan_sizes(counts[0], count, weights)
-
-
-def plan_and_split(
-    inputs: Sequence[Any],
-    split_devices: Sequence[str],
-    paths: Sequence[str],
-    count: int,
-    weights: tuple[int, ...] | None,
-    host: str,
-) -> Planned:
-    """`plan`, then every split argument cut where it lives (so each shard's rows cross once)."""
-    total, sizes = plan(inputs, split_devices, paths, count, weights, host)
+            total, sizes = counts[0], plan_sizes(counts[0], count, weights)
     pieces = []
     for tensor, device in zip(inputs, split_devices):
         with tf.device(device or None):
