@@ -478,6 +478,15 @@ def test_results_cross_call_boundaries_of_the_loop(one_batch_per_call, reduce):
         assert out.numpy() == expected
 
 
+def _as_in_a_terminal() -> None:
+    # A shell's background job (`make test &`, a CI runner's) starts with SIGINT
+    # ignored, which its children inherit, and Python then never raises
+    # KeyboardInterrupt; a stream run in a terminal gets Ctrl-C's default.
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 INTERRUPTED_STREAM = """
 import sys, time
 import numpy as np
@@ -508,7 +517,10 @@ def test_ctrl_c_stops_a_long_stream_promptly():
     import time
 
     child = subprocess.Popen(
-        [sys.executable, "-c", INTERRUPTED_STREAM], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", INTERRUPTED_STREAM],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_in_a_terminal,
     )
     try:
         assert child.stdout.readline().strip() == "started"
@@ -850,6 +862,7 @@ def test_ctrl_c_that_python_drops_in_a_finalizer_still_stops_the_stream():
         capture_output=True,
         text=True,
         timeout=60,
+        preexec_fn=_as_in_a_terminal,
     )
     assert out.stdout.startswith("interrupted after"), (out.stdout, out.stderr[-2000:])
     assert float(out.stdout.split()[2]) < 8.0, out.stdout
