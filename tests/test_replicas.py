@@ -9,6 +9,8 @@ and the variables' sizes from their shapes.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -238,7 +240,9 @@ def test_a_shard_assigning_a_replicated_variable_is_refused():
     with f.replicas():
         norm = keras.layers.BatchNormalization()
         norm.build((None, 3))
-    with pytest.raises(ArgumentError, match=r"assigns the replicated variable .*moving_mean"):
+    with pytest.raises(
+        ArgumentError, match=r"assigns the replicated variables \S*moving_mean\S*, \S*moving_var"
+    ):
         f(np.ones([6, 3], np.float32))
 
     def count(x):
@@ -318,3 +322,230 @@ def test_a_dataset_stream_reads_each_devices_copy_and_is_checked_like_a_call():
         norm.build((None, 3))
     with pytest.raises(ArgumentError, match="assigns the replicated variable"):
         train(tf.data.Dataset.from_tensor_slices(np.ones([6, 3], np.float32)).batch(2))
+
+
+def test_a_refused_write_names_the_variables_written_not_the_others_the_shard_reads():
+    # The shard's cond takes every variable of the model; only BatchNorm's statistics are
+    # written (the census saw "dense_3/kernel" named here).
+    f = tfshard.parallelize(lambda x: model(x, training=True), devices=DEVICES, per_sample=False)
+    with f.replicas():
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()]
+        )
+    with pytest.raises(ArgumentError) as raised:
+        f(np.ones([6, 4], np.float32))
+    message = str(raised.value)
+    assert "moving_mean" in message and "moving_variance" in message
+    assert "kernel" not in message and "gamma" not in message
+
+
+# ---------------------------------------------------------------- Keras conventions
+
+DEVICES_2 = DEVICES[:2]
+
+
+def _classifier() -> keras.Model:
+    return keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)]
+    )
+
+
+def _labelled(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 5)).astype(np.float32), rng.integers(0, 3, n).astype(np.int32)
+
+
+# Which tfshard reduction gives a Keras loss reduction's value over the whole batch.
+_MATCHING_REDUCE = {"sum_over_batch_size": "mean", "sum": "sum", "none": None}
+
+
+@pytest.mark.parametrize("replicas", ["none", "elsewhere", "model"])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "none"])
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_keras_loss_objects_give_what_they_give_on_one_device(replicas, reduction, per_sample):
+    """A loss object's value and gradients, with replicas on the devices or not.
+
+    Once replicas existed, shards traced in MirroredStrategy's replica context, where a
+    Keras loss divides by num_replicas_in_sync (its summed-gradients convention): half
+    the loss and gradients on 2 devices (issue 28).
+    """
+    keras.utils.set_random_seed(11)
+    reference = _classifier()
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+    x, y = _labelled(9, seed=12)  # 5 and 4 rows: unequal shards
+    model = reference
+    if replicas == "elsewhere":  # another model's copies on the same devices
+        with tfshard.parallelize(tf.identity, devices=DEVICES_2).replicas():
+            keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    elif replicas == "model":
+        model = tfshard.parallelize(tf.identity, devices=DEVICES_2).replicate(reference)
+
+    def loss_and_grads(x, y):
+        if per_sample:
+            x, y = x[None], y[None]
+        with tf.GradientTape() as tape:
+            loss = loss_object(y, model(x))
+        if per_sample and reduction == "none":
+            loss = loss[0]
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    op = _MATCHING_REDUCE[reduction]
+    f = tfshard.parallelize(loss_and_grads, devices=DEVICES_2, per_sample=per_sample, reduce=op)
+    if reduction == "none":  # one loss per row: gathered; its gradient is of their sum
+        f = tfshard.parallelize(
+            lambda x, y: loss_and_grads(x, y)[0], devices=DEVICES_2, per_sample=per_sample
+        )
+        np.testing.assert_allclose(
+            f(x, y).numpy(), loss_object(y, reference(x)).numpy(), rtol=1e-5, atol=1e-6
+        )
+        return
+    loss, grads = f(x, y)
+    with tf.GradientTape() as tape:
+        want = loss_object(y, reference(x))
+    want_grads = tape.gradient(want, reference.trainable_variables)
+    np.testing.assert_allclose(loss.numpy(), want.numpy(), rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_tf_nn_compute_average_loss_in_a_shard_is_the_shards_mean():
+    f = tfshard.parallelize(
+        lambda x: tf.nn.compute_average_loss(x), devices=DEVICES_2, per_sample=False, reduce="mean"
+    )
+    with f.replicas():
+        tf.Variable(0.0)  # replicas exist on these devices
+    x = np.arange(7, dtype=np.float32)
+    np.testing.assert_allclose(f(x).numpy(), x.mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_keras_metrics_updated_in_shards_equal_one_device(replicated):
+    x, y = _labelled(11, seed=13)
+    logits = np.random.default_rng(14).normal(size=(11, 3)).astype(np.float32)
+
+    def update(y, logits):
+        accuracy.update_state(y, logits)
+        mean.update_state(logits)
+        return tf.zeros([])
+
+    f = tfshard.parallelize(update, devices=DEVICES, per_sample=False, reduce="sum")
+    scope = f.replicas() if replicated else contextlib.nullcontext()
+    with scope:  # a metric's total and count: the copies are read as their sum
+        accuracy, mean = keras.metrics.SparseCategoricalAccuracy(), keras.metrics.Mean()
+    f(y, logits)
+    f(y[:4], logits[:4])  # a second call adds to the first, as update_state does
+    one_accuracy, one_mean = keras.metrics.SparseCategoricalAccuracy(), keras.metrics.Mean()
+    for rows in (slice(None), slice(0, 4)):
+        one_accuracy.update_state(y[rows], logits[rows])
+        one_mean.update_state(logits[rows])
+    np.testing.assert_allclose(accuracy.result().numpy(), one_accuracy.result().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(mean.result().numpy(), one_mean.result().numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer_name", ["SGD", "Adam"])
+def test_training_with_a_loss_object_and_replicas_equals_one_device_and_mirrored(optimizer_name):
+    keras.utils.set_random_seed(15)
+    reference = _classifier()
+    initial = reference.get_weights()
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    batches = [_labelled(8, seed=16 + i) for i in range(6)]  # 4 rows per device
+
+    @tfshard.parallelize(devices=DEVICES_2, per_sample=False, reduce="mean")
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_object(y, model(x))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    with tfshard.parallelize(tf.identity, devices=DEVICES_2).replicas():
+        model = _classifier()
+        model.set_weights(initial)
+        optimizer = getattr(keras.optimizers, optimizer_name)(0.05)
+    for x, y in batches:
+        loss, grads = gradients(x, y)
+        apply_gradients(optimizer, zip(grads, model.trainable_variables))
+
+    one = getattr(keras.optimizers, optimizer_name)(0.05)
+    for x, y in batches:
+        with tf.GradientTape() as tape:
+            want = loss_object(y, reference(x))
+        one.apply_gradients(zip(tape.gradient(want, reference.trainable_variables),
+                                reference.trainable_variables))
+    np.testing.assert_allclose(loss.numpy(), want.numpy(), rtol=1e-5)  # the last batch's
+
+    strategy = tf.distribute.MirroredStrategy(
+        DEVICES_2, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    with strategy.scope():
+        mirrored = _classifier()
+        mirrored.set_weights(initial)
+        mirrored_optimizer = getattr(keras.optimizers, optimizer_name)(0.05)
+
+    def replica_step(x, y):  # the loss object scales by 1 / replicas, gradients are summed
+        with tf.GradientTape() as tape:
+            loss = loss_object(y, mirrored(x))
+        grads = tape.gradient(loss, mirrored.trainable_variables)
+        mirrored_optimizer.apply_gradients(zip(grads, mirrored.trainable_variables))
+
+    for x, y in batches:
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        dx, dy = next(iter(strategy.experimental_distribute_dataset(dataset)))
+        strategy.run(replica_step, args=(dx, dy))
+    for got, expected, mirror in zip(
+        model.get_weights(), reference.get_weights(), mirrored.get_weights()
+    ):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, mirror, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_made_on_the_other_side_of_replicas_is_refused_with_the_fix():
+    f = tfshard.parallelize(tf.identity, devices=DEVICES_2)
+    with f.replicas():
+        model = _classifier()
+        inside = keras.optimizers.Adam(0.1)
+    outside = keras.optimizers.Adam(0.1)
+    pairs = [(tf.ones_like(v), v) for v in model.trainable_variables]
+    with pytest.raises(ArgumentError, match=r"created outside `with f\.replicas\(\):`.*create it"):
+        apply_gradients(outside, pairs)
+    plain = tf.Variable([1.0, 2.0])
+    with pytest.raises(ArgumentError, match=r"created inside `with f\.replicas\(\):`.*outside"):
+        apply_gradients(inside, [(tf.ones([2]), plain)])
+    apply_gradients(inside, pairs)  # where it belongs, it works
+    assert int(inside.iterations.numpy()) == 1
+
+
+def test_a_plain_keras_optimizer_step_on_copies_works_only_without_slots():
+    """README: optimizer.apply_gradients outside Strategy.run updates copies only for an
+    optimizer that keeps no per-variable state (plain SGD); Adam needs apply_gradients."""
+    f = tfshard.parallelize(tf.identity, devices=DEVICES_2)
+    with f.replicas():
+        model = _classifier()
+        sgd, adam = keras.optimizers.SGD(0.1), keras.optimizers.Adam(0.1)
+    before = model.get_weights()
+    grads = [tf.ones_like(v) for v in model.trainable_variables]
+    sgd.apply_gradients(zip(grads, model.trainable_variables))
+    for weight, old in zip(model.weights, before):
+        for copy in Replicas.find(DEVICES_2).strategy.experimental_local_results(weight.value):
+            np.testing.assert_allclose(copy.numpy(), old - 0.1, rtol=1e-6)
+    with pytest.raises((RuntimeError, ValueError, TypeError)):
+        adam.apply_gradients(zip(grads, model.trainable_variables))
+
+
+@pytest.mark.parametrize("layer", ["string_lookup", "text_vectorization", "tf_idf"])
+def test_replicate_copies_an_adapted_lookup_layers_vocabulary(layer):
+    texts = np.array(["a b", "b", "c d", "d", "a", "b c"])
+    inputs = keras.Input((), dtype="string")
+    if layer == "string_lookup":
+        lookup = keras.layers.StringLookup()
+        lookup.adapt(["a", "b", "c", "a"])
+        outputs = keras.layers.Embedding(5, 4)(lookup(inputs))
+    else:
+        mode = "tf_idf" if layer == "tf_idf" else "int"
+        lookup = keras.layers.TextVectorization(max_tokens=10, output_mode=mode)
+        lookup.adapt(["a b c", "b c d", "a a"])
+        outputs = lookup(inputs)
+        if mode == "int":
+            outputs = keras.layers.Embedding(10, 4)(outputs)
+    model = keras.Model(inputs, outputs)
+    f = tfshard.parallelize(tf.identity, devices=DEVICES_2)
+    copy = tfshard.parallelize(f.replicate(model), devices=DEVICES_2)
+    np.testing.assert_allclose(copy(texts).numpy(), model(texts).numpy(), rtol=1e-6)

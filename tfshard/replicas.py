@@ -36,6 +36,7 @@ import dataclasses
 import logging
 import re
 import sys
+import tempfile
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -87,7 +88,7 @@ class Replicas:
         level = logger.level
         logger.setLevel(max(level, logging.WARNING))  # "Using MirroredStrategy with devices"
         try:
-            self.strategy = tf.distribute.MirroredStrategy(
+            self.strategy = _Strategy(
                 list(devices), cross_device_ops=tf.distribute.ReductionToOneDevice(devices[0])
             )
         finally:
@@ -158,6 +159,27 @@ def _key(devices: Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted(set(devices)))
 
 
+class _Strategy(tf.distribute.MirroredStrategy):
+    """The strategy that holds the copies; inside a shard it counts one replica in sync.
+
+    ``num_replicas_in_sync`` is what TensorFlow and Keras read to learn how
+    many replicas' values an implicit sum will add up: a Keras loss object
+    divides its mean by it (``scale_loss_for_distribution``), as does
+    `tf.nn.compute_average_loss`, because under `MirroredStrategy` the
+    gradients of all replicas are summed. tfshard sums nothing implicitly: a
+    shard's outputs reach the user's own reduction (``reduce="mean"`` weighs
+    each shard by its rows), so inside a shard nothing else is in sync with
+    it, and a loss gives what it gives on one device. Outside shards (the
+    copies' scope, `apply_gradients`) it is MirroredStrategy's own count.
+    """
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        if isinstance(tf.distribute.get_replica_context(), _ShardContext):
+            return 1
+        return super().num_replicas_in_sync
+
+
 class _ShardContext(tf.distribute.ReplicaContext):
     """The replica context a shard is traced in: reads resolve to its device's copy.
 
@@ -223,7 +245,41 @@ def replicate(model: Any, replicas: Replicas) -> Any:
             f"and the model {len(model.weights)}; build the model (call it once) first"
         )
     clone.set_weights(model.get_weights())  # cross-replica: writes every copy
+    with replicas.scope():
+        _copy_assets(model, clone)
     return clone
+
+
+def _copy_assets(model: Any, clone: Any) -> None:
+    """Copies what Keras keeps of each layer outside its weights, as saving a model does.
+
+    A lookup layer's vocabulary (StringLookup, IntegerLookup, TextVectorization
+    after ``adapt``) is not a weight and not in its config, so a clone has an
+    empty table ("Table not initialized" at its first call); Keras's own saving
+    moves it through the layer's ``save_assets``/``load_assets`` (and its
+    TF-IDF weights through ``save_own_variables``), and so does this.
+    """
+    for original, copy in zip(_all_layers(model), _all_layers(clone)):
+        if not (hasattr(original, "save_assets") and hasattr(copy, "load_assets")):
+            continue
+        # In the order Keras loads a saved model: variables first (TF-IDF weights),
+        # then assets (the vocabulary, whose table is built with those weights).
+        store: dict[str, Any] = {}
+        original.save_own_variables(store)
+        if store:
+            copy.load_own_variables(store)
+        with tempfile.TemporaryDirectory(prefix="tfshard_assets_") as folder:
+            original.save_assets(folder)
+            copy.load_assets(folder)
+
+
+def _all_layers(model: Any) -> list[Any]:
+    """A model's layers, each followed by its own (nested models'), in a stable order."""
+    layers = []
+    for layer in getattr(model, "layers", ()):
+        layers.append(layer)
+        layers.extend(_all_layers(layer))
+    return layers
 
 
 def keras_of(obj: Any) -> Any:
@@ -239,6 +295,7 @@ def keras_of(obj: Any) -> Any:
     return None
 
 
+@tf.autograph.experimental.do_not_convert  # plain Python that builds ops, in a tf.function too
 def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
     """``optimizer.apply_gradients(grads_and_vars)``, for replicated variables too.
 
@@ -249,15 +306,22 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
     weights equal those of one-device training. Plain variables go straight
     to ``optimizer.apply_gradients``. Works eagerly and inside a `tf.function`.
 
+    The optimizer belongs with the variables it updates: create it inside
+    ``with f.replicas():`` for replicated ones (its state, Adam's moments
+    among it, then has a copy per device as the variables do), outside for
+    plain ones, as `MirroredStrategy` asks of its optimizers.
+
     Returns:
       The optimizer's iteration counter, as Keras's ``apply_gradients`` returns it.
 
     Raises:
-      ArgumentError: some of the variables are replicated and some are not, or
-        they are replicated on different sets of devices.
+      ArgumentError: some of the variables are replicated and some are not,
+        they are replicated on different sets of devices, or the optimizer
+        was created on the other side of ``with f.replicas():``.
     """
     pairs = list(grads_and_vars)
     owner = _owner([v for _, v in pairs])
+    _check_optimizer(optimizer, owner)
     if owner is None:
         return optimizer.apply_gradients(pairs)
     grads = tuple(g for g, _ in pairs)
@@ -282,6 +346,36 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
             run = per_optimizer[key]
     run(*grads)
     return optimizer.iterations
+
+
+def _check_optimizer(optimizer: Any, owner: Replicas | None) -> None:
+    """Refuses an optimizer made on the other side of ``replicas()`` from its variables.
+
+    A Keras optimizer makes its iteration counter when it is created, in the
+    strategy of that moment, and its slots later in the same one: made
+    outside, it fails on replicated variables deep inside TensorFlow ("Mixing
+    different tf.distribute.Strategy objects"); made inside, on plain ones.
+    """
+    counter = getattr(optimizer, "iterations", None)
+    if counter is None:
+        return  # not a Keras optimizer: nothing to tell its home by
+    home = next((r for r in list(Replicas._registry.values()) if r.holds(counter)), None)
+    if home is owner:
+        return
+    name = type(optimizer).__name__
+    if owner is None:
+        raise ArgumentError(
+            f"apply_gradients: the {name} optimizer was created inside `with f.replicas():` "
+            f"(on {', '.join(home.devices)}) but its variables are not replicated; create "
+            "the optimizer where its variables were created, outside that scope"
+        )
+    raise ArgumentError(
+        f"apply_gradients: the variables are replicated (on {', '.join(owner.devices)}) "
+        f"but the {name} optimizer was created outside `with f.replicas():`; create it "
+        "there with the model (`with f.replicas(): model = build(); optimizer = "
+        f"keras.optimizers.{name}(...)`), so its state has a copy on each device as the "
+        "variables do"
+    )
 
 
 _lock = threading.Lock()
@@ -378,47 +472,88 @@ def check_no_writes(concrete: Any, replicas: Replicas, name: str) -> None:
     A shard that assigns a replicated variable (a Keras layer called with
     ``training=True`` updating its moving averages, ``v.assign_add``) writes
     only the copy on its device: the copies would drift apart silently. The
-    writes are found in the graph: ops of shard k on the variable's handle, and
-    inside the functions those ops call (conditionals, loops, compiled shards),
-    where any write counts (a nested function's arguments are not traced back).
+    writes are found in the graph (`_shard_writes`), so the message names the
+    variables written, not merely ones the writing op was given.
     """
-    library = {f.signature.name: f for f in concrete.graph.as_graph_def().library.function}
-    writers: dict[str, bool] = {}  # function name -> whether it (or a callee) writes
-    for k, op, variable in _shard_accesses(concrete):
-        if not replicas.holds(variable):
-            continue
-        if op.type.startswith(_WRITES):
-            how = f"{op.type} {op.name}"
-        elif any(_writes_in(library, fn, writers) for fn in _called(op.node_def)):
-            how = f"{op.type} {op.name}, a function that assigns a variable it is given"
-        else:
-            continue
-        raise ArgumentError(
-            f"{name}: shard {k} assigns the replicated variable {variable.name} ({how}): "
-            "it would change only the copy on its own device, and the copies would drift "
-            "apart. Call Keras layers with training=False inside the function, or return "
-            "the update (e.g. gradients with reduce='mean') and apply it outside, where "
-            "every copy takes it: tfshard.replicas.apply_gradients(optimizer, "
-            "zip(grads, vars))"
-        )
+    written: dict[int, list[str]] = {}
+    for k, variable in _shard_writes(concrete):
+        # A variable synchronised on read (a Keras metric's total and count) is
+        # written copy by copy by design, as under MirroredStrategy, and read as
+        # the aggregate of its copies (their sum): each shard adds its own rows.
+        on_read = variable.synchronization == tf.VariableSynchronization.ON_READ
+        if not on_read and replicas.holds(variable):
+            names = written.setdefault(k, [])
+            if variable.name not in names:
+                names.append(variable.name)
+    if not written:
+        return
+    k, names = min(written.items())
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    what = "variable" if len(names) == 1 else "variables"
+    raise ArgumentError(
+        f"{name}: shard {k} assigns the replicated {what} {', '.join(names[:3])}{more}: "
+        "a shard would change only the copy on its own device, and the copies would drift "
+        "apart. Call Keras layers with training=False inside the function (BatchNormalization "
+        "with training=True writes its moving mean and variance), or return the update "
+        "(e.g. gradients with reduce='mean') and apply it outside, where every copy takes "
+        "it: tfshard.replicas.apply_gradients(optimizer, zip(grads, vars))"
+    )
 
 
-def _shard_accesses(concrete: Any) -> Iterator[tuple[int, Any, tf.Variable]]:
-    """``(k, op, variable)`` for each op of shard k that takes a captured variable's handle."""
+def _captured_variables(concrete: Any) -> dict[str, tf.Variable]:
+    """The variables a traced graph captures, by the name of their handle inside it."""
     handles = {id(v.handle): v for v in concrete.graph.variables}
-    captured = {
+    return {
         internal.name: handles[id(external)]
         for external, internal in concrete.graph.captures
         if id(external) in handles
     }
+
+
+def _shard_ops(concrete: Any) -> Iterator[tuple[int, Any]]:
+    """``(k, op)`` for each op of shard k (``tfshard_shard_k/...``) in a traced graph."""
     for op in concrete.graph.get_operations():
         match = _SHARD_OP.match(op.name)
-        if match is None:
-            continue
+        if match is not None:
+            yield int(match.group(1)), op
+
+
+def _shard_accesses(concrete: Any) -> Iterator[tuple[int, Any, tf.Variable]]:
+    """``(k, op, variable)`` for each op of shard k that takes a captured variable's handle."""
+    captured = _captured_variables(concrete)
+    for k, op in _shard_ops(concrete):
         for tensor in op.inputs:
             variable = captured.get(tensor.name)
             if variable is not None:
-                yield int(match.group(1)), op, variable
+                yield k, op, variable
+
+
+def _shard_writes(concrete: Any) -> Iterator[tuple[int, tf.Variable]]:
+    """``(k, variable)`` for each captured variable an op of shard k writes.
+
+    An op writes the variable whose handle is its first input (`_WRITES`), or
+    calls functions (a conditional, a loop, a nested or compiled function)
+    that write the arguments at some positions (`_written_arguments`): those
+    inputs' variables are the ones written.
+    """
+    captured = _captured_variables(concrete)
+    library = {f.signature.name: f for f in concrete.graph.as_graph_def().library.function}
+    memo: dict[str, frozenset[int]] = {}
+    for k, op in _shard_ops(concrete):
+        if op.type.startswith(_WRITES):
+            positions: set[int] = {0}
+        else:
+            offset = _ARGUMENT_OFFSET.get(op.type, 0)
+            positions = {
+                offset + i
+                for fn in _called(op.node_def)
+                for i in _written_arguments(library, fn, memo)
+            }
+        for position in sorted(positions):
+            if position < len(op.inputs):
+                variable = captured.get(op.inputs[position].name)
+                if variable is not None:
+                    yield k, variable
 
 
 # Op types that write a resource variable.
@@ -431,6 +566,9 @@ _WRITES = (
     "ResourceSparseApply",
     "ResourceStridedSliceAssign",
 )
+# Calling ops whose first input is not an argument of the functions they call
+# (a conditional's predicate, a case's branch index).
+_ARGUMENT_OFFSET = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1}
 
 
 def _called(node: Any) -> list[str]:
@@ -443,16 +581,50 @@ def _called(node: Any) -> list[str]:
     return names
 
 
-def _writes_in(library: dict[str, Any], fn: str, memo: dict[str, bool]) -> bool:
-    """Whether function `fn`, or one it calls, writes a resource variable (memoised)."""
-    if fn not in memo:
-        memo[fn] = False  # a recursive call is not a write by itself
-        nodes = library[fn].node_def if fn in library else ()
-        memo[fn] = any(
-            node.op.startswith(_WRITES)
-            or any(_writes_in(library, called, memo) for called in _called(node))
-            for node in nodes
-        )
+def _written_arguments(
+    library: dict[str, Any], fn: str, memo: dict[str, frozenset[int]]
+) -> frozenset[int]:
+    """The positions of the arguments that function `fn`, or one it calls, writes (memoised).
+
+    A write's handle is followed back through the function's Identity ops to
+    the argument it came from; a write of a handle made inside the function
+    (its own variable) is no argument's.
+    """
+    if fn in memo:
+        return memo[fn]
+    memo[fn] = frozenset()  # a recursive call is not a write by itself
+    function = library.get(fn)
+    if function is None:
+        return memo[fn]
+    arguments = {arg.name: i for i, arg in enumerate(function.signature.input_arg)}
+    nodes = {node.name: node for node in function.node_def}
+
+    def argument_of(source: str) -> int | None:
+        for _ in range(len(nodes) + 1):  # an Identity chain is at most every node
+            name = source.split(":")[0]
+            if name in arguments:
+                return arguments[name]
+            node = nodes.get(name)
+            if node is None or node.op != "Identity" or not node.input:
+                return None
+            source = node.input[0]
+        return None
+
+    written: set[int] = set()
+    for node in function.node_def:
+        inputs = [i for i in node.input if not i.startswith("^")]
+        if node.op.startswith(_WRITES):
+            handles = inputs[:1]
+        else:
+            offset = _ARGUMENT_OFFSET.get(node.op, 0)
+            handles = [
+                inputs[offset + i]
+                for called in _called(node)
+                for i in _written_arguments(library, called, memo)
+                if offset + i < len(inputs)
+            ]
+        written.update(a for a in map(argument_of, handles) if a is not None)
+    memo[fn] = frozenset(written)
     return memo[fn]
 
 
