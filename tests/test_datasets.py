@@ -866,3 +866,38 @@ def test_ctrl_c_that_python_drops_in_a_finalizer_still_stops_the_stream():
     )
     assert out.stdout.startswith("interrupted after"), (out.stdout, out.stderr[-2000:])
     assert float(out.stdout.split()[2]) < 8.0, out.stdout
+
+
+# ------------------------------------------------------- Keras's (x, y) datasets
+
+
+@pytest.mark.parametrize("element", ["x", "(x,)", "(x, y)", "(x, y, w)"])
+def test_a_keras_model_takes_a_dataset_as_predict_does(element):
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(21)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    rng = np.random.default_rng(22)
+    x = rng.normal(size=(11, 6)).astype(np.float32)
+    y, w = rng.integers(0, 3, 11), rng.random(11).astype(np.float32)
+    slices = {"x": x, "(x,)": (x,), "(x, y)": (x, y), "(x, y, w)": (x, y, w)}[element]
+    dataset = tf.data.Dataset.from_tensor_slices(slices).batch(4)  # 4, 4, 3 rows
+    want = model.predict(dataset, verbose=0)
+    f = tfshard.parallelize(model, devices=CPUS[:2])
+    np.testing.assert_allclose(f(dataset).numpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate([b.numpy() for b in f.iterate(dataset)]), want,
+                               rtol=1e-6)
+    ragged = tf.data.Dataset.from_tensor_slices(slices).padded_batch(4)  # the Python loop
+    np.testing.assert_allclose(f(ragged).numpy(), want, rtol=1e-6)
+
+
+def test_a_keras_model_refuses_an_element_keras_cannot_unpack_and_a_function_spreads_it():
+    keras = pytest.importorskip("keras")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    x = np.zeros([4, 2], np.float32)
+    four = tf.data.Dataset.from_tensor_slices((x, x, x, x)).batch(2)
+    with pytest.raises(ArgumentError, match=r"x, \(x,\), \(x, y\) or \(x, y, sample_weight\)"):
+        tfshard.parallelize(model, devices=CPUS[:2])(four)
+    # A plain function keeps Dataset.map's rule: a tuple spreads over its parameters.
+    f = tfshard.parallelize(lambda a, b: a - b, devices=CPUS[:2])
+    pairs = tf.data.Dataset.from_tensor_slices((x + 1, x)).batch(2)
+    np.testing.assert_array_equal(f(pairs).numpy(), np.ones([4, 2], np.float32))

@@ -48,7 +48,7 @@ from typing import Any, TextIO
 
 import tensorflow as tf
 
-from tfshard import _kinds, _stream, _trees, collect, pinning
+from tfshard import _kinds, _stream, _trees, collect, pinning, replicas
 from tfshard._arguments import Arguments, Call, type_spec
 from tfshard._plan import host_cpu, plan_sizes, rows, split
 from tfshard._sharding import Engine
@@ -185,6 +185,35 @@ def _on_host_cpus(engine: Engine) -> bool:
     )
 
 
+def model_inputs(dataset: tf.data.Dataset, fn: Any) -> tf.data.Dataset:
+    """The dataset as `fn` takes it: for a Keras model, the ``x`` of each element.
+
+    ``Model.predict`` (and ``fit``) take a dataset of ``x``, ``(x,)``, ``(x, y)``
+    or ``(x, y, sample_weight)`` and feed the model ``x`` alone
+    (``keras.utils.unpack_x_y_sample_weight``); a parallelized model does the
+    same, so the dataset a user trains with runs through it. Any other
+    function takes elements as `tf.data.Dataset.map` passes them
+    (`_split_element`).
+
+    Raises:
+      ArgumentError: a Keras model's element is a tuple of more than three.
+    """
+    model = replicas.keras_of(fn)
+    if model is None or not isinstance(fn, model.Model) or type(dataset.element_spec) is not tuple:
+        return dataset
+    unpack = model.utils.unpack_x_y_sample_weight
+    try:
+        unpack(dataset.element_spec)
+    except ValueError:
+        raise ArgumentError(
+            f"{getattr(fn, 'name', type(fn).__name__)}(dataset): a Keras model takes "
+            "elements x, (x,), (x, y) or (x, y, sample_weight), as Model.predict does, "
+            f"but they are tuples of {len(dataset.element_spec)}: put a model's several inputs "
+            "in one tuple or dict, ((x1, x2), y)"
+        ) from None
+    return dataset.map(lambda *element: unpack(element)[0])
+
+
 def _split_element(element: Any) -> tuple[Any, ...]:
     # Dataset.map's convention: a tuple is spread over the positional parameters.
     return element if type(element) is tuple else (element,)
@@ -257,6 +286,7 @@ class Runner:
         """``(result, rows)`` for each global batch, in order, as they are computed."""
         engine = self.engine
         _check_eager(engine.name, ".iterate(dataset)")
+        dataset = model_inputs(dataset, engine.fn)
         _check_specs(arguments, dataset, args, kwargs)
         batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
         return _batches(engine.name, engine.call, arguments, batches, args, kwargs, progress)
@@ -275,6 +305,7 @@ class Runner:
         """All of the dataset through the engine: outputs concatenated in order, or reduced."""
         engine = self.engine
         _check_eager(engine.name, "(dataset)")
+        dataset = model_inputs(dataset, engine.fn)
         _check_specs(arguments, dataset, args, kwargs)
         if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
             raise ArgumentError(
