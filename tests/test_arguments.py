@@ -170,3 +170,15 @@ def test_an_object_array_is_named_by_its_path():
         _arguments.Arguments(fn, (), "fn").classify(
             ({"a": [np.zeros(3), np.array([object()] * 3)]},), {}
         )
+
+
+def test_a_list_of_arrays_of_different_sizes_says_to_stack_them_not_only_to_broadcast():
+    images = [np.zeros([8, 8, 3]), np.zeros([9, 9, 3])]
+    with pytest.raises(ArgumentError) as raised:
+        _arguments.Arguments(fn, (), "fn").classify((images,), {})
+    message = str(raised.value)
+    assert message.startswith("x[1] has 9 rows but x[0] has 8: x is a Python list of arrays")
+    assert "np.stack(x)" in message and "tf.ragged.stack" in message
+    # Two arguments of different rows keep the broadcast remedy alone.
+    with pytest.raises(ArgumentError, match=r"^y has 4 rows but x has 3; .*broadcast=\('y',\)"):
+        _arguments.Arguments(fn, (), "fn").classify((np.zeros([3]), np.zeros([4])), {})

@@ -4,9 +4,11 @@ The behaviour of whole shards, empty shards and per-sample outputs is tested
 end to end in test_parallel.py; here the checks that name what differs.
 """
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfshard
 from tfshard import _shards
 from tfshard.errors import ArgumentError
 
@@ -33,3 +35,63 @@ def test_check_outputs_names_a_key_that_differs_between_shards():
     outputs = _outputs(lambda x: {"loss": x}, lambda x: {"loss": x, "extra": x})
     with pytest.raises(ArgumentError, match=r"outputs\['extra'\] differs between shards"):
         _shards.check_outputs(outputs, CPUS[:2])
+
+
+# ------------------------------------------------------------------ hints
+# Newcomer mistakes (issue 28): each failure's hint must be the fix for that case.
+
+keras = pytest.importorskip("keras")
+
+
+def _cnn():
+    return keras.Sequential(
+        [keras.Input((8, 8, 3)), keras.layers.Conv2D(2, 3), keras.layers.Flatten()]
+    )
+
+
+def _failure(f, *args):
+    with pytest.raises(ArgumentError) as raised:
+        f(*args)
+    return str(raised.value)
+
+
+def test_a_list_of_images_is_told_to_stack_them():
+    images = [np.zeros([8, 8, 3], np.float32)] * 4
+    model = _cnn()
+    for f in (
+        tfshard.parallelize(model, devices=CPUS[:2]),
+        tfshard.parallelize(lambda image: model(image[None])[0], devices=CPUS[:2]),
+    ):
+        message = _failure(f, images)
+        assert "is a Python list of 4 arrays" in message and "np.stack(" in message
+        assert "per_sample=False" not in message and "broadcast" not in message
+
+
+def test_one_image_without_its_batch_dimension_is_told_to_add_it():
+    message = _failure(tfshard.parallelize(_cnn(), devices=CPUS[:2]), np.zeros([8, 8, 3]))
+    assert "looks like one sample without its batch dimension" in message
+    assert "[None, 8, 8, 3]" in message and "[None]" in message
+    assert "per_sample=False" not in message and "broadcast" not in message
+
+
+def test_a_layer_made_inside_the_function_is_named_as_the_cause():
+    for per_sample, x in ((False, np.zeros([4, 3], np.float32)), (True, np.zeros([4, 3]))):
+        f = tfshard.parallelize(
+            lambda x, per_sample=per_sample: keras.layers.Dense(2)(x[None] if per_sample else x),
+            devices=CPUS[:2],
+            per_sample=per_sample,
+        )
+        message = _failure(f, x)
+        assert "makes a variable each time it is traced" in message
+        assert "Create it once, outside the function" in message
+        assert "per_sample=False" not in message.split("\n", 1)[1]
+
+
+def test_a_per_sample_failure_says_what_the_function_saw_and_both_remedies():
+    def needs_a_batch(x):
+        return tf.matmul(x, tf.ones([3, 2]))  # rank 2 only
+
+    message = _failure(tfshard.parallelize(needs_a_batch, devices=CPUS[:2]), np.zeros([4, 3]))
+    assert "ran on one sample at a time" in message and "shapes [3]" in message
+    assert "pass per_sample=False" in message and "x[None]" in message
+    assert "broadcast" not in message  # one argument: nothing to broadcast

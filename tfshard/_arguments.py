@@ -84,6 +84,19 @@ class Template(NamedTuple):
             if kind == "split"
         ]
 
+    def listed(self) -> list[tuple[str, int]]:
+        """Arguments given as a plain list or tuple of two or more arrays: (name, how many).
+
+        tfshard reads such a list as a structure of separate arguments and
+        splits each array along its first axis; a list of samples meant as one
+        batch (``f([image1, image2])``) is the usual reason a call fails then.
+        """
+        return [
+            (name, len(kinds))
+            for name, structure, kinds in zip(self.names, self.structures, self.kinds)
+            if listed_arrays(structure) and set(kinds) == {"split"}
+        ]
+
     def element_kinds(self, count: int) -> list[str]:
         """The leaf kinds of the first `count` top-level arguments, flattened."""
         return [kind for kinds in self.kinds[:count] for kind in kinds]
@@ -111,7 +124,8 @@ class _Sorted:
         self.shared: list[Any] = []
         self.keys: list[LeafKey] = []
         self.rows: int | None = None
-        self.rows_from = ""
+        self.rows_from = ""  # the path of the first leaf with known rows
+        self.rows_name = ""  # and its argument's name
 
 
 class Arguments:
@@ -316,9 +330,21 @@ class Arguments:
         if n is not None:
             if found.rows is None:
                 found.rows, found.rows_from = n, _trees.path(name, structure, i)
+                found.rows_name = name
             elif n != found.rows:
+                where = _trees.path(name, structure, i)
+                if found.rows_name == name and listed_arrays(structure):
+                    # A list of arrays of different sizes: samples, most likely.
+                    raise ArgumentError(
+                        f"{where} has {n} rows but {found.rows_from} has {found.rows}: {name} "
+                        "is a Python list of arrays, which tfshard takes as separate "
+                        "arguments, each split along its first axis. If they are samples, "
+                        "make them one batch: resize or pad them to one shape and "
+                        f"np.stack({name}) (or tf.ragged.stack for lengths that vary); to "
+                        f"give every shard the whole list, pass broadcast=({_entry(name)!r},)"
+                    )
                 raise ArgumentError(
-                    f"{_trees.path(name, structure, i)} has {n} rows but {found.rows_from} has "
+                    f"{where} has {n} rows but {found.rows_from} has "
                     f"{found.rows}; every split argument needs the same leading dimension (pass "
                     f"{name} in broadcast=({_entry(name)!r},) to copy it whole to each device)"
                 )
@@ -335,6 +361,15 @@ def _entry(name: str) -> str | int:
 def _is_sequence(structure: Hashable) -> bool:
     """Whether a structure key is a plain list or tuple (not a namedtuple)."""
     return isinstance(structure, _trees.SequenceNode) and not hasattr(structure.kind, "_fields")
+
+
+def listed_arrays(structure: Hashable) -> bool:
+    """Whether a structure key is a plain list or tuple of two or more leaves."""
+    return (
+        _is_sequence(structure)
+        and len(structure.children) >= 2
+        and all(child is _trees.LEAF for child in structure.children)
+    )
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:

@@ -255,6 +255,17 @@ def pfor_stack_failure(message: str) -> bool:
     return "/pfor/" in message and ("TensorList" in message or "Incompatible shapes" in message)
 
 
+def creates_variables(message: str) -> bool:
+    """Whether a trace failed because the function makes a `tf.Variable` each time it runs.
+
+    As a Keras layer made inside the function does (``keras.layers.Dense(2)(x)``).
+
+    >>> creates_variables("tf.function only supports singleton tf.Variables created on ...")
+    True
+    """
+    return "only supports singleton tf.Variables" in message
+
+
 def inputs_error(name: str, message: str) -> ArgumentError:
     """The failed in-graph check of the split arguments' rows (`INPUTS_DIFFER`) as an ArgumentError.
 
