@@ -203,3 +203,35 @@ def test_a_mixed_precision_model_infers_and_trains_as_on_one_device(policy, repl
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=_ROUNDING[policy], atol=_ROUNDING[policy] / 10)
 
+
+
+def test_a_model_never_built_before_its_first_parallelized_step_trains_as_on_one_device():
+    """README: Keras 3 builds a model at its first call and lifts its variables out of the
+    trace, so a model first called inside the parallelized function still trains."""
+
+    def unbuilt() -> keras.Model:
+        keras.utils.set_random_seed(8)
+        return keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(10)])
+
+    model, reference = unbuilt(), unbuilt()
+    x, y = _digits(24, seed=9)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tfshard.parallelize(devices=DEVICES, per_sample=False, reduce="mean")
+    def step_values(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_object(y, model(x))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    optimizer, one_optimizer = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+    for _ in range(3):
+        loss, grads = step_values(x, y)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        with tf.GradientTape() as tape:
+            one_loss = loss_object(y, reference(x))
+        one_grads = tape.gradient(one_loss, reference.trainable_variables)
+        one_optimizer.apply_gradients(zip(one_grads, reference.trainable_variables))
+        np.testing.assert_allclose(loss.numpy(), one_loss.numpy(), rtol=1e-5)
+    assert len(model.trainable_variables) == 4
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
