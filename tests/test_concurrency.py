@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import tfshard
-from tfshard import _sharding
+from tfshard import _graph
 
 CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
 REPO = Path(__file__).resolve().parent.parent
@@ -190,7 +190,7 @@ def test_writes_resources_tells_a_writing_trace_from_a_reading_one():
             "nested": lambda x: tf.cond(x[0] > 0, lambda: variable.assign(1.0), lambda: 0.0) * x,
         }.items()
     }
-    writes = {name: _sharding.writes_resources(t) for name, t in traces.items()}
+    writes = {name: _graph.writes_resources(t) for name, t in traces.items()}
     assert writes == {
         "read": False,
         "random": False,

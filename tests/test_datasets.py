@@ -395,7 +395,9 @@ def test_fields_with_different_rows_in_one_element_are_an_error():
             tf.data.Dataset.from_tensor_slices(np.arange(12.0)).batch(4),
         )
     )
-    with pytest.raises(ArgumentError, match=r"element\[0\], element\[1\]\); every field"):
+    with pytest.raises(
+        ArgumentError, match=r"different numbers of rows \(v has 4 rows but u has 3\); every field"
+    ):
         f(ds)
     g = tfshard.parallelize(lambda u, v: u + tf.reduce_sum(v), devices=CPUS[:2])
     rt = tf.ragged.constant([[float(i)] for i in range(12)])

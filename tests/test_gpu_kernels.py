@@ -53,7 +53,9 @@ import tensorflow as tf
 from tensorflow.core.framework.attr_value_pb2 import AttrValue
 from tensorflow.python.framework import kernels
 
-from tfshard import _arguments, _kinds, _options, _sharding, collect
+from tfshard import _arguments, _kinds, _options, collect
+from tfshard._engine import Engine
+from tfshard.errors import SHARD_SCOPE
 
 # Three: the shards off the output device (GPU:1 and GPU:2) call one shared
 # trace, whose nodes are checked with the device of each call.
@@ -150,7 +152,7 @@ def _engine(per_sample: bool, reduce: str | None, fn: Any, jit: bool = False) ->
     options = _options.Options(
         per_sample=per_sample, reduce=collect.reduction(reduce), jit_compile=jit
     )
-    return _sharding.Engine(fn, options, name="f", devices=GPUS, output=GPUS[0])
+    return Engine(fn, options, name="f", devices=GPUS, output=GPUS[0])
 
 
 def _traced(dtype: str, per_sample: bool, mode: str, jit: bool = False) -> list[Node]:
@@ -197,7 +199,7 @@ CASES = [
 @pytest.mark.parametrize("dtype, per_sample, mode", CASES)
 def test_every_op_stays_where_it_is_placed_on_gpus(dtype, per_sample, mode):
     nodes = _traced(dtype, per_sample, mode)
-    shard = {f"{_sharding.SHARD_SCOPE}{k}/": device for k, device in enumerate(GPUS)}
+    shard = {f"{SHARD_SCOPE}{k}/": device for k, device in enumerate(GPUS)}
     missing, in_host_memory = set(), set()
     for node in nodes:
         scope = next((s for s in shard if node.name.startswith(s)), None)
@@ -242,7 +244,7 @@ def test_the_plan_runs_on_the_host_and_the_split_where_the_batch_is():
     # writes int32 in host memory, and If (and the Switch it lowers to) reads
     # the predicate there: no device copy.
     # Shard 0 (on the output GPU) traces in place, the others call the shared trace.
-    guard = re.compile(rf"{_sharding.SHARD_SCOPE}\d+/((Stateful)?PartitionedCall/)?Greater")
+    guard = re.compile(rf"{SHARD_SCOPE}\d+/((Stateful)?PartitionedCall/)?Greater")
     guards = [n for n in nodes if guard.fullmatch(n.name)]
     assert [n.device for n in guards] == list(GPUS)
     assert [n.name.count("PartitionedCall/") for n in guards] == [0, 1, 1]
@@ -266,7 +268,7 @@ def test_jit_compiled_shards_are_placed_on_their_gpus(dtype):
     assert all(n.attrs["_XlaMustCompile"].b for n in compiled)
     for node in nodes:
         for k, device in enumerate(GPUS):
-            if node.name.startswith(f"{_sharding.SHARD_SCOPE}{k}/"):
+            if node.name.startswith(f"{SHARD_SCOPE}{k}/"):
                 assert node.device == device, node
 
 

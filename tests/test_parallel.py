@@ -149,7 +149,7 @@ def test_one_trace_serves_every_batch_size():
         assert f(np.ones([n, 3], np.float32)).shape == (n, 3)
     assert f.trace_count == 1
     # The shard on the output device traces in place, the others share one
-    # trace (tfshard._sharding.shard_runs).
+    # trace (tfshard._sharding.choose).
     assert len(calls) == 2
     f(np.ones([5, 4], np.float32))  # a new per-sample shape is a new signature
     assert f.trace_count == 2
@@ -1025,7 +1025,7 @@ def test_shards_off_the_output_device_call_one_shared_trace_each_on_its_device()
     f = tfshard.parallelize(lambda s: s * 2.0, devices=devices)
     graph_def = f.get_concrete_function(np.ones([8, 3], np.float32)).graph.as_graph_def()
     calls = [n for n in graph_def.node if n.op in ("PartitionedCall", "StatefulPartitionedCall")]
-    # Shard 0, on the output device, is traced in place (see _sharding.shard_runs).
+    # Shard 0, on the output device, is traced in place (see _sharding.choose).
     assert [n.name.split("/")[0] for n in calls] == [f"tfshard_shard_{k}" for k in (1, 2)]
     assert [n.device for n in calls] == list(devices[1:])
     (name,) = {n.attr["f"].func.name for n in calls}

@@ -8,7 +8,7 @@ from typing import Any
 from tfshard import cluster, pinning
 from tfshard import replicas as replicas_lib
 from tfshard._arguments import Call
-from tfshard._sharding import Engine
+from tfshard._engine import Engine
 
 
 def table(engine: Engine, call: Call, sizes: list[int], name: str, fn: Any) -> str:

@@ -195,6 +195,21 @@ def plan_and_split(
     return Planned(total, sizes, pieces)
 
 
+def onto_devices(planned: Planned, devices: Sequence[str]) -> Planned:
+    """`planned` with each shard's pieces copied to that shard's device now.
+
+    An Identity on the device (``shard_k/Identity``) receives the piece, so a
+    stream can move the next batch's rows to the devices while the current
+    batch still computes.
+    """
+    pieces: list[list[Any]] = [[] for _ in planned.pieces]
+    for k, device in enumerate(devices):
+        with tf.name_scope(f"shard_{k}"), tf.device(device):
+            for field, parts in zip(pieces, planned.pieces):
+                field.append(tf.nest.map_structure(tf.identity, parts[k], expand_composites=True))
+    return planned._replace(pieces=pieces)
+
+
 def host_assert(got: tf.Tensor, want: tf.Tensor, message: str) -> tf.Operation:
     """An Assert that `got` equals `want` (small int vectors), printing both if not.
 

@@ -42,24 +42,25 @@ parallelism and buffers. On GPUs it stays on.
 from __future__ import annotations
 
 import inspect
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, NamedTuple, TextIO
 
 import tensorflow as tf
 
 from tfshard import _kinds, _stream, _trees, collect, pinning, replicas
 from tfshard._arguments import Arguments, Call, type_spec
-from tfshard._plan import host_cpu, plan_sizes, rows, split
-from tfshard._sharding import Engine
-from tfshard.errors import ArgumentError
+from tfshard._engine import Engine
+from tfshard._plan import Planned, host_cpu, rows
+from tfshard._shards import ShardOutputs
+from tfshard._step import Step
+from tfshard.errors import INPUTS_DIFFER, ArgumentError, inputs_error
 
 # Keywords that belong to tfshard, not to the function, in a call on a dataset.
 DATASET_OPTIONS = ("batch_size", "batched", "progress")
 # This process's CPU: where datasets iterate, and where the loop splits each batch.
 HOST = host_cpu()
-# Marks the in-graph check of an element's row counts, to turn it into an ArgumentError.
-_ROWS_DIFFER = "tfshard: the fields of one element differ in rows"
 # How long one call of a loop runs before Python gets control back (Ctrl-C, progress).
 _CHUNK_SECONDS = 0.5
 # Batches of the traced loop in flight at once: 1 runs batch i's shards while batch
@@ -250,8 +251,9 @@ def _check_specs(arguments: Arguments, dataset: tf.data.Dataset, args: tuple, kw
 class Runner:
     """A parallelized function's streams: its traced loops and per-batch graphs.
 
-    One per `ShardedFunction`, over its engine; the caches live here, and go
-    when the engine's replicas change (its graphs go then too).
+    One per `ShardedFunction`, over its engine, whose steps it composes; the
+    caches live here, and go when the engine's replicas change (its
+    `generation`), as the engine's own graphs do.
 
     Args:
       engine: the function's engine.
@@ -259,18 +261,24 @@ class Runner:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._lock = threading.RLock()
         self.loops: dict[Any, _Loop] = {}  # traced loops, by element spec and trace key
         self._totals: dict[Any, Any] = {}  # per-batch graphs of running totals, by trace key
-        engine.on_retrace.append(self._forget)
+        self._generation = engine.generation
 
     @property
     def trace_count(self) -> int:
         """Graphs traced for streams: loops, and per-batch graphs of reductions."""
         return len(self.loops) + len(self._totals)
 
-    def _forget(self) -> None:
-        self.loops.clear()
-        self._totals.clear()
+    def _current(self) -> None:
+        """Drops what was traced with replicas that have changed since."""
+        self.engine.refresh()
+        if self._generation != self.engine.generation:
+            with self._lock:
+                self.loops.clear()
+                self._totals.clear()
+                self._generation = self.engine.generation
 
     def iterate(
         self,
@@ -315,6 +323,7 @@ class Runner:
                 "(dataset.take(n))"
             )
         batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
+        self._current()
         with _stream.ctrl_c() as interrupted:
             loop = self._graph_loop(arguments, batches, args, kwargs, progress, interrupted)
             if loop is None:
@@ -354,37 +363,36 @@ class Runner:
             call = arguments.classify((*element, *args), kwargs)
         except ArgumentError:
             return None  # e.g. a further argument to split: the Python loop says what is wrong
-        # Rows vary by batch: None, so an error names the shard's slice.
-        call = call._replace(rows=None)
         count = len(_trees.flatten(spec)[0])
         kinds = call.template.element_kinds(len(element))
         if call.template.split_count != count or kinds != ["split"] * count:
             return None
+        # Each batch comes from the iterator inside the loop, where Python knows
+        # neither its rows (an error names the shard's slice) nor whether its
+        # fields' rows agree (the step's plan checks them, as in a tf.function).
+        leaves = tuple(
+            leaf._replace(device="") if leaf.kind == "split" else leaf for leaf in call.key.leaves
+        )
+        call = call._replace(rows=None, key=call.key._replace(leaves=leaves))
         relaxed = _trees.map_leaves(_any_rows, spec)  # one loop for every batch size
         key = (tf.data.DatasetSpec(relaxed), call.key)
-        engine.refresh_replicas()
         options = engine.options
-        if (engine.replicas is not None or options.jit_compile) and key not in self.loops:
+        if key not in self.loops and (options.jit_compile or engine.replicas is not None):
             # The checks of a call's graph (no shard writes a replicated variable, XLA
             # reads none on another device) read ops that the loop nests in its body.
             engine.trace(call)
-        with engine.lock:  # concurrent first calls trace one loop
+        with self._lock:  # concurrent first calls trace one loop
             loop = self.loops.get(key)
             if loop is None:
-                loop = self.loops[key] = _Loop(engine, relaxed, call)
+                step = engine.step(call, beside_transfers=True)
+                shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
+                loop = self.loops[key] = _Loop(step, relaxed, shared_specs)
         meter = _stream.meter(engine.name, batches, progress)
         try:
             result, total = loop.run(batches, call.tensors[count:], meter, interrupted)
-        except tf.errors.InvalidArgumentError as error:
-            if _ROWS_DIFFER in error.message:
-                raise ArgumentError(
-                    f"{engine.name}: the fields of one dataset element have different numbers "
-                    f"of rows ({', '.join(path for path, _ in _leaf_paths(spec))}); every "
-                    "field is split along its first dimension, so they must match (batch "
-                    "zipped datasets alike)"
-                ) from None
-            raise engine.call_error(error, None) from None
         except tf.errors.OpError as error:
+            if INPUTS_DIFFER in error.message:
+                raise inputs_error(engine.name, error.message, dataset=True) from None
             raise engine.call_error(error, None) from None
         if meter:
             meter.close()
@@ -409,10 +417,10 @@ class Runner:
         stream = _batches(engine.name, run, arguments, batches, args, kwargs, progress)
         for result, batch_rows in stream:
             total += batch_rows
-            leaves, structure = _trees.flatten(result)
             if op is None:
-                pieces.append((leaves, structure))
+                pieces.append(_trees.flatten(result))
                 continue
+            totals, leaves = result
             with tf.device(engine.output):
                 if accumulated is None:
                     accumulated = leaves
@@ -420,32 +428,39 @@ class Runner:
                     accumulated = collect.accumulate(accumulated, leaves, op)
         if total == 0:
             return None, 0
-        with tf.device(engine.output):
-            if op is None:
+        if op is None:
+            with tf.device(engine.output):
+                # Eager tensors of each batch (dense or ragged): concatenated as they are.
                 columns = zip(*(leaves for leaves, _ in pieces))
-                gathered = [collect.gather(list(parts)) for parts in columns]
-                return _trees.build(pieces[0][1], iter(gathered)), total
-            results = [collect.finished(t, total, op) for t in accumulated]
-            return _trees.build(structure, iter(results)), total
+                gathered = [tf.concat(list(parts), axis=0) for parts in columns]
+            return _trees.build(pieces[0][1], iter(gathered)), total
+        results = totals.step.finish(accumulated, total)
+        return _trees.build(totals.structure, iter(results)), total
 
-    def _batch_totals(self, call: Call) -> Any:
-        """One batch's reduced outputs as running totals take them (a mean undivided)."""
-        engine = self.engine
-        graph = self._totals.get(call.key)
-        if graph is None:
-            template, split_devices = call.template, call.key.split_devices
+    def _batch_totals(self, call: Call) -> tuple[_Totals, list[Any]]:
+        """One batch's reduction totals (a mean undivided, `Step.collect`), flat."""
+        totals = self._totals.get(call.key)
+        if totals is None:
+            step = self.engine.step(call)
 
             def body(*tensors: Any) -> Any:
-                planned, shared = engine.plan_and_split(template, tensors, split_devices)
-                outputs = engine.run(template, shared, planned.pieces, planned.sizes)
-                with tf.device(engine.output):
-                    results, _ = engine.collect(outputs, planned.sizes, planned.total, finish=False)
-                engine.check_rows(outputs, planned.sizes, {})
-                return _trees.build(outputs.structure, iter(results))
+                planned, shared = step.plan(tensors)
+                outputs = step.run(planned, shared)
+                return _trees.build(outputs.structure, iter(step.collect(outputs, planned)))
 
             graph = tf.function(body, autograph=False).get_concrete_function(*call.specs())
-            self._totals[call.key] = graph
-        return engine.execute(graph, call)
+            structure = _trees.flatten(graph.structured_outputs)[1]
+            totals = self._totals[call.key] = _Totals(step, graph, structure)
+        result = self.engine.execute(totals.graph, call.tensors, call.rows)
+        return totals, _trees.flatten(result)[0]
+
+
+class _Totals(NamedTuple):
+    """A per-batch graph of a reduction's totals, its step, and its outputs' structure."""
+
+    step: Step
+    graph: Any
+    structure: Hashable
 
 
 def _batches(
@@ -542,28 +557,25 @@ class _Loop:
     running sum (or max, or min) is carried from batch to batch.
     """
 
-    def __init__(self, engine: Engine, spec: Any, call: Call) -> None:
-        self._engine = engine
-        self._op = engine.options.reduce
-        self._template = call.template
-        self._split_devices = call.key.split_devices
-        self._paths = [path for path, _ in _leaf_paths(spec)]
+    def __init__(self, step: Step, spec: Any, shared_specs: Sequence[tf.TypeSpec]) -> None:
+        self._step = step
+        self._op = step.reduce
         self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
-        count = call.template.split_count
-        split_specs = [type_spec(t, split=True) for t in call.tensors[:count]]
-        shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
+        element_specs = _trees.flatten(spec)[0]
         # The outputs' structure, dtypes and shapes, from a trace of one batch on its own.
         probe = tf.function(self._probe, autograph=False).get_concrete_function(
-            *split_specs, *shared_specs
+            *element_specs, *shared_specs
         )
+        like, per_batch = probe.structured_outputs
+        self._structure = _trees.flatten(like)[1]
         # One shard's (or the reduced) output leaves, and entries per batch: shards, or 1.
-        self._leaves = _stand_ins(probe.structured_outputs[0])
-        self._slots = len(probe.structured_outputs)
+        self._leaves = _stand_ins(per_batch[0])
+        self._slots = len(per_batch)
         # The probe's graph holds the function once per device and is never run: nothing
         # keeps it now, and Python's collector frees it while the loop traces (no collect
         # of ours: it took 0.15 s of a Keras user's first call). benchmarks/predict_memory.py:
         # MobileNetV2 on 2 devices, about 17 MB less at the first call's peak RSS.
-        del probe
+        del probe, like, per_batch
         self._state_specs = (
             [tf.TensorSpec([], tf.variant)] * collect.array_count(self._leaves)
             if self._op is None
@@ -575,10 +587,10 @@ class _Loop:
             tf.TensorSpec([], tf.int32),
             tf.TensorSpec([], tf.int32),
             self._state_specs,
-            shared_specs,
+            list(shared_specs),
         )
         if self._op is None:
-            with tf.device(engine.output):
+            with tf.device(step.output):
                 leaves = self._leaves
                 self._start = tf.function(
                     lambda: collect.new_arrays(leaves), autograph=False
@@ -587,60 +599,31 @@ class _Loop:
                     lambda flows: collect.concat_all(flows, leaves), autograph=False
                 ).get_concrete_function(self._state_specs)
 
-    def _probe(self, *tensors: Any) -> list[list[Any]]:
-        """One batch planned and split in place, for the outputs' structure and specs."""
-        planned, shared = self._engine.plan_and_split(self._template, tensors, self._split_devices)
-        return self._run_batch((planned.total, planned.sizes, planned.pieces), shared)
+    def _probe(self, *tensors: Any) -> tuple[Any, list[list[Any]]]:
+        """One batch planned and split in place: its outputs as the function returns
+        them (for their structure), and as `_per_batch` gives them (for their specs)."""
+        planned, shared = self._step.plan(tensors)
+        outputs = self._step.run(planned, shared)
+        like = _trees.build(outputs.structure, iter(outputs.flat[0]))
+        return like, self._per_batch(outputs, planned)
 
-    def _run_batch(
-        self, fed: tuple[tf.Tensor, tf.Tensor, list[list[Any]]], broadcast: Sequence[Any]
-    ) -> list[list[Any]]:
-        """One batch: a list of output leaves per shard, or one list of partial totals.
-
-        `fed` is ``(rows, sizes, pieces)``: the batch as `_feed` left it on the devices.
-        """
-        total, sizes, pieces = fed
-        engine = self._engine
-        # The next batch's copies land beside each shard while it runs: a
-        # failure in a shared trace could lose its error to their cancellation.
-        outputs = engine.run(self._template, broadcast, pieces, sizes, share=False)
-        self._structure = outputs.structure
-        engine.check_rows(outputs, sizes, {})
+    def _per_batch(self, outputs: ShardOutputs, planned: Planned) -> list[list[Any]]:
+        """One batch's entries: each shard's output leaves, checked, or the batch's totals."""
         if self._op is None:
-            outputs.check_gatherable()
+            self._step.check(outputs, planned)
             return outputs.flat
-        with tf.name_scope("tfshard_collect"), tf.device(engine.output):
-            totals, _ = engine.collect(outputs, sizes, total, finish=False)
-        return [totals]
+        return [self._step.collect(outputs, planned)]
 
-    def _checked(self, tensors: list[Any]) -> list[Any]:
-        """The batch's fields, once their row counts are checked equal."""
-        if len(tensors) == 1:
-            return tensors
-        counts = [tf.cast(rows(t), tf.int64) for t in tensors]
-        checks = [
-            tf.debugging.assert_equal(
-                r, counts[0], message=f"{_ROWS_DIFFER}: {self._paths[i]} and {self._paths[0]}"
-            )
-            for i, r in enumerate(counts[1:], start=1)
-        ]
-        with tf.control_dependencies(checks):
-            return [tf.nest.map_structure(tf.identity, t, expand_composites=True) for t in tensors]
-
-    def _feed(self, batch: Any, wanted: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, list[list[Any]]]:
+    def _feed(self, batch: Any, wanted: tf.Tensor, shared: Sequence[Any]) -> Planned:
         """The batch in the optional `batch`, planned, split and on its devices.
 
-        Runs ahead of the batch's shards (`_run_chunk`): the split is on the
-        host, where the iterator leaves the batch, and each piece is copied
-        to its shard's device by an Identity there, so a GPU receives its
-        rows while it still computes the batch before. A batch that is not
-        `wanted` (none left, or the call ends first) feeds zero rows.
-
-        Returns:
-          ``(rows, sizes, pieces)`` as `_run_batch` takes them, ``pieces[i][k]``
-          field i's rows for shard k, on shard k's device.
+        Runs ahead of the batch's shards (`_run_chunk`): the plan (which checks
+        that the element's fields have the same rows) and the split run on the
+        host, where the iterator leaves the batch, and each piece is copied to
+        its shard's device (`Step.onto_devices`), so a GPU receives its rows
+        while it still computes the batch before. A batch that is not `wanted`
+        (none left, or the call ends first) feeds zero rows.
         """
-        count = len(self._engine.devices)
         with tf.name_scope("tfshard_feed"):
             with tf.device(HOST):
                 tensors = tf.cond(
@@ -648,18 +631,8 @@ class _Loop:
                     lambda: _trees.flatten(batch.get_value())[0],
                     lambda: _trees.flatten(_zeros(batch.element_spec))[0],
                 )
-                tensors = self._checked(list(tensors))
-                batch_rows = tf.cast(rows(tensors[0]), tf.int64)
-                sizes = plan_sizes(batch_rows, count, self._engine.options.weights)
-                # [B, ...] -> K x [B_k, ...], on the host
-                parts = [split(t, sizes, count, HOST) for t in tensors]
-            pieces: list[list[Any]] = [[] for _ in tensors]
-            for k, device in enumerate(self._engine.devices):
-                with tf.name_scope(f"shard_{k}"), tf.device(device):
-                    for field, part in zip(pieces, parts):
-                        copy = tf.nest.map_structure(tf.identity, part[k], expand_composites=True)
-                        field.append(copy)
-        return batch_rows, sizes, pieces
+                planned, _ = self._step.plan([*tensors, *shared])  # [B, ...] -> K x [B_k, ...]
+            return self._step.onto_devices(planned)
 
     def _run_chunk(
         self, iterator: Any, current: Any, i: tf.Tensor, limit: tf.Tensor, state: list, shared: list
@@ -672,25 +645,25 @@ class _Loop:
         outputs land on its caller's device), and each call feeds its first
         batch before the loop.
         """
-        op, output = self._op, self._engine.output
+        op, output = self._op, self._step.output
 
         def body(i, n, total, current, fed, state):  # noqa: ANN001, ANN202
             with tf.device(HOST):
                 following = iterator.get_next_as_optional()  # prepared while this one runs
             # The next batch onto the devices while this one runs (none past this call's last).
-            fed_next = self._feed(following, n + 1 < limit)
-            per_shard = self._run_batch(fed, shared)
+            fed_next = self._feed(following, n + 1 < limit, shared)
+            per_batch = self._per_batch(self._step.run(fed, shared), fed)
             with tf.device(output):
                 if op is None:
-                    state = collect.write_shards(state, self._leaves, i * self._slots, per_shard)
+                    state = collect.write_shards(state, self._leaves, i * self._slots, per_batch)
                 else:
-                    state = collect.accumulate(state, per_shard[0], op)
-            return i + 1, n + 1, total + fed[0], following, fed_next, state
+                    state = collect.accumulate(state, per_batch[0], op)
+            return i + 1, n + 1, total + fed.total, following, fed_next, state
 
         with tf.device(HOST):
             # The caller's device holds `current` between calls; in the loop it is the host's.
             current = tf.nest.map_structure(tf.identity, current, expand_composites=True)
-        fed = self._feed(current, tf.constant(True))
+        fed = self._feed(current, tf.constant(True), shared)
         # The accumulators come in with unknown shapes: nothing to hold invariant.
         i, n, total, current, _, state = tf.while_loop(
             lambda i, n, total, current, fed, state: tf.logical_and(n < limit, current.has_value()),
@@ -717,7 +690,7 @@ class _Loop:
             current = iterator.get_next_as_optional()
         # A function's outputs land on its caller's device: the loop's state (TensorLists
         # of every output row so far) stays on the output device from call to call.
-        with tf.device(self._engine.output):
+        with tf.device(self._step.output):
             if self._op is None:
                 state = self._start()
             else:
@@ -728,7 +701,7 @@ class _Loop:
             if interrupted():  # pressed while Python could not raise it (`_stream.ctrl_c`)
                 raise KeyboardInterrupt
             began = time.perf_counter()
-            with tf.device(self._engine.output):
+            with tf.device(self._step.output):
                 current, i, n, batch_rows, state = self._chunk(
                     iterator, current, i, tf.constant(limit), state, broadcast
                 )
@@ -745,9 +718,9 @@ class _Loop:
             self._last_limit = limit
         if total == 0:
             return None, 0
-        with tf.device(self._engine.output):
-            if self._op is None:
+        if self._op is None:
+            with tf.device(self._step.output):
                 results = self._finish(state)
-            else:
-                results = [collect.finished(t, total, self._op) for t in state]
+        else:
+            results = self._step.finish(state, total)
         return _trees.build(self._structure, iter(results)), total

@@ -266,12 +266,14 @@ def creates_variables(message: str) -> bool:
     return "only supports singleton tf.Variables" in message
 
 
-def inputs_error(name: str, message: str) -> ArgumentError:
+def inputs_error(name: str, message: str, dataset: bool = False) -> ArgumentError:
     """The failed in-graph check of the split arguments' rows (`INPUTS_DIFFER`) as an ArgumentError.
 
     Args:
       name: the parallelized function's name.
       message: the TF error's message.
+      dataset: the arguments are the fields of a dataset's element (whose fix
+        is in the dataset, not in ``broadcast=``).
     """
     paths = _assert_text(message, INPUTS_DIFFER).split(", ")
     got, want, k = _assert_vectors(message)
@@ -279,6 +281,12 @@ def inputs_error(name: str, message: str) -> ArgumentError:
         differ = "the split arguments have different numbers of rows"
     else:
         differ = f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
+    if dataset:
+        return ArgumentError(
+            f"{name}: the fields of one dataset element have different numbers of rows "
+            f"({differ}); every field is split along its first dimension, so they must "
+            "match: batch zipped datasets alike"
+        )
     return ArgumentError(
         f"{name}: {differ}; every split argument needs the same leading dimension "
         "(name an argument in broadcast=(...) to copy it whole to each device)"

@@ -17,7 +17,7 @@ threads and no Python in the per-shard path.
 
 `ShardedFunction` is the object users hold: it checks the options, resolves
 the devices on first use, and hands each call to its engine
-(`tfshard._sharding.Engine`), which owns the traced graphs; arguments are
+(`tfshard._engine.Engine`), which owns the traced graphs; arguments are
 sorted by `tfshard._arguments`, datasets run through `tfshard.datasets`.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _autograph, _explain, _options, _sharding, datasets, pinning
+from tfshard import _arguments, _autograph, _engine, _explain, _options, datasets, pinning
 from tfshard import replicas as replicas_lib
 from tfshard import timeline as timeline_lib
 from tfshard.errors import ArgumentError
@@ -66,7 +66,7 @@ class ShardedFunction:
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self._arguments = _arguments.Arguments(fn, options.broadcast, self.__name__)
         self._lock = threading.Lock()
-        self._built: _sharding.Engine | None = None
+        self._built: _engine.Engine | None = None
         self._streams: datasets.Runner | None = None
         self._bound: weakref.WeakKeyDictionary[Any, ShardedFunction] = weakref.WeakKeyDictionary()
         # Not updated=("__dict__",): the wrapped object's attributes (a Keras layer's
@@ -330,13 +330,13 @@ class ShardedFunction:
 
     # ------------------------------------------------------------ devices
 
-    def _engine(self) -> _sharding.Engine:
+    def _engine(self) -> _engine.Engine:
         """The engine, made when the devices are first needed (they resolve then)."""
         if self._built is None:
             with self._lock:
                 if self._built is None:
                     devices, output = self._options.resolve()
-                    self._built = _sharding.Engine(
+                    self._built = _engine.Engine(
                         self._fn, self._options, name=self.__name__, devices=devices, output=output
                     )
         return self._built

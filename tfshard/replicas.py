@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
 import sys
 import tempfile
 import threading
@@ -45,12 +44,11 @@ from typing import Any
 import tensorflow as tf
 
 from tfshard import pinning
+from tfshard._graph import shard_accesses, shard_writes
 from tfshard.errors import ArgumentError
 
 __all__ = ("Replicas", "VariableRead", "apply_gradients", "replicate", "variable_reads")
 
-# Shard k's ops are named tfshard_shard_k/... (tfshard._sharding.SHARD_SCOPE).
-_SHARD_OP = re.compile(r"^tfshard_shard_(\d+)/")
 # Ops that reach a variable without reading its value.
 _NO_READ = frozenset({"VarIsInitializedOp", "VariableShape", "DestroyResourceOp"})
 
@@ -135,7 +133,8 @@ class Replicas:
                 self._made[id(made)] = made
             # The functions on these devices retrace at their next call: the new
             # variable may take the place of one they captured (a rebuilt model).
-            Replicas.generation += 1
+            with Replicas._lock:
+                Replicas.generation += 1
             return variable
 
         with self.strategy.scope(), tf.variable_creator_scope(record):
@@ -444,7 +443,7 @@ def variable_reads(concrete: Any, devices: Sequence[str]) -> list[list[VariableR
     one on another device crosses to the shard, whole, on every call.
     """
     reads: list[dict[str, VariableRead]] = [{} for _ in devices]
-    for k, op, variable in _shard_accesses(concrete):
+    for k, op, variable in shard_accesses(concrete):
         if op.type not in _NO_READ and variable.name not in reads[k]:
             reads[k][variable.name] = _read(variable, devices[k])
     return [list(r.values()) for r in reads]
@@ -476,7 +475,7 @@ def check_no_writes(concrete: Any, replicas: Replicas, name: str) -> None:
     variables written, not merely ones the writing op was given.
     """
     written: dict[int, list[str]] = {}
-    for k, variable in _shard_writes(concrete):
+    for k, variable in shard_writes(concrete):
         # A variable synchronised on read (a Keras metric's total and count) is
         # written copy by copy by design, as under MirroredStrategy, and read as
         # the aggregate of its copies (their sum): each shard adds its own rows.
@@ -498,134 +497,6 @@ def check_no_writes(concrete: Any, replicas: Replicas, name: str) -> None:
         "(e.g. gradients with reduce='mean') and apply it outside, where every copy takes "
         "it: tfshard.replicas.apply_gradients(optimizer, zip(grads, vars))"
     )
-
-
-def _captured_variables(concrete: Any) -> dict[str, tf.Variable]:
-    """The variables a traced graph captures, by the name of their handle inside it."""
-    handles = {id(v.handle): v for v in concrete.graph.variables}
-    return {
-        internal.name: handles[id(external)]
-        for external, internal in concrete.graph.captures
-        if id(external) in handles
-    }
-
-
-def _shard_ops(concrete: Any) -> Iterator[tuple[int, Any]]:
-    """``(k, op)`` for each op of shard k (``tfshard_shard_k/...``) in a traced graph."""
-    for op in concrete.graph.get_operations():
-        match = _SHARD_OP.match(op.name)
-        if match is not None:
-            yield int(match.group(1)), op
-
-
-def _shard_accesses(concrete: Any) -> Iterator[tuple[int, Any, tf.Variable]]:
-    """``(k, op, variable)`` for each op of shard k that takes a captured variable's handle."""
-    captured = _captured_variables(concrete)
-    for k, op in _shard_ops(concrete):
-        for tensor in op.inputs:
-            variable = captured.get(tensor.name)
-            if variable is not None:
-                yield k, op, variable
-
-
-def _shard_writes(concrete: Any) -> Iterator[tuple[int, tf.Variable]]:
-    """``(k, variable)`` for each captured variable an op of shard k writes.
-
-    An op writes the variable whose handle is its first input (`_WRITES`), or
-    calls functions (a conditional, a loop, a nested or compiled function)
-    that write the arguments at some positions (`_written_arguments`): those
-    inputs' variables are the ones written.
-    """
-    captured = _captured_variables(concrete)
-    library = {f.signature.name: f for f in concrete.graph.as_graph_def().library.function}
-    memo: dict[str, frozenset[int]] = {}
-    for k, op in _shard_ops(concrete):
-        if op.type.startswith(_WRITES):
-            positions: set[int] = {0}
-        else:
-            offset = _ARGUMENT_OFFSET.get(op.type, 0)
-            positions = {
-                offset + i
-                for fn in _called(op.node_def)
-                for i in _written_arguments(library, fn, memo)
-            }
-        for position in sorted(positions):
-            if position < len(op.inputs):
-                variable = captured.get(op.inputs[position].name)
-                if variable is not None:
-                    yield k, variable
-
-
-# Op types that write a resource variable.
-_WRITES = (
-    "AssignVariableOp",
-    "AssignAddVariableOp",
-    "AssignSubVariableOp",
-    "ResourceScatter",
-    "ResourceApply",
-    "ResourceSparseApply",
-    "ResourceStridedSliceAssign",
-)
-# Calling ops whose first input is not an argument of the functions they call
-# (a conditional's predicate, a case's branch index).
-_ARGUMENT_OFFSET = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1}
-
-
-def _called(node: Any) -> list[str]:
-    """The functions a node calls (PartitionedCall's f, If's branches, While's body)."""
-    names = []
-    for value in node.attr.values():
-        if value.HasField("func"):
-            names.append(value.func.name)
-        names.extend(f.name for f in value.list.func)
-    return names
-
-
-def _written_arguments(
-    library: dict[str, Any], fn: str, memo: dict[str, frozenset[int]]
-) -> frozenset[int]:
-    """The positions of the arguments that function `fn`, or one it calls, writes (memoised).
-
-    A write's handle is followed back through the function's Identity ops to
-    the argument it came from; a write of a handle made inside the function
-    (its own variable) is no argument's.
-    """
-    if fn in memo:
-        return memo[fn]
-    memo[fn] = frozenset()  # a recursive call is not a write by itself
-    function = library.get(fn)
-    if function is None:
-        return memo[fn]
-    arguments = {arg.name: i for i, arg in enumerate(function.signature.input_arg)}
-    nodes = {node.name: node for node in function.node_def}
-
-    def argument_of(source: str) -> int | None:
-        for _ in range(len(nodes) + 1):  # an Identity chain is at most every node
-            name = source.split(":")[0]
-            if name in arguments:
-                return arguments[name]
-            node = nodes.get(name)
-            if node is None or node.op != "Identity" or not node.input:
-                return None
-            source = node.input[0]
-        return None
-
-    written: set[int] = set()
-    for node in function.node_def:
-        inputs = [i for i in node.input if not i.startswith("^")]
-        if node.op.startswith(_WRITES):
-            handles = inputs[:1]
-        else:
-            offset = _ARGUMENT_OFFSET.get(node.op, 0)
-            handles = [
-                inputs[offset + i]
-                for called in _called(node)
-                for i in _written_arguments(library, called, memo)
-                if offset + i < len(inputs)
-            ]
-        written.update(a for a in map(argument_of, handles) if a is not None)
-    memo[fn] = frozenset(written)
-    return memo[fn]
 
 
 def _read(variable: tf.Variable, shard_device: str) -> VariableRead:

@@ -47,13 +47,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _sharding, pinning
-from tfshard.errors import ArgumentError, TfshardError
+from tfshard import pinning
+from tfshard._step import COLLECT_SCOPE
+from tfshard.errors import SHARD_SCOPE, ArgumentError, TfshardError
 
 __all__ = ("Copies", "Shard", "Span", "Timeline", "record")
 
-COLLECT_SCOPE = "tfshard_collect/"  # as _sharding.Engine.body names the gather
-_IN_SHARD_RE = re.compile(r"(?:^|/)" + _sharding.SHARD_SCOPE + r"(\d+)/")
+_IN_SHARD_RE = re.compile(r"(?:^|/)" + SHARD_SCOPE + r"(\d+)/")
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # The executor's plumbing, which computes nothing: markers, arguments, constants,
 # forwarding, control flow, and the rendezvous (a receive waits for its sender).
@@ -470,7 +470,7 @@ def _attribute(
     calls = [(k, o) for o in ops if o.op in _CALL_OPS and (k := _shard_of(o.name)) is not None]
     for o in ops:
         k = _shard_of(o.name)
-        if k is None and o.name.startswith(COLLECT_SCOPE):
+        if k is None and o.name.startswith(f"{COLLECT_SCOPE}/"):
             gather.append(o)
             continue
         if k is None and o.name not in outer:

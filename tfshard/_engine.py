@@ -1,0 +1,268 @@
+"""The engine of one parallelized function: its steps and traced graphs, run, errors named.
+
+`Engine` holds what a `ShardedFunction` resolved (devices, options) and, per
+trace key, the `tfshard._step.Step` of that call and the graphs traced from it
+(a call's, `per_shard`'s). It runs a traced graph (`execute`) and turns a
+TensorFlow error into a `ShardError` that names the shard, its device and rows,
+and the remedy (`call_error`). A dataset stream (`tfshard.datasets`) asks it
+for a step (`step`) and runs its own graphs through `execute`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+from tfshard import _arguments, _trees, cluster, pinning
+from tfshard._autograph import autographed
+from tfshard._options import Options
+from tfshard._plan import host_cpu, plan_rows
+from tfshard._step import Step
+from tfshard.errors import (
+    INPUTS_DIFFER,
+    ROWS_DIFFER,
+    failing_shard,
+    inputs_error,
+    pfor_stack_failure,
+    rows_error,
+    shard_error,
+    user_frames,
+)
+from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
+
+
+class Traced(NamedTuple):
+    """A graph traced for one trace key, and the structure of its outputs.
+
+    Attributes:
+      graph: the concrete function.
+      structure: its outputs' structure (a `_trees` key) where TensorFlow would not
+        give them back as the function returned them (a defaultdict, which it
+        makes a dict), else None.
+    """
+
+    graph: Any
+    structure: Hashable | None
+
+    def rebuilt(self, result: Any) -> Any:
+        """The graph's result in the structure the function returned."""
+        if self.structure is None:
+            return result
+        return _trees.build(self.structure, iter(_trees.flatten(result)[0]))
+
+
+class Engine:
+    """What one parallelized function resolved, its steps and the graphs traced from them.
+
+    Args:
+      fn: the user's function.
+      options: what `parallelize` was asked for.
+      name: the function's name, for messages.
+      devices: canonical device names, one shard each.
+      output: where results land.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        options: Options,
+        *,
+        name: str,
+        devices: tuple[str, ...],
+        output: str,
+    ) -> None:
+        self.fn = fn
+        self.options = options
+        self.name = name
+        self.devices = devices
+        self.output = output
+        # The CPU of the output's machine: where plans and checks run.
+        self.host = host_cpu(output)
+        self.remote_output = pinning.is_remote(output)
+        self._graphs: dict[Hashable, Traced] = {}
+        self._lock = threading.RLock()
+        self._converted: Callable[..., Any] | None = None
+        # Replicas of this engine's devices, as they were when its graphs were traced,
+        # and the generation of replicas that was (`refresh`).
+        self._replicas: Replicas | None = None
+        self.generation = -1
+
+    @property
+    def replicas(self) -> Replicas | None:
+        """The replicas this engine's shards read (as of its last `refresh`), or None."""
+        return self._replicas
+
+    @property
+    def trace_count(self) -> int:
+        """Graphs this engine traced for calls (and `per_shard`)."""
+        return len(self._graphs)
+
+    def plan(self, n: int) -> list[int]:
+        """The shard sizes for `n` rows, in Python (the graph's `plan_sizes`, exactly)."""
+        return plan_rows(int(n), len(self.devices), self.options.weights)
+
+    # ------------------------------------------------------------ steps
+
+    def step(self, call: _arguments.Call, *, beside_transfers: bool = False) -> Step:
+        """The step of a call with this trace key (see `tfshard._step.Step`)."""
+        self.refresh()
+        if self._converted is None:
+            self._converted = autographed(self.fn)
+        options = self.options
+        return Step(
+            fn=self._converted,
+            name=self.name,
+            per_sample=options.per_sample,
+            ragged=options.ragged,
+            reduce=options.reduce,
+            weights=options.weights,
+            jit_compile=options.jit_compile,
+            devices=self.devices,
+            output=self.output,
+            host=self.host,
+            replicas=self._replicas,
+            template=call.template,
+            split_devices=tuple(call.key.split_devices),
+            beside_transfers=beside_transfers,
+        )
+
+    def refresh(self) -> None:
+        """Picks up replicas, or replicated variables, made since the last trace.
+
+        The graphs traced before go: one that captured a plain variable would
+        not read the replicated one that a new model put in its place. Anything
+        else traced from this engine's steps (a stream's loops) compares
+        `generation` with the one it was traced at.
+        """
+        if self.generation == Replicas.generation:
+            return
+        with self._lock:
+            generation = Replicas.generation
+            found = Replicas.find(self.devices)
+            if found is not None or self._replicas is not None:
+                self._replicas = found
+                self._graphs.clear()
+            self.generation = generation
+
+    def checked(self, graph: Any) -> Any:
+        """A traced graph, once refused if a shard writes a replicated variable or,
+        compiled, reads a variable on another device (XLA cannot)."""
+        if self.options.jit_compile:
+            check_compiled_reads(graph, self.devices, self.name)
+        if self._replicas is not None:
+            check_no_writes(graph, self._replicas, self.name)
+        return graph
+
+    # ------------------------------------------------------------ calls
+
+    def trace(self, call: _arguments.Call) -> Any:
+        """The concrete function a call with this trace key runs, traced on first use."""
+        return self._traced(call, "call").graph
+
+    def call(self, call: _arguments.Call) -> Any:
+        """Runs one call; results land on the output device."""
+        traced = self._traced(call, "call")
+        return traced.rebuilt(self.execute(traced.graph, call.tensors, call.rows))
+
+    def per_shard(self, call: _arguments.Call) -> tuple[Any, ...]:
+        """Runs one call; each shard's outputs as they are, on the shard's device."""
+        traced = self._traced(call, "per_shard")
+        results = traced.rebuilt(self.execute(traced.graph, call.tensors, call.rows))
+        # A function's outputs come back on its caller's device (the output device);
+        # each shard's go back to its own, a no-op for the output device's shard.
+        return tuple(pinning.to_device(r, d) for r, d in zip(results, self.devices))
+
+    def _traced(self, call: _arguments.Call, body: str) -> Traced:
+        """The graph of a step's traced `body` ("call" or "per_shard") for this call's key."""
+        self.refresh()
+        key = (call.key, body)
+        traced = self._graphs.get(key)
+        if traced is not None:
+            return traced
+        with self._lock:
+            traced = self._graphs.get(key)
+            if traced is None:
+                run = getattr(self.step(call), body)
+                graph = tf.function(run, autograph=False).get_concrete_function(*call.specs())
+                structure = _trees.flatten(graph.structured_outputs)[1]
+                kept = structure if _trees.has_defaultdict(structure) else None
+                traced = self._graphs[key] = Traced(self.checked(graph), kept)
+            return traced
+
+    def execute(self, graph: Any, tensors: Any, rows: int | None) -> Any:
+        """Runs a traced graph on these tensors; a failure as `call_error` says.
+
+        A call whose output device is on another server returns before its
+        shards ran, and TF would raise a failure only where the value is read,
+        naming no shard; a failed value left unread fails the next call ("Primary
+        device is not remote"). So such a call waits for its shards here, and a
+        failure leaves no error pending behind it.
+
+        Args:
+          graph: a concrete function traced from this engine's steps.
+          tensors: its inputs.
+          rows: the batch's rows when known (to name a failing shard's rows).
+        """
+        # (Inside the user's tf.function, the outer call raises: nothing to wait for.)
+        remote = self.remote_output and tf.executing_eagerly()
+        try:
+            # The call op's device is where TF leaves the function's outputs.
+            with tf.device(self.output):
+                result = graph(*tensors)
+            if remote:
+                self._wait(result)
+        except tf.errors.OpError as error:
+            if remote:
+                tf.experimental.async_clear_error()
+            raise self.call_error(error, rows) from None
+        return result
+
+    def _wait(self, result: Any) -> None:
+        """Waits for a call whose results stay on another server, raising its error.
+
+        Reading a number that one result's op made waits for that op (every
+        result comes from the one function call); only that number crosses.
+        """
+        leaves = tf.nest.flatten(result, expand_composites=True)
+        if not leaves:  # nothing to read: wait for every pending op, local and remote
+            with tf.experimental.async_scope():
+                pass
+            return
+        with tf.device(self.output):
+            tf.size(leaves[0]).numpy()
+
+    def call_error(self, error: tf.errors.OpError, rows: int | None) -> Exception:
+        """A failed call's error, naming the shard and, for a dead worker, the remedy."""
+        if ROWS_DIFFER in error.message:
+            return rows_error(self.name, self.devices, error.message)
+        if INPUTS_DIFFER in error.message:
+            return inputs_error(self.name, error.message)
+        k = failing_shard(error.message)
+        wrapped = error
+        if k is not None:
+            if rows is not None:
+                sizes = self.plan(rows)
+                start = sum(sizes[:k])
+                where = f"rows [{start}:{start + sizes[k]}) of {rows}"
+            else:
+                where = "its slice of the batch"
+            wrapped = shard_error(
+                error,
+                f"{self.name}: shard {k} on {self.devices[k]} ({where}) failed: "
+                f"{user_frames(error.message)}",
+            )
+        hint = cluster.explain_remote_error(error)  # None unless a worker is down
+        pfor_stack = pfor_stack_failure(error.message)
+        per_sample, ragged = self.options.per_sample, self.options.ragged
+        if hint is None and per_sample and not ragged and pfor_stack:
+            hint = (
+                "It failed inside tf.vectorized_map (pfor), which cannot vectorize every op "
+                "(string ops and shapes that vary by sample among them): pass ragged=True "
+                "to map the function over one sample at a time (tf.map_fn) instead"
+            )
+        if hint is not None:
+            wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
+        return wrapped
