@@ -81,16 +81,24 @@ def test_per_shard_mean_is_size_weighted_and_ignores_empty_shards():
     assert _in_graph(run).numpy() == pytest.approx(7.0 / 4.0)
 
 
-def test_combine_int_mean_is_exact_and_nan_for_no_samples():
-    def run(partials, total):
-        return collect.combine(tf.unstack(partials), total, R["mean"])
+def _mean_of_shards(x, sizes):
+    """The mean of `x`'s rows, in shards of `sizes` rows, as collect reduces it."""
 
-    exact = _in_graph(run, tf.constant([-7, 0]), 2)
+    def run(x):
+        parts = tf.split(x, sizes)
+        partials = [collect.shard_partial(p, tf.shape(p)[0], R["mean"], True) for p in parts]
+        return collect.combine(partials, tf.shape(x)[0], R["mean"])
+
+    return _in_graph(run, x)
+
+
+def test_combine_int_mean_is_exact_and_nan_for_no_samples():
+    exact = _mean_of_shards(tf.constant([-3, -4]), [1, 1])
     assert exact.dtype == tf.float64 and exact.numpy() == np.mean([-3, -4]) == -3.5
-    small = _in_graph(run, tf.constant([1, 0], tf.int16), 3)
+    small = _mean_of_shards(tf.constant([1, 0, 0], tf.int16), [2, 1])
     assert small.dtype == tf.float32 and small.numpy() == pytest.approx(1 / 3)
     # No samples: every partial is the empty sum, and the mean is NaN, not a crash.
-    assert np.isnan(_in_graph(run, tf.constant([0, 0]), 0).numpy())
+    assert np.isnan(_mean_of_shards(tf.zeros([0], tf.int32), [0, 0]).numpy())
 
 
 @pytest.mark.parametrize(
@@ -126,7 +134,10 @@ def test_integers_reduce_through_int64_exactly(dtype, op, per_sample):
         if per_sample:
             partials = [collect.shard_partial(p, tf.shape(p)[0], R[op], True) for p in parts]
         else:  # a shard's value: its own reduction, as a whole-shard function returns it
-            values = [collect.shard_partial(p, tf.shape(p)[0], R[op], True) for p in parts]
+            values = [
+                collect.finished(collect.shard_partial(p, tf.shape(p)[0], R[op], True), 1, R[op])
+                for p in parts
+            ]
             partials = [
                 collect.shard_partial(v, tf.shape(p)[0], R[op], False)
                 for v, p in zip(values, parts)
@@ -159,7 +170,7 @@ def test_a_running_total_over_batches_equals_one_reduction_over_all_rows(op):
     r = collect.REDUCTIONS[op]
 
     def run(*xs):
-        totals = [r.neutral(tf.int32) * tf.ones([2], tf.int32)]
+        totals = [collect.no_rows(r, tf.int32)]
         for x in xs:
             halves = tf.split(x, [tf.shape(x)[0] // 2, tf.shape(x)[0] - tf.shape(x)[0] // 2])
             partials = [collect.shard_partial(h, tf.shape(h)[0], r, True) for h in halves]
