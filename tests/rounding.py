@@ -1,0 +1,36 @@
+"""The reference for low-precision reductions (one helper for every test file).
+
+NumPy in float64 over the very values the dtype holds, rounded once to the
+dtype: what NumPy and JAX return for float16 (they total it in float32), and
+what a reduction is right to within one rounding.
+"""
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+# Each dtype's epsilon (its spacing at 1.0): a result one rounding off is within this
+# relative tolerance, a stuck sum (4096 for 10,000) or an overflowed count (0) is not.
+EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
+LOW_PRECISION = tuple(EPSILON)
+
+
+def values(rng: np.random.Generator, shape: list[int], dtype: str, scale: float = 1.0) -> Any:
+    """Uniform values in [0, scale) as `dtype` holds them (a NumPy array of that dtype)."""
+    return tf.cast(rng.random(shape) * scale, dtype).numpy()
+
+
+def exact(x: Any) -> np.ndarray:
+    """`x` (float16 or bfloat16 values) in float64, exactly."""
+    return np.asarray(x).astype(np.float64)
+
+
+def assert_rounded(got: Any, want: Any, dtype: str) -> None:
+    """`got` has `dtype` and equals `want` (float64) rounded to it, to one rounding."""
+    got = tf.convert_to_tensor(got)
+    assert got.dtype == tf.as_dtype(dtype), f"{got.dtype.name}, not {dtype}"
+    rounded = tf.cast(tf.constant(want, tf.float64), dtype)
+    np.testing.assert_allclose(
+        exact(got.numpy()), exact(rounded.numpy()), rtol=EPSILON[dtype], atol=0
+    )
