@@ -16,14 +16,24 @@ EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 LOW_PRECISION = tuple(EPSILON)
 
 
-def values(rng: np.random.Generator, shape: list[int], dtype: str, scale: float = 1.0) -> Any:
-    """Uniform values in [0, scale) as `dtype` holds them (a NumPy array of that dtype)."""
-    return tf.cast(rng.random(shape) * scale, dtype).numpy()
+def values(
+    rng: np.random.Generator, shape: list[int], dtype: str, low: float = 0.0, high: float = 1.0
+) -> Any:
+    """Uniform values in [low, high) as `dtype` holds them (a NumPy array of that dtype)."""
+    return tf.cast(rng.uniform(low, high, shape), dtype).numpy()
 
 
 def exact(x: Any) -> np.ndarray:
     """`x` (float16 or bfloat16 values) in float64, exactly."""
     return np.asarray(x).astype(np.float64)
+
+
+def reference(op: str, x: np.ndarray) -> np.ndarray:
+    """NumPy's `op` over the rows of `x` (float64); of no rows, what tf.reduce_* gives."""
+    if len(x):
+        return {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op](x, axis=0)
+    empty = {"sum": 0.0, "mean": np.nan, "max": -np.inf, "min": np.inf}[op]
+    return np.full(x.shape[1:], empty)
 
 
 def assert_rounded(got: Any, want: Any, dtype: str) -> None:
