@@ -242,9 +242,9 @@ class Reduction:
         """The dtype outputs of `dtype` are totalled in, from each shard to the result.
 
         float16 and bfloat16 total in float32, as NumPy and JAX do: in their
-        own dtype a sum sticks once its spacing passes the values added (a
-        float16 sum of 20,000 values in [0, 1) stops at 4096), and a row
-        count above 65,504 is infinite in float16. Integers total in int64,
+        own dtype a sum sticks once its spacing passes the values added
+        (20,000 values in [0, 1) summed to 4096 in float16, not about
+        10,000), and a row count above 65,504 is infinite in float16. Integers total in int64,
         the only integer the GPU kernels of Sum, Max, Min and Pack hold in
         device memory: a sum wraps there as in the dtype itself, once cast
         back, and a mean of integers up to 32 bits is exact for fewer than
@@ -425,10 +425,11 @@ def combine(
 def finished(reduced: Total, total: tf.Tensor | int, op: Reduction) -> tf.Tensor:
     """A `Total` over `total` samples as the reduction's result: a mean divides.
 
-    The one place a total leaves its accumulator dtype: the mean divides in
-    it (never with a row count in float16), and the result is cast to
-    `Reduction.result_dtype`, so a float16 mean over a million rows is the
-    true mean rounded once to float16. An integer mean is exact, in the float
+    The one place a total leaves its accumulator dtype: a mean divides there
+    (float32 for float16 outputs, never with a row count in float16; float64
+    for an integer total, as `tf.math.truediv` divides one), and the result
+    is cast to `Reduction.result_dtype`, so a float16 mean over a million
+    rows is the true mean rounded once to float16. An integer mean is exact, in the float
     dtype `tf.math.truediv` gives (float32 for 8- and 16-bit integers,
     float64 for 32- and 64-bit), not truncated as `tf.reduce_mean` truncates
     it. With no samples a mean is NaN. An integer sum wraps as `tf.reduce_sum`
