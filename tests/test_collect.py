@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import rounding
 import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,16 +82,24 @@ def test_per_shard_mean_is_size_weighted_and_ignores_empty_shards():
     assert _in_graph(run).numpy() == pytest.approx(7.0 / 4.0)
 
 
-def test_combine_int_mean_is_exact_and_nan_for_no_samples():
-    def run(partials, total):
-        return collect.combine(tf.unstack(partials), total, R["mean"])
+def _mean_of_shards(x, sizes):
+    """The mean of `x`'s rows, in shards of `sizes` rows, as collect reduces it."""
 
-    exact = _in_graph(run, tf.constant([-7, 0]), 2)
+    def run(x):
+        parts = tf.split(x, sizes)
+        partials = [collect.shard_partial(p, tf.shape(p)[0], R["mean"], True) for p in parts]
+        return collect.combine(partials, tf.shape(x)[0], R["mean"])
+
+    return _in_graph(run, x)
+
+
+def test_combine_int_mean_is_exact_and_nan_for_no_samples():
+    exact = _mean_of_shards(tf.constant([-3, -4]), [1, 1])
     assert exact.dtype == tf.float64 and exact.numpy() == np.mean([-3, -4]) == -3.5
-    small = _in_graph(run, tf.constant([1, 0], tf.int16), 3)
+    small = _mean_of_shards(tf.constant([1, 0, 0], tf.int16), [2, 1])
     assert small.dtype == tf.float32 and small.numpy() == pytest.approx(1 / 3)
     # No samples: every partial is the empty sum, and the mean is NaN, not a crash.
-    assert np.isnan(_in_graph(run, tf.constant([0, 0]), 0).numpy())
+    assert np.isnan(_mean_of_shards(tf.zeros([0], tf.int32), [0, 0]).numpy())
 
 
 @pytest.mark.parametrize(
@@ -126,7 +135,10 @@ def test_integers_reduce_through_int64_exactly(dtype, op, per_sample):
         if per_sample:
             partials = [collect.shard_partial(p, tf.shape(p)[0], R[op], True) for p in parts]
         else:  # a shard's value: its own reduction, as a whole-shard function returns it
-            values = [collect.shard_partial(p, tf.shape(p)[0], R[op], True) for p in parts]
+            values = [
+                collect.finished(collect.shard_partial(p, tf.shape(p)[0], R[op], True), 1, R[op])
+                for p in parts
+            ]
             partials = [
                 collect.shard_partial(v, tf.shape(p)[0], R[op], False)
                 for v, p in zip(values, parts)
@@ -159,7 +171,7 @@ def test_a_running_total_over_batches_equals_one_reduction_over_all_rows(op):
     r = collect.REDUCTIONS[op]
 
     def run(*xs):
-        totals = [r.neutral(tf.int32) * tf.ones([2], tf.int32)]
+        totals = [collect.no_rows(r, tf.int32)]
         for x in xs:
             halves = tf.split(x, [tf.shape(x)[0] // 2, tf.shape(x)[0] - tf.shape(x)[0] // 2])
             partials = [collect.shard_partial(h, tf.shape(h)[0], r, True) for h in halves]
@@ -170,3 +182,106 @@ def test_a_running_total_over_batches_equals_one_reduction_over_all_rows(op):
     every = np.concatenate(batches)
     want = {"sum": every.sum(0), "mean": every.mean(0), "max": every.max(0), "min": every.min(0)}
     np.testing.assert_allclose(_in_graph(run, *batches).numpy(), want[op], rtol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from(rounding.LOW_PRECISION),
+    op=st.sampled_from(["sum", "mean", "max", "min"]),
+    sizes=st.lists(st.integers(0, 25_000), min_size=1, max_size=4),
+    per_sample=st.booleans(),
+)
+def test_low_precision_floats_reduce_to_the_dtypes_rounding_of_the_true_result(
+    dtype, op, sizes, per_sample
+):
+    """float16 and bfloat16 total in float32 from shard to result (up to 100,000 rows here):
+    no sum sticks, no row count overflows, and the result is in the dtype itself."""
+    rng = np.random.default_rng(sum(sizes) + len(sizes))
+    x = rounding.values(rng, [sum(sizes), 2], dtype)
+    starts = np.cumsum([0, *sizes])
+    shards = [x[a:b] for a, b in zip(starts[:-1], starts[1:])]
+    if per_sample:
+        want = rounding.reference(op, rounding.exact(x))
+    else:
+        # Each shard's own value, as a whole-shard function returns it: its reduction
+        # rounded to the dtype; NaN for an empty shard, which must not count.
+        shards = [
+            tf.cast(rounding.reference(op, rounding.exact(s)) if len(s) else [np.nan] * 2, dtype)
+            for s in shards
+        ]
+        full = [(rounding.exact(v), n) for v, n in zip(shards, sizes) if n]
+        if op == "mean" and full:  # a shard's mean counts once per row
+            want = sum(v * n for v, n in full) / len(x)
+        else:
+            want = rounding.reference(op, np.array([v for v, _ in full]).reshape(-1, 2))
+
+    def run(*parts):
+        partials = [collect.shard_partial(p, n, R[op], per_sample) for p, n in zip(parts, sizes)]
+        return collect.combine(partials, tf.constant(len(x), tf.int64), R[op])
+
+    rounding.assert_rounded(_in_graph(run, *shards), want, dtype)
+
+
+@pytest.mark.parametrize("per_sample", [True, False])
+@pytest.mark.parametrize("dtype", INTEGERS)
+def test_integer_means_total_where_they_cannot_wrap(dtype, per_sample):
+    """Totals past the dtype's range (past int64's for 64-bit), as NumPy's float64 mean."""
+    info = np.iinfo(dtype)
+    # Shards of 2, 1 and 0 rows; a shard's rows alike, so one row is also its shard's value.
+    rows = np.array([[info.max, info.min], [info.max, info.min], [info.max, 1]], dtype)
+    sizes = [2, 1, 0]
+
+    def reduce():
+        # Whole shards: each shard's value (the empty shard's must not count).
+        values = tf.split(rows, sizes) if per_sample else tf.unstack(rows[[0, 2, 0]])
+        partials = [
+            collect.shard_partial(v, tf.constant(n, tf.int64), R["mean"], per_sample)
+            for v, n in zip(values, sizes)
+        ]
+        return collect.combine(partials, tf.constant(3, tf.int64), R["mean"])
+
+    out = _in_graph(reduce)
+    result = np.float32 if info.bits <= 16 else np.float64  # as tf.math.truediv gives
+    assert out.dtype == result
+    want = rows.astype(np.float64).mean(0)
+    np.testing.assert_allclose(out.numpy(), want.astype(result), rtol=np.finfo(result).eps)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", rounding.LOW_PRECISION)
+def test_a_running_total_of_low_precision_batches_stays_in_float32(dtype, op):
+    # 400 batches of 200 rows on 2 shards each, totalled batch by batch as a stream's
+    # Python loop totals them: past 32,768 a bfloat16 total's spacing (256) is over twice
+    # a batch's sum (~100), and 80,000 rows are past float16's largest count (65,504).
+    x = rounding.values(np.random.default_rng(11), [400, 200, 2], dtype)
+    r = R[op]
+
+    @tf.function(autograph=False)
+    def batch_total(b):
+        partials = [collect.shard_partial(h, 100, r, True) for h in tf.split(b, 2)]
+        return collect.combine(partials, 200, r, finish=False)
+
+    totals = [collect.no_rows(r, tf.as_dtype(dtype))]
+    for b in x:
+        totals = collect.accumulate(totals, [batch_total(b)], r)
+    assert totals[0].value.dtype == tf.float32  # what a stream carries from batch to batch
+    want = rounding.reference(op, rounding.exact(x).reshape(-1, 2))
+    rounding.assert_rounded(collect.finished(totals[0], 80_000, r), want, dtype)
+
+
+def test_the_accumulator_dtype_is_one_rule_of_the_record():
+    wide = {tf.float16: tf.float32, tf.bfloat16: tf.float32, tf.float32: tf.float32}
+    for dtype, accumulator in wide.items():
+        assert {r.accumulator(dtype) for r in R.values()} == {accumulator}
+    for name in INTEGERS:
+        dtype = tf.as_dtype(name)
+        assert R["sum"].accumulator(dtype) == R["max"].accumulator(dtype) == tf.int64
+        assert R["mean"].accumulator(dtype) == (tf.float64 if dtype.size == 8 else tf.int64)
+        assert (
+            R["mean"].result_dtype(dtype)
+            == tf.math.truediv(tf.zeros([], dtype), tf.ones([], dtype)).dtype
+        )
+        assert R["sum"].result_dtype(dtype) == dtype
+    assert collect.running_spec(R["mean"], tf.float16) == collect.Total.Spec(
+        value=tf.TensorSpec(None, tf.float32), output_dtype=tf.float16
+    )

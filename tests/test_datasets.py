@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+import rounding
 import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -346,6 +347,66 @@ _REDUCERS = {
     for op in ("sum", "mean", "max", "min")
     for per_sample in (True, False)
 }
+
+
+def _stream(x, batch, loop):
+    """`x` in batches of `batch` rows, for the traced loop (the spec fixes the per-sample
+    shape) or the Python loop (it leaves it unknown, as `padded_batch` can)."""
+    inner = list(x.shape[1:]) if loop == "traced" else [None] * (x.ndim - 1)
+    return tf.data.Dataset.from_generator(
+        lambda: (x[i : i + batch] for i in range(0, len(x), batch)),
+        output_signature=tf.TensorSpec([None, *inner], tf.as_dtype(x.dtype)),
+    )
+
+
+LOOPS = ["traced", "python"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("dtype", rounding.LOW_PRECISION)
+def test_low_precision_streams_of_a_million_rows(dtype, loop, one_batch_per_call):
+    """Running totals stay float32 from batch to batch and call to call (one batch a call
+    here): no sum sticks, the row count is no float16, the result is in the dtype."""
+    # In [0, 1/16): a float16 sum of a million rows stays finite (about 31,250).
+    x = rounding.values(np.random.default_rng(1), [10**6, 4], dtype, high=1 / 16)
+    for op in ("sum", "mean", "max", "min"):
+        f = tfshard.parallelize(lambda s: s, reduce=op, devices=CPUS[:3], weights=[2, 1, 1])
+        out = f(_stream(x, 50_000, loop))
+        assert len(f._runner().loops) == (loop == "traced")
+        rounding.assert_rounded(out, rounding.reference(op, rounding.exact(x)), dtype)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("dtype", rounding.LOW_PRECISION)
+def test_low_precision_shard_means_over_a_stream_are_weighted_by_size(dtype, loop):
+    def shard_mean(b):  # in float32, as a mixed-precision loss is; its value in the dtype
+        return tf.cast(tf.reduce_mean(tf.cast(b, tf.float32), 0), b.dtype)
+
+    f = tfshard.parallelize(shard_mean, per_sample=False, reduce="mean", devices=CPUS[:3])
+    # 300,000 rows in 100 batches of 3,000 (3 shards of 1,000 each); centred on 0, so the
+    # shard means nearly cancel and a total rounded to the dtype shows in the mean.
+    x = rounding.values(np.random.default_rng(4), [300_000, 2], dtype, low=-1.0)
+    out = f(_stream(x, 3_000, loop))
+    assert len(f._runner().loops) == (loop == "traced")
+    means = [rounding.exact(shard_mean(tf.constant(s)).numpy()) for s in np.split(x, 300)]
+    rounding.assert_rounded(out, np.mean(means, 0), dtype)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize(
+    "dtype, low, high",
+    [("int32", 0, 10**6), ("uint32", 2**31, 2**32), ("int64", 2**61, 2**62)],
+    ids=["int32", "uint32", "int64"],
+)
+def test_integer_means_over_a_stream_total_past_the_dtypes_range(dtype, low, high, loop):
+    # 5,000 values: the total passes the dtype's range (int64's for int64) by far.
+    x = np.random.default_rng(3).integers(low, high, size=[5_000, 1], dtype=dtype)
+    f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:3])
+    out = f(_stream(x, 512, loop))
+    assert len(f._runner().loops) == (loop == "traced")
+    assert out.dtype == tf.float64  # as tf.math.truediv gives for 32- and 64-bit integers
+    want = sum(int(v) for v in x[:, 0]) / len(x)  # exact in Python, rounded once
+    np.testing.assert_allclose(out.numpy(), [want], rtol=1e-12)
 
 
 def test_a_failing_shard_in_a_stream_names_its_device():

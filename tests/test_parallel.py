@@ -11,8 +11,9 @@ import weakref
 
 import numpy as np
 import pytest
+import rounding
 import tensorflow as tf
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import tfshard
@@ -462,6 +463,78 @@ def test_integer_mean_is_exact_as_mirrored_strategy_gives_it():
     per_replica = strategy.run(lambda b: tf.cast(b, tf.float64), args=(next(iter(ds)),))
     mirrored = strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=0)
     assert out.numpy() == pytest.approx(mirrored.numpy())
+
+
+# One function per device count and reduction (each traces once per dtype), with weights
+# so shards differ in size.
+_LOW_PRECISION = {
+    (k, op): tfshard.parallelize(lambda s: s, reduce=op, devices=CPUS[:k], weights=[1, 3, 2, 1][:k])
+    for k in range(1, 5)
+    for op in ("sum", "mean", "max", "min")
+}
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(0, 200_000),
+    devices=st.integers(1, 4),
+    op=st.sampled_from(["sum", "mean", "max", "min"]),
+    dtype=st.sampled_from(rounding.LOW_PRECISION),
+)
+@example(n=10**6, devices=4, op="sum", dtype="float16")
+@example(n=10**6, devices=4, op="mean", dtype="float16")
+@example(n=10**6, devices=4, op="sum", dtype="bfloat16")
+@example(n=10**6, devices=4, op="mean", dtype="bfloat16")
+def test_low_precision_reductions_are_the_dtypes_rounding_of_the_true_result(n, devices, op, dtype):
+    """float16 and bfloat16 total in float32 (as NumPy and JAX do) and come back in their
+    own dtype: no sum sticks, no row count overflows, up to a million rows."""
+    # In [0, 1/16): a float16 sum of a million rows stays finite (about 31,250).
+    x = rounding.values(np.random.default_rng(n), [n, 4], dtype, high=1 / 16)
+    out = _LOW_PRECISION[(devices, op)](x)
+    rounding.assert_rounded(out, rounding.reference(op, rounding.exact(x)), dtype)
+
+
+@pytest.mark.parametrize("dtype", rounding.LOW_PRECISION)
+def test_a_low_precision_shard_mean_is_weighted_by_shard_size_over_a_million_rows(dtype):
+    def shard_mean(b):  # in float32, as a mixed-precision loss is; its value in the dtype
+        return tf.cast(tf.reduce_mean(tf.cast(b, tf.float32), 0), b.dtype)
+
+    f = tfshard.parallelize(
+        shard_mean, per_sample=False, reduce="mean", devices=CPUS[:3], weights=[1, 3, 2]
+    )
+    # Centred on 0, so the shard means nearly cancel: a shard size or a product rounded
+    # to the dtype (bfloat16 holds 166,667 as 166,912) shows in the mean.
+    x = rounding.values(np.random.default_rng(0), [10**6, 2], dtype, low=-1.0)
+    sizes = f.plan(len(x))  # shards of 166,667, 500,000 and 333,333 rows
+    shards = np.split(x, np.cumsum(sizes)[:-1])
+    means = [rounding.exact(shard_mean(tf.constant(s)).numpy()) for s in shards]
+    want = sum(m * n for m, n in zip(means, sizes)) / len(x)
+    rounding.assert_rounded(f(x), want, dtype)
+
+
+@pytest.mark.parametrize("per_sample", [True, False])
+@pytest.mark.parametrize("dtype", ["int8", "int32", "uint32", "int64", "uint64"])
+def test_integer_means_total_past_the_dtypes_range(dtype, per_sample):
+    """Totals of 8- to 32-bit integers in int64, of 64-bit ones in float64: none wraps."""
+    info = np.iinfo(dtype)
+    x = np.array([[info.max, info.min]] * 5, dtype)  # 5 rows on 3 devices: 2 + 2 + 1
+    # A whole-shard function's value: its first row, which is each of its rows.
+    f = tfshard.parallelize(
+        (lambda s: s) if per_sample else (lambda b: b[0]),
+        per_sample=per_sample,
+        reduce="mean",
+        devices=CPUS[:3],
+    )
+    out = f(x)
+    result = np.float32 if info.bits <= 16 else np.float64  # as tf.math.truediv gives
+    assert out.dtype == result
+    np.testing.assert_array_equal(out.numpy(), x.astype(np.float64).mean(0).astype(result))
+
+
+def test_int32_means_of_the_issue_are_exact():
+    f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:2])
+    assert f(np.full([3, 1], 10**9, np.int32)).numpy().tolist() == [1e9]
+    assert f(np.full([4, 1], 2**31 - 1, np.int32)).numpy().tolist() == [2**31 - 1]
 
 
 # ----------------------------------------------------------------- jit

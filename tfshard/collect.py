@@ -11,7 +11,10 @@ rows moves K values, not a million.
 Streams (`tfshard.datasets`) collect over many batches: `new_arrays` /
 `write_shards` / `concat_all` keep each output leaf in TensorArrays whose
 handles live from call to call and concatenate once at the end; reductions
-carry a running total (`combine` unfinished, `accumulate`, then `finished`).
+carry a running `Total` (`no_rows`, `combine` unfinished, `accumulate`, then
+`finished`). A total stays in its accumulator dtype (float32 for float16 and
+bfloat16, int64 or float64 for integers: `Reduction.accumulator`) from each
+shard's partial to `finished`, the one place it is divided and cast back.
 """
 
 from __future__ import annotations
@@ -168,7 +171,8 @@ def collect(
       op: the reduction, or None to gather.
       by_row: for each leaf, whether its first dimension is the shard's rows
         (reduced over rows) or it is the shard's own value (`shard_partial`).
-      finish: False leaves a mean undivided (`combine`), for a running total.
+      finish: False leaves each reduced leaf a `Total` (a mean undivided, in
+        the accumulator dtype: `combine`), for a running total.
 
     Returns:
       The results, and for gathered leaves the row count of each shard's
@@ -211,6 +215,9 @@ class Reduction:
     Every reduction runs in two levels, each shard over its rows on its own
     device, then the shards' partials on the output device (and, for a
     dataset, batch after batch); only `divides` tells a mean from a sum.
+    Partials and running totals are `Total`s, held in the `accumulator`
+    dtype from the shard to the end, where `finished` divides a mean and
+    gives the result in the outputs' dtype (`result_dtype`).
 
     Attributes:
       name: what ``reduce=`` takes.
@@ -230,6 +237,54 @@ class Reduction:
     neutral: Callable[[tf.DType], tf.Tensor]
     ordered: bool = False
     divides: bool = False
+
+    def accumulator(self, dtype: tf.DType) -> tf.DType:
+        """The dtype outputs of `dtype` are totalled in, from each shard to the result.
+
+        float16 and bfloat16 total in float32, as NumPy and JAX do: in their
+        own dtype a sum sticks once its spacing passes the values added
+        (20,000 values in [0, 1) summed to 4096 in float16, not about
+        10,000), and a row count above 65,504 is infinite in float16. Integers total in int64,
+        the only integer the GPU kernels of Sum, Max, Min and Pack hold in
+        device memory: a sum wraps there as in the dtype itself, once cast
+        back, and a mean of integers up to 32 bits is exact for fewer than
+        2**31 rows. A mean of int64 or uint64 totals in float64, which cannot
+        wrap where an int64 total would: exact while the total stays below
+        2**53 in magnitude, rounded as float64 beyond. Other dtypes total in
+        their own.
+        """
+        if dtype in (tf.float16, tf.bfloat16):
+            return tf.float32
+        if not dtype.is_integer:
+            return dtype
+        return tf.float64 if self.divides and dtype.size == 8 else tf.int64
+
+    def result_dtype(self, dtype: tf.DType) -> tf.DType:
+        """The dtype of the reduction of outputs of `dtype`: the outputs' own,
+        but an integer mean, a float as `tf.math.truediv` gives it (float32 for
+        8- and 16-bit integers, float64 for 32- and 64-bit)."""
+        if self.divides and dtype.is_integer:
+            return tf.float32 if dtype.size <= 2 else tf.float64
+        return dtype
+
+
+class Total(tf.experimental.ExtensionType):
+    """A reduction over some rows, not yet finished: a shard's partial, or a running total.
+
+    A value of TensorFlow's own (an extension type), so a stream carries it
+    through its traced loop and from call to call, and it knows the dtype it
+    finishes as: a float32 total may be one of float16, bfloat16 or float32
+    outputs.
+
+    Attributes:
+      value: the sum (a mean undivided), or the extreme, in
+        `Reduction.accumulator`'s dtype; an integer extreme as its
+        order-keeping key (see `_widened`).
+      output_dtype: the dtype of the outputs it reduces.
+    """
+
+    value: tf.Tensor
+    output_dtype: tf.DType
 
 
 def _min_over_rows(value: tf.Tensor) -> tf.Tensor:
@@ -312,7 +367,12 @@ def check_reducible(value: tf.Tensor, op: Reduction, path: str) -> None:
         raise ArgumentError(f"{path} is complex; reduce={op.name!r} needs an ordered dtype")
 
 
-def shard_partial(value: tf.Tensor, size: tf.Tensor, op: Reduction, per_sample: bool) -> tf.Tensor:
+def no_rows(op: Reduction, dtype: tf.DType) -> Total:
+    """The `Total` of no outputs of `dtype`: `op`'s neutral value (a stream's start)."""
+    return Total(_widened(op.neutral(dtype), op), dtype)
+
+
+def shard_partial(value: tf.Tensor, size: tf.Tensor, op: Reduction, per_sample: bool) -> Total:
     """One shard's contribution to a reduction, computed on the shard's device.
 
     Args:
@@ -325,79 +385,109 @@ def shard_partial(value: tf.Tensor, size: tf.Tensor, op: Reduction, per_sample: 
     Returns:
       For sum and mean the shard's sum over samples (a shard value is taken as
       the mean of its rows, so it counts ``n_k`` times); for max and min the
-      shard's extreme. An empty shard gives the neutral value of `op`, so a
-      function that returns NaN for an empty batch cannot spoil the result.
+      shard's extreme; in the accumulator dtype either way. An empty shard
+      gives the neutral value of `op`, so a function that returns NaN for an
+      empty batch cannot spoil the result.
     """
     dtype = value.dtype
     value = _widened(value, op)
     if per_sample:
         # [n_k, ...] -> [...]; empty shards give the neutral value by themselves.
-        return _narrowed(op.over_rows(value), dtype, op)
-    neutral = tf.broadcast_to(_widened(op.neutral(dtype), op), tf.shape(value))
+        return Total(op.over_rows(value), dtype)
+    neutral = tf.broadcast_to(no_rows(op, dtype).value, tf.shape(value))
     if op.divides:
         value = value * tf.cast(size, value.dtype)
-    return _narrowed(tf.where(size > 0, value, neutral), dtype, op)
+    return Total(tf.where(size > 0, value, neutral), dtype)
 
 
 def combine(
-    partials: Sequence[tf.Tensor], total: tf.Tensor, op: Reduction, finish: bool = True
-) -> tf.Tensor:
+    partials: Sequence[Total], total: tf.Tensor, op: Reduction, finish: bool = True
+) -> tf.Tensor | Total:
     """Combines the shards' partials into the reduction over all samples.
 
     Args:
       partials: one `shard_partial` per shard, same shape.
       total: the number of samples, N (a scalar tensor).
       op: the reduction.
-      finish: divide a mean (`finish`); False leaves the total for a running
-        one (a dataset divides once, after its last batch).
+      finish: give the result (`finished`); False leaves the `Total` for a
+        running one (a dataset finishes once, after its last batch).
 
     Returns:
       The sum, mean, max or min over all N samples. The mean divides the
       total sum by N, so it is the mean over samples, not the mean of shard
       means.
     """
-    dtype = partials[0].dtype
-    stacked = tf.stack([_widened(p, op) for p in partials])  # K x [...] -> [K, ...]
-    reduced = _narrowed(op.over_rows(stacked), dtype, op)
+    stacked = tf.stack([p.value for p in partials])  # K x [...] -> [K, ...]
+    reduced = Total(op.over_rows(stacked), partials[0].output_dtype)
     return finished(reduced, total, op) if finish else reduced
 
 
-def finished(value: tf.Tensor, total: tf.Tensor | int, op: Reduction) -> tf.Tensor:
-    """A total over `total` samples as the reduction's result: a mean divides.
+def finished(reduced: Total, total: tf.Tensor | int, op: Reduction) -> tf.Tensor:
+    """A `Total` over `total` samples as the reduction's result: a mean divides.
 
-    An integer mean is exact, in the float dtype `tf.math.truediv` gives
-    (float32 for 8- and 16-bit integers, float64 for 32- and 64-bit), not
-    truncated as `tf.reduce_mean` truncates it. With no samples a mean is NaN.
+    The one place a total leaves its accumulator dtype: a mean divides there
+    (float32 for float16 outputs, never with a row count in float16; float64
+    for an integer total, as `tf.math.truediv` divides one), and the result
+    is cast to `Reduction.result_dtype`, so a float16 mean over a million
+    rows is the true mean rounded once to float16. An integer mean is exact, in the float
+    dtype `tf.math.truediv` gives (float32 for 8- and 16-bit integers,
+    float64 for 32- and 64-bit), not truncated as `tf.reduce_mean` truncates
+    it. With no samples a mean is NaN. An integer sum wraps as `tf.reduce_sum`
+    does in the dtype itself.
     """
     if not op.divides:
-        return value
-    return tf.math.truediv(value, tf.cast(total, value.dtype))
+        return _narrowed(reduced.value, reduced.output_dtype, op)
+    accumulated = reduced.value
+    mean = tf.math.truediv(accumulated, tf.cast(total, accumulated.dtype))
+    dtype = op.result_dtype(reduced.output_dtype)
+    return mean if mean.dtype == dtype else tf.cast(mean, dtype)
+
+
+def accumulate(totals: Sequence[Total], values: Sequence[Total], op: Reduction) -> list[Total]:
+    """Running totals (one per output leaf) with one more batch's partials."""
+    return [
+        Total(op.accumulate(total.value, value.value), total.output_dtype)
+        for total, value in zip(totals, values)
+    ]
+
+
+def running_spec(op: Reduction, dtype: tf.DType) -> tf.TypeSpec:
+    """The spec of a running `Total` of outputs of `dtype`, of any shape (it starts a scalar).
+
+    A stream's traced loop takes and returns its totals in this spec, so they
+    cross from call to call in the accumulator dtype.
+    """
+    return Total.Spec(value=tf.TensorSpec(None, op.accumulator(dtype)), output_dtype=dtype)
 
 
 # GPU kernels of Sum, Max, Min and Pack (tf.stack) hold no integer but int64 in
 # device memory (TF 2.16-2.21: int32's keep theirs in host memory, Min has
 # none, the small ones have none), so integers reduce as int64 on the device
-# they are on: sums modulo 2**64 cast back (the same wrap-around as summing in
-# the dtype), max and min on an order-keeping key (uint64 with its top bit
-# flipped), min as the max of the bitwise complement. Other dtypes take no
-# extra op.
+# they are on: sums modulo 2**64 cast back at the end (the same wrap-around as
+# summing in the dtype), max and min on an order-keeping key (uint64 with its
+# top bit flipped), min as the max of the bitwise complement. A mean of 64-bit
+# integers totals in float64 instead (`Reduction.accumulator`); float16 and
+# bfloat16 in float32. Other dtypes take no extra op.
 _TOP_BIT = -(2**63)
 
 
 def _widened(value: tf.Tensor, op: Reduction) -> tf.Tensor:
-    if not value.dtype.is_integer:
+    """`value` in `op`'s accumulator dtype (an integer extreme as its order-keeping key)."""
+    accumulator = op.accumulator(value.dtype)
+    if accumulator == value.dtype:
         return value
-    if value.dtype != tf.uint64:
-        return tf.cast(value, tf.int64)
+    if value.dtype != tf.uint64 or accumulator.is_floating:
+        return tf.cast(value, accumulator)
     value = tf.bitcast(value, tf.int64)
     return tf.bitwise.bitwise_xor(value, _TOP_BIT) if op.ordered else value
 
 
 def _narrowed(value: tf.Tensor, dtype: tf.DType, op: Reduction) -> tf.Tensor:
+    """A sum, max or min in the accumulator dtype back in the outputs' `dtype`."""
     if dtype == value.dtype:
         return value
     if dtype != tf.uint64:
-        if op.ordered:
+        if op.ordered and dtype.is_integer:
             # No rows: int64's neutral value, which is the dtype's once clamped.
             value = tf.clip_by_value(value, dtype.min, dtype.max)
         return tf.cast(value, dtype)
@@ -468,8 +558,3 @@ def concat_all(flows: Sequence[tf.Tensor], leaves: Sequence[Any]) -> list[Any]:
             parts.append(uncarried(concat, dtype))
         results.append(_kinds.of(leaf).from_parts(parts))
     return results
-
-
-def accumulate(totals: Sequence[tf.Tensor], values: Sequence[tf.Tensor], op: Reduction) -> list:
-    """Running totals (one per output leaf) with one more batch's partials."""
-    return [op.accumulate(total, value) for total, value in zip(totals, values)]

@@ -412,7 +412,8 @@ class Runner:
         total = 0
         accumulated: list[Any] | None = None
         pieces: list[Any] = []
-        # A reduction's batches run as totals (a mean undivided), finished once at the end.
+        # A reduction's batches run as `collect.Total`s (a mean undivided, in the
+        # accumulator dtype), finished once at the end.
         run = engine.call if op is None else self._batch_totals
         stream = _batches(engine.name, run, arguments, batches, args, kwargs, progress)
         for result, batch_rows in stream:
@@ -554,7 +555,9 @@ class _Loop:
     ``benchmarks/stream_memory.py``; `ShardedFunction.iterate` holds one
     batch's result at a time). The lists are carried on the output device,
     between calls too. With a reduction, each batch is reduced as a call would be, and a
-    running sum (or max, or min) is carried from batch to batch.
+    running sum (or max, or min) is carried from batch to batch as a `collect.Total`, in
+    its accumulator dtype (float32 for float16 outputs, int64 for int32's) between calls
+    too, and finished once after the last batch.
     """
 
     def __init__(self, step: Step, spec: Any, shared_specs: Sequence[tf.TypeSpec]) -> None:
@@ -568,7 +571,8 @@ class _Loop:
         )
         like, per_batch = probe.structured_outputs
         self._structure = _trees.flatten(like)[1]
-        # One shard's (or the reduced) output leaves, and entries per batch: shards, or 1.
+        # One shard's output leaves (or the batch's `collect.Total`s), and entries per
+        # batch: shards, or 1.
         self._leaves = _stand_ins(per_batch[0])
         self._slots = len(per_batch)
         # The probe's graph holds the function once per device and is never run: nothing
@@ -579,7 +583,7 @@ class _Loop:
         self._state_specs = (
             [tf.TensorSpec([], tf.variant)] * collect.array_count(self._leaves)
             if self._op is None
-            else [tf.TensorSpec(None, leaf.dtype) for leaf in self._leaves]
+            else [collect.running_spec(self._op, leaf.output_dtype) for leaf in self._leaves]
         )
         self._chunk = tf.function(self._run_chunk, autograph=False).get_concrete_function(
             tf.data.IteratorSpec(spec),
@@ -694,7 +698,7 @@ class _Loop:
             if self._op is None:
                 state = self._start()
             else:
-                state = [self._op.neutral(leaf.dtype) for leaf in self._leaves]
+                state = [collect.no_rows(self._op, leaf.output_dtype) for leaf in self._leaves]
         # Start from half the last run's size (one batch at first), then adapt.
         i, total, limit = tf.constant(0), 0, max(self._last_limit // 2, 1)
         while True:

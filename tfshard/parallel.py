@@ -506,8 +506,16 @@ def parallelize(
         layer or model, which takes batches; True for anything else.
       reduce: None to gather outputs in input order; ``"sum"``, ``"mean"``,
         ``"max"`` or ``"min"`` to reduce them over all samples. Each shard
-        reduces on its own device and only the partials travel. An integer
-        mean is exact, in the float dtype `tf.math.truediv` gives. With
+        reduces on its own device and only the partials travel, totalled in
+        a wider dtype until the end (batch after batch for a dataset):
+        float16 and bfloat16 in float32, returned in their own dtype and
+        right to its rounding for any row count, as NumPy and JAX give them.
+        An integer mean totals in int64 (exact for fewer than 2**31 rows of
+        8- to 32-bit integers), or for int64 and uint64 in float64, which
+        cannot wrap around (exact while the total stays below 2**53), and is
+        the float `tf.math.truediv` gives (float32 for 8- and 16-bit
+        integers, float64 for 32- and 64-bit), not truncated. An integer sum
+        wraps around in its own dtype, as `tf.reduce_sum` does. With
         `per_sample=False`, an output whose first dimension is the shard's
         rows (unknown when traced, as the rows are: e.g. one loss per
         example) is reduced over all rows; an output of fixed shape is the
