@@ -60,7 +60,9 @@ def test_per_sample_partials_combine_to_the_full_reduction(op, np_op):
 
     def run(*parts):
         partials = [collect.shard_partial(p, tf.shape(p)[0], R[op], per_sample=True) for p in parts]
-        return collect.combine(partials, sum(len(s) for s in shards), R[op])
+        return collect.finished(
+            collect.combine(partials, R[op]), sum(len(s) for s in shards), R[op]
+        )
 
     np.testing.assert_allclose(
         _in_graph(run, *shards).numpy(), np_op(np.concatenate(shards), 0), rtol=1e-6
@@ -77,7 +79,7 @@ def test_per_shard_mean_is_size_weighted_and_ignores_empty_shards():
             collect.shard_partial(v, tf.constant(n), R["mean"], per_sample=False)
             for v, n in zip(values, sizes)
         ]
-        return collect.combine(partials, tf.constant(4), R["mean"])
+        return collect.finished(collect.combine(partials, R["mean"]), tf.constant(4), R["mean"])
 
     assert _in_graph(run).numpy() == pytest.approx(7.0 / 4.0)
 
@@ -88,7 +90,7 @@ def _mean_of_shards(x, sizes):
     def run(x):
         parts = tf.split(x, sizes)
         partials = [collect.shard_partial(p, tf.shape(p)[0], R["mean"], True) for p in parts]
-        return collect.combine(partials, tf.shape(x)[0], R["mean"])
+        return collect.finished(collect.combine(partials, R["mean"]), tf.shape(x)[0], R["mean"])
 
     return _in_graph(run, x)
 
@@ -143,7 +145,7 @@ def test_integers_reduce_through_int64_exactly(dtype, op, per_sample):
                 collect.shard_partial(v, tf.shape(p)[0], R[op], False)
                 for v, p in zip(values, parts)
             ]
-        return collect.combine(partials, tf.constant(3, tf.int64), R[op])
+        return collect.finished(collect.combine(partials, R[op]), tf.constant(3, tf.int64), R[op])
 
     out = _in_graph(reduce, *shards)
     assert out.dtype == dtype
@@ -175,7 +177,7 @@ def test_a_running_total_over_batches_equals_one_reduction_over_all_rows(op):
         for x in xs:
             halves = tf.split(x, [tf.shape(x)[0] // 2, tf.shape(x)[0] - tf.shape(x)[0] // 2])
             partials = [collect.shard_partial(h, tf.shape(h)[0], r, True) for h in halves]
-            batch = collect.combine(partials, tf.shape(x)[0], r, finish=False)
+            batch = collect.combine(partials, r)
             totals = collect.accumulate(totals, [batch], r)
         return collect.finished(totals[0], 5, r)
 
@@ -217,7 +219,9 @@ def test_low_precision_floats_reduce_to_the_dtypes_rounding_of_the_true_result(
 
     def run(*parts):
         partials = [collect.shard_partial(p, n, R[op], per_sample) for p, n in zip(parts, sizes)]
-        return collect.combine(partials, tf.constant(len(x), tf.int64), R[op])
+        return collect.finished(
+            collect.combine(partials, R[op]), tf.constant(len(x), tf.int64), R[op]
+        )
 
     rounding.assert_rounded(_in_graph(run, *shards), want, dtype)
 
@@ -238,7 +242,9 @@ def test_integer_means_total_where_they_cannot_wrap(dtype, per_sample):
             collect.shard_partial(v, tf.constant(n, tf.int64), R["mean"], per_sample)
             for v, n in zip(values, sizes)
         ]
-        return collect.combine(partials, tf.constant(3, tf.int64), R["mean"])
+        return collect.finished(
+            collect.combine(partials, R["mean"]), tf.constant(3, tf.int64), R["mean"]
+        )
 
     out = _in_graph(reduce)
     result = np.float32 if info.bits <= 16 else np.float64  # as tf.math.truediv gives
@@ -259,7 +265,7 @@ def test_a_running_total_of_low_precision_batches_stays_in_float32(dtype, op):
     @tf.function(autograph=False)
     def batch_total(b):
         partials = [collect.shard_partial(h, 100, r, True) for h in tf.split(b, 2)]
-        return collect.combine(partials, 200, r, finish=False)
+        return collect.combine(partials, r)
 
     totals = [collect.no_rows(r, tf.as_dtype(dtype))]
     for b in x:

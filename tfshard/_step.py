@@ -150,22 +150,17 @@ class Step:
         function's), with the counts the gather saw; a reduction's totals are
         undivided (`finish` divides a mean), so a stream can add up batches.
         """
-        if self.reduce is None:
-            outputs.check_gatherable()
         leaves = outputs.leaves()
-        by_row = [self.per_sample or per_row(values[0]) for values in leaves]
-        paths = [outputs.path(i) for i in range(len(leaves))]
         with tf.name_scope(COLLECT_SCOPE), tf.device(self.output):
-            results, counted = collect.collect(
-                leaves,
-                paths,
-                self.devices,
-                planned.sizes,
-                planned.total,
-                self.reduce,
-                by_row,
-                finish=False,
-            )
+            if self.reduce is None:
+                outputs.check_gatherable()
+                results, counted = collect.gather_leaves(leaves)
+            else:
+                by_row = [self.per_sample or per_row(values[0]) for values in leaves]
+                paths = [outputs.path(i) for i in range(len(leaves))]
+                sizes, op = planned.sizes, self.reduce
+                results = collect.reduce_leaves(leaves, paths, self.devices, sizes, op, by_row)
+                counted = {}
         self._check_rows(outputs, planned, counted)
         return results
 

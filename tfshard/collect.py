@@ -11,7 +11,7 @@ rows moves K values, not a million.
 Streams (`tfshard.datasets`) collect over many batches: `new_arrays` /
 `write_shards` / `concat_all` keep each output leaf in TensorArrays whose
 handles live from call to call and concatenate once at the end; reductions
-carry a running `Total` (`no_rows`, `combine` unfinished, `accumulate`, then
+carry a running `Total` (`no_rows`, `reduce_leaves` per batch, `accumulate`, then
 `finished`). A total stays in its accumulator dtype (float32 for float16 and
 bfloat16, int64 or float64 for integers: `Reduction.accumulator`) from each
 shard's partial to `finished`, the one place it is divided and cast back.
@@ -87,11 +87,6 @@ def gather_counted(values: Sequence[Any]) -> tuple[Any, tf.Tensor | None]:
 
 def _concat(values: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor | None]:
     # [n_k, *inner] x K -> [sum n_k, *inner], and the n_k
-    if tf.executing_eagerly():
-        # Outside a graph (a stream's batches, gathered at its end) there is no
-        # TensorList handle to concatenate: the values are concatenated as they are.
-        lengths = tf.stack([tf.shape(value, out_type=tf.int64)[0] for value in values])
-        return tf.concat(values, axis=0), lengths
     dtype = values[0].dtype
     if dtype in CARRIERS:
         # Each shard's values cross in their own dtype and are cast where they land.
@@ -150,50 +145,54 @@ def empty(signature: Any) -> Any:
     return _trees.map_leaves(zeros, signature)
 
 
-def collect(
+def gather_leaves(leaves: Sequence[Sequence[Any]]) -> tuple[list[Any], dict[int, tf.Tensor]]:
+    """Each output leaf gathered in shard order (`gather_counted`).
+
+    Args:
+      leaves: for each output leaf, its value from every shard, in shard order.
+
+    Returns:
+      The gathered leaves, and the row count of each shard's output as the
+      gather saw it (by leaf index; none for unknown rank).
+    """
+    results, counted = [], {}
+    for i, per_shard in enumerate(leaves):
+        result, lengths = gather_counted(per_shard)
+        results.append(result)
+        if lengths is not None:
+            counted[i] = lengths
+    return results, counted
+
+
+def reduce_leaves(
     leaves: Sequence[Sequence[Any]],
     paths: Sequence[str],
     devices: Sequence[str],
     sizes: tf.Tensor,
-    total: tf.Tensor,
-    op: Reduction | None,
+    op: Reduction,
     by_row: Sequence[bool],
-    finish: bool = True,
-) -> tuple[list[Any], dict[int, tf.Tensor]]:
-    """Each output leaf gathered in shard order, or reduced over all samples.
+) -> list[Total]:
+    """Each output leaf reduced over all samples, as a `Total` (`finished` gives the result).
 
     Args:
       leaves: for each output leaf, its value from every shard, in shard order.
       paths: each leaf's path, for messages.
       devices: the shards' devices (each reduces its own rows there).
       sizes: each shard's rows (an int64 vector).
-      total: the rows of the batch.
-      op: the reduction, or None to gather.
+      op: the reduction.
       by_row: for each leaf, whether its first dimension is the shard's rows
         (reduced over rows) or it is the shard's own value (`shard_partial`).
-      finish: False leaves each reduced leaf a `Total` (a mean undivided, in
-        the accumulator dtype: `combine`), for a running total.
-
-    Returns:
-      The results, and for gathered leaves the row count of each shard's
-      output as the gather saw it (by leaf index; none for unknown rank).
     """
-    results, counted = [], {}
-    per_shard_sizes = None if op is None else tf.unstack(sizes, num=len(devices))
-    for i, per_shard in enumerate(leaves):
-        if op is None:
-            result, lengths = gather_counted(per_shard)
-            results.append(result)
-            if lengths is not None:
-                counted[i] = lengths
-            continue
-        check_reducible(per_shard[0], op, paths[i])
+    totals = []
+    per_shard_sizes = tf.unstack(sizes, num=len(devices))
+    for path, per_shard, rows in zip(paths, leaves, by_row):
+        check_reducible(per_shard[0], op, path)
         partials = []
         for value, size, device in zip(per_shard, per_shard_sizes, devices):
             with tf.device(device):  # each shard reduces its own rows where they are
-                partials.append(shard_partial(value, size, op, by_row[i]))
-        results.append(combine(partials, total, op, finish))
-    return results, counted
+                partials.append(shard_partial(value, size, op, rows))
+        totals.append(combine(partials, op))
+    return totals
 
 
 def stacked_spec(batch: tf.TypeSpec) -> tf.TypeSpec:
@@ -400,26 +399,15 @@ def shard_partial(value: tf.Tensor, size: tf.Tensor, op: Reduction, per_sample: 
     return Total(tf.where(size > 0, value, neutral), dtype)
 
 
-def combine(
-    partials: Sequence[Total], total: tf.Tensor, op: Reduction, finish: bool = True
-) -> tf.Tensor | Total:
-    """Combines the shards' partials into the reduction over all samples.
+def combine(partials: Sequence[Total], op: Reduction) -> Total:
+    """The shards' partials combined into one `Total` over all their samples.
 
-    Args:
-      partials: one `shard_partial` per shard, same shape.
-      total: the number of samples, N (a scalar tensor).
-      op: the reduction.
-      finish: give the result (`finished`); False leaves the `Total` for a
-        running one (a dataset finishes once, after its last batch).
-
-    Returns:
-      The sum, mean, max or min over all N samples. The mean divides the
-      total sum by N, so it is the mean over samples, not the mean of shard
-      means.
+    A mean stays undivided: `finished` divides it by the number of samples
+    (the mean over samples, not the mean of shard means), once, for a call
+    or after a stream's last batch.
     """
     stacked = tf.stack([p.value for p in partials])  # K x [...] -> [K, ...]
-    reduced = Total(op.over_rows(stacked), partials[0].output_dtype)
-    return finished(reduced, total, op) if finish else reduced
+    return Total(op.over_rows(stacked), partials[0].output_dtype)
 
 
 def finished(reduced: Total, total: tf.Tensor | int, op: Reduction) -> tf.Tensor:
