@@ -66,7 +66,6 @@ _NOT_WORK = frozenset(
     }
 )  # fmt: skip
 _LANE_WIDTH = 40  # characters of the text lanes in str(timeline)
-_HOST = "/device:CPU:0"  # where a session's feeds arrive
 
 
 @dataclasses.dataclass(frozen=True)
