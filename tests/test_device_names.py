@@ -58,6 +58,21 @@ def test_what_is_no_device_name_parses_to_none(spec):
     assert _device_names.parse_spec(spec) is None
 
 
+@pytest.mark.parametrize(
+    "spec, local",
+    [
+        ("/device:CPU:1", True),
+        ("/job:localhost/replica:0/task:0/device:CPU:2", True),
+        ("/job:worker/task:1/device:CPU:0", False),
+        ("worker1:GPU:0", False),
+    ],
+)
+def test_a_job_is_local_when_it_is_none_or_localhost(spec, local):
+    # The one rule pinning, cluster and processes all apply to a parsed name.
+    assert _device_names.is_local_job(_device_names.parse_spec(spec).job) is local
+    assert _device_names.is_remote(spec) is not local
+
+
 def test_parse_name_reads_logical_devices_and_device_specs():
     logical = tf.config.list_logical_devices("CPU")[2]
     assert _device_names.parse_name(logical).to_string() == "/device:CPU:2"

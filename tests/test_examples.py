@@ -538,7 +538,7 @@ def test_replicated_inference_prints_the_bytes_crossing_before_and_after(ex, cap
     weights = 4 * (16 * 16 + 16) * 4  # four Dense(16) layers of float32
     # Without replicas shards 1..3 each read all 8 weights from CPU:0; with them, none.
     assert out.count("(8 on /device:CPU:0)") == 3
-    assert f"each call reads {tfshard.replicas.format_bytes(3 * weights)} of variables" in out
+    assert f"each call reads {3 * weights / 2**10:.1f} KiB of variables" in out  # 12.8 KiB
     assert out.count("each call reads 0 B of variables from other devices") == 1
     assert "outputs equal model(x) on one device" in out
 

@@ -1,5 +1,6 @@
-"""The public surface changes only on purpose."""
+"""The public surface changes only on purpose, and the modules import each other one way."""
 
+import ast
 import importlib
 import os
 import pathlib
@@ -8,6 +9,8 @@ import sys
 import types
 
 import tfshard
+
+PACKAGE = pathlib.Path(tfshard.__file__).parent
 
 CONTRACT = {
     # ../shared/DESIGN.md, "Public contract"
@@ -78,6 +81,125 @@ def test_importing_tfshard_does_not_import_tensorflow():
     code = "import sys, tfshard; print('tensorflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_python_m_tfshard_utilization_imports_no_tensorflow():
+    # The command line runs where TensorFlow may be broken or slow to start (a GPU node
+    # being checked), so neither the core nor its command line may pull it in.
+    code = (
+        "import sys, tfshard.utilization.__main__\n"
+        "print('tensorflow' in sys.modules, 'tfshard.parallel' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of the package, by dotted name, from the files on disk."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The modules a file imports: at its top or inside a function (a lazy import counts).
+
+    Imports under ``if TYPE_CHECKING:`` are left out: they never run.
+    """
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from . import x, from ..y import z
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for alias in node.names:
+                # `from tfshard import _gpu_ids` imports a module; `from tfshard.errors
+                # import ArgumentError` imports tfshard.errors.
+                full = f"{base}.{alias.name}"
+                found.add(full if full in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found - {name}
+
+
+def test_no_module_imports_one_that_imports_it_back_even_lazily():
+    # STYLE.md: data flows one way, with no lazy cycles. A cycle broken by an import inside
+    # a function still ties two modules into one; this finds it from the source.
+    modules = _modules()
+    graph = {
+        name: sorted(dep for dep in _imports(name, path, modules) if dep in modules)
+        for name, path in modules.items()
+    }
+    done: set[str] = set()
+
+    def walk(name: str, stack: list[str]) -> None:
+        if name in stack:
+            cycle = stack[stack.index(name) :] + [name]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        for dep in graph[name]:
+            walk(dep, [*stack, name])
+        done.add(name)
+
+    for name in graph:
+        walk(name, [])
+
+
+def test_the_utilization_core_never_imports_its_command_line():
+    # gpustat's rule: `python -m tfshard.utilization` runs utilization/__main__.py, which
+    # imports the core; no file of the core imports the command line, not even lazily.
+    modules = _modules()
+    cli = "tfshard.utilization.__main__"
+    assert "tfshard.utilization" in _imports(cli, modules[cli], modules)
+    core = [n for n in modules if n.startswith("tfshard.utilization") and n != cli]
+    assert core
+    for name in core:
+        imported = _imports(name, modules[name], modules)
+        assert not [m for m in imported if m.endswith("__main__")], modules[name]
+
+
+def test_every_module_imports_first_with_nothing_of_tfshard_loaded():
+    # An import cycle breaks only when the import starts at a particular module, so each
+    # module is imported first in turn, after every tfshard module is unloaded. TensorFlow
+    # stays loaded in between: a fresh interpreter per module would spend two minutes
+    # starting TensorFlow again, and a cycle lies in the order of tfshard's own imports.
+    code = (
+        "import importlib, sys, traceback\n"
+        "import tensorflow\n"
+        "for name in sys.argv[1:]:\n"
+        "    for loaded in [m for m in sys.modules if m.split('.')[0] == 'tfshard']:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception:\n"
+        "        print(name, traceback.format_exc())\n"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *_modules()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PACKAGE.parent,
+        env=env,
+    )
+    assert done.returncode == 0 and not done.stdout, done.stdout + done.stderr[-2000:]
 
 
 def test_unknown_attribute():

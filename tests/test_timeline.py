@@ -180,6 +180,18 @@ def test_the_table_names_every_device_rows_and_parallelism(pure_four):
     assert any(line.split()[:2] == ["gather", DEVICES[0]] for line in lines)
     for device in DEVICES:
         assert sum(device in line for line in lines) >= 2  # its shard, and its copies
+    # Sizes in binary units, as explain and nvidia-smi give them: shards 1..3 each take
+    # in their rows and the 20 weight matrices (5 MiB) and send out 2 or 3 rows (KiB).
+    copies = {c.device: c for c in timeline.copies}
+    for device in DEVICES[1:]:
+        c = copies[device]
+        line = next(line for line in lines if line.split()[:1] == [device])
+        assert line.split()[1:5] == [
+            f"{c.bytes_in / 2**20:.1f}",
+            "MiB",
+            f"{c.bytes_out / 2**10:.1f}",
+            "KiB",
+        ]
 
 
 def test_shards_traced_in_place_with_replicas_are_recorded_alike():

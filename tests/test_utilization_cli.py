@@ -1,4 +1,4 @@
-"""Tests of ``python -m tfshard.utilization`` (tfshard/_utilization_cli.py).
+"""Tests of ``python -m tfshard.utilization`` (tfshard/utilization/__main__.py).
 
 The readings come from the fake nvidia-smi in tests/fake_nvidia_smi, as in
 tests/test_utilization.py. The table itself is the core's (`tfshard.utilization.format_table`,
@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from fake_nvidia_smi import fake
 
-from tfshard import _utilization_cli, utilization
-from tfshard._utilization_cli import run_cli
+from tfshard import utilization
 from tfshard.errors import ArgumentError
 from tfshard.utilization import GpuReading
+from tfshard.utilization import __main__ as cli
+from tfshard.utilization.__main__ import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 _calls = fake.calls
@@ -31,14 +32,14 @@ def test_the_core_never_loads_its_command_line():
     code = (
         "import sys, tfshard.utilization as u\n"
         "[getattr(u, name) for name in u.__all__]\n"
-        "print('tfshard._utilization_cli' in sys.modules, 'absl' in sys.modules)"
+        "print('tfshard.utilization.__main__' in sys.modules, 'absl' in sys.modules)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
     )
     assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
     assert "run_cli" not in utilization.__all__ and not hasattr(utilization, "run_cli")
-    assert _utilization_cli.format_table is utilization.format_table
+    assert cli.format_table is utilization.format_table
 
 
 def test_run_cli_prints_a_table_and_exits_0_when_every_gpu_is_busy(
@@ -124,7 +125,7 @@ def test_run_cli_rejects_bad_arguments(kwargs, message):
 
 
 def test_main_rejects_positional_arguments(capsys):
-    assert _utilization_cli.main(["tfshard.utilization", "extra"]) == 2
+    assert cli.main(["tfshard.utilization", "extra"]) == 2
     assert "unexpected arguments ['extra']" in capsys.readouterr().err
 
 

@@ -8,7 +8,8 @@ here starts TensorFlow's runtime or checks that a device exists: that is
 TensorFlow lists (and re-exports `is_remote` and these shared names).
 
 Shared internals (plain names): `DeviceSpecLike`, `DeviceKey`, `parse_spec`,
-`parse_name`, `same_device`; public through `tfshard.pinning`: `is_remote`.
+`parse_name`, `same_device`, `is_local_job`; public through `tfshard.pinning`:
+`is_remote`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import tensorflow as tf
 __all__ = ("is_remote",)
 
 DeviceSpecLike = int | str | tf.config.LogicalDevice | tf.DeviceSpec
+
+# TensorFlow names this process's own job "localhost" (its devices'
+# "/job:localhost/replica:0/task:0/device:CPU:0", and a client's job in a cluster).
+_LOCAL_JOB = "localhost"
 
 # Spellings people type for a local device: "gpu", "GPU:1", "/gpu:1",
 # "/device:GPU:1", "device:gpu:1", "cuda", "cuda1", "cpu:0".
@@ -47,9 +52,22 @@ class DeviceKey:
 
     @classmethod
     def of(cls, spec: tf.DeviceSpec) -> DeviceKey:
-        job = spec.job if spec.job != "localhost" else None
+        job = None if is_local_job(spec.job) else spec.job
         replica, task = (spec.replica or 0, spec.task or 0) if job is not None else (0, 0)
         return cls(job, replica, task, spec.device_type.upper(), spec.device_index)
+
+
+def is_local_job(job: str | None) -> bool:
+    """Whether a DeviceSpec's job is this process: no job, or TensorFlow's ``"localhost"``.
+
+    Shared internal: the one place that says which job names are local, for
+    `is_remote`, `DeviceKey`, and the device checks of tfshard.pinning,
+    tfshard.cluster and tfshard.processes.
+
+    >>> is_local_job(None), is_local_job("localhost"), is_local_job("worker")
+    (True, True, False)
+    """
+    return job is None or job == _LOCAL_JOB
 
 
 def parse_spec(text: str) -> tf.DeviceSpec | None:
@@ -121,4 +139,4 @@ def is_remote(device: DeviceSpecLike) -> bool:
     (True, False)
     """
     parsed = parse_name(device)
-    return parsed is not None and parsed.job not in (None, "localhost")
+    return parsed is not None and not is_local_job(parsed.job)

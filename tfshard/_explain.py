@@ -1,4 +1,8 @@
-"""`ShardedFunction.explain`'s table: which rows go where, and what crosses devices."""
+"""`ShardedFunction.explain`'s table: which rows go where, and what crosses devices.
+
+`format_bytes` is shared: `tfshard.timeline` shows the bytes its copies moved with it, so
+both say sizes in one unit system.
+"""
 
 from __future__ import annotations
 
@@ -69,12 +73,12 @@ def _weights(engine: Engine, call: Call, name: str, fn: Any) -> list[str]:
     for k, shard in enumerate(reads):
         remote = [r for r in shard if r.remote]
         where = sorted({r.device for r in remote})
-        cell = replicas_lib.format_bytes(replicas_lib.remote_bytes(shard))
+        cell = format_bytes(replicas_lib.remote_bytes(shard))
         if where:
             cell += f" ({len(remote)} on {', '.join(where)})"
         lines.append(f"  {k:<5}  {len(shard):>9}  {cell}")
     total = sum(replicas_lib.remote_bytes(shard) for shard in reads)
-    size = replicas_lib.format_bytes(total)
+    size = format_bytes(total)
     line = f"  each call reads {size} of variables from other devices"
     lines.append(line)
     if total:
@@ -85,3 +89,34 @@ def _weights(engine: Engine, call: Call, name: str, fn: Any) -> list[str]:
             f"or model = {f}.replicate(model)"
         )
     return lines
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes as a short size: ``"512 B"``, ``"12.8 KiB"``, ``"5.0 MiB"``, ``"1.5 GiB"``.
+
+    Binary (IEC) units, powers of 1024: what ``nvidia-smi`` reports memory in (``MiB``) and
+    what TensorFlow's out-of-memory messages say (``GiB``), so a size `explain` or a
+    `Timeline` shows can be set against a GPU's memory without converting (a decimal MB is
+    5 % less than a MiB, a GB 7 % less than a GiB). One unit system for every size tfshard
+    prints.
+
+    >>> format_bytes(0), format_bytes(1023), format_bytes(13056), format_bytes(5 * 2**20)
+    ('0 B', '1023 B', '12.8 KiB', '5.0 MiB')
+    >>> format_bytes(2**20 - 1), format_bytes(3 * 2**40)
+    ('1.0 MiB', '3072.0 GiB')
+
+    Args:
+        n: A number of bytes, >= 0.
+
+    Returns:
+        The size with one decimal and its unit; whole bytes below 1 KiB.
+    """
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB"):
+        # Rounded as shown, so 1048575 bytes read "1.0 MiB", never "1024.0 KiB".
+        if round(size, 1) < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"

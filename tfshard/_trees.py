@@ -37,7 +37,9 @@ from typing import Any, NamedTuple
 
 from tfshard.errors import ArgumentError
 
-LEAF = None  # The structure key of a leaf.
+# The structure key of a leaf. Any other value's key is one of the nodes below:
+# hashable, and equal exactly when two values have the same structure.
+LEAF = None
 
 
 class SequenceNode(NamedTuple):
@@ -64,11 +66,6 @@ class AttrsNode(NamedTuple):
     kind: type
     keys: tuple[str, ...]
     children: tuple[Hashable, ...]
-
-
-# The structure key of a value: LEAF, or one of the nodes above (hashable, and
-# equal exactly when two values have the same structure).
-TreeDef = SequenceNode | MappingNode | AttrsNode | None
 
 
 def flatten(value: Any, where: str = "value") -> tuple[list[Any], Hashable]:

@@ -471,7 +471,7 @@ _MAX_TIMEOUT = 86400.0  # A day; sockets and gRPC overflow on far larger ones (i
 def _task_of(device: _device_names.DeviceSpecLike) -> tuple[str, int] | None:
     """``(job, task)`` of a remote device name (no task: task 0); None when local."""
     parsed = _device_names.parse_name(device)
-    if parsed is None or parsed.job in (None, "localhost"):
+    if parsed is None or _device_names.is_local_job(parsed.job):
         return None
     return parsed.job, parsed.task or 0
 

@@ -43,6 +43,7 @@ import tensorflow as tf
 from tfshard._device_names import (
     DeviceKey,
     DeviceSpecLike,
+    is_local_job,
     is_remote,
     parse_name,
     parse_spec,
@@ -304,7 +305,7 @@ def _existing(devices: list[tf.config.LogicalDevice] | None = None) -> str:
 def _describe(name: str) -> str:
     """A short human description of a canonical device, for logs."""
     spec = tf.DeviceSpec.from_string(name)
-    if spec.job not in (None, "localhost"):
+    if not is_local_job(spec.job):
         return f"{spec.device_type} {spec.device_index} of {spec.job} task {spec.task}"
     physical = tf.config.get_visible_devices(spec.device_type)
     if len(physical) == 1 and spec.device_type != "GPU":

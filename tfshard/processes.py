@@ -167,7 +167,7 @@ def _gpu_index(text: Any, position: int, spec: Any) -> int | None:
         return text
     # Read as resolve_device reads it, but only the local spellings.
     parsed = _device_names.parse_spec(text.strip())
-    if parsed is not None and parsed.job in (None, "localhost"):
+    if parsed is not None and _device_names.is_local_job(parsed.job):
         if parsed.device_type == "CPU":
             return None
         if parsed.device_type == "GPU":

@@ -509,11 +509,3 @@ def _read(variable: tf.Variable, shard_device: str) -> VariableRead:
 def remote_bytes(reads: Sequence[VariableRead]) -> int:
     """The bytes of the variables in `reads` that live on another device."""
     return sum(r.nbytes for r in reads if r.remote)
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes as a short readable size (decimal units, as `nvidia-smi` is not)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

@@ -48,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import pinning
+from tfshard._explain import format_bytes
 from tfshard._step import COLLECT_SCOPE
 from tfshard.errors import SHARD_SCOPE, ArgumentError, TfshardError
 
@@ -65,7 +66,6 @@ _NOT_WORK = frozenset(
     }
 )  # fmt: skip
 _LANE_WIDTH = 40  # characters of the text lanes in str(timeline)
-_HOST = "/device:CPU:0"  # where a session's feeds arrive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +204,8 @@ class Timeline:
             for c in self.copies:
                 ms = "none recorded (shared memory)" if c.ms is None else f"{c.ms:.2f} ms"
                 lines.append(
-                    f"  {'':<6}  {c.device:<{width}}  {_bytes(c.bytes_in):>10}  "
-                    f"{_bytes(c.bytes_out):>10}  {ms}"
+                    f"  {'':<6}  {c.device:<{width}}  {format_bytes(c.bytes_in):>10}  "
+                    f"{format_bytes(c.bytes_out):>10}  {ms}"
                 )
         lines.append("  lanes: '#' a shard's ops ran, '.' waiting between its first and last op")
         return "\n".join(lines)
@@ -631,14 +631,3 @@ def _lane(span: Span, end: float) -> str:
         else:
             cells.append(" ")
     return "".join(cells)
-
-
-def _bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    size = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
-        size /= 1024
-        if size < 1024 or unit == "GiB":
-            break
-    return f"{size:.1f} {unit}"

@@ -15,7 +15,8 @@ standard library (absl is used by the command line only).
 - ``python -m tfshard.utilization`` prints that table (``--watch SECONDS`` to refresh,
   ``--threshold``, ``--json``); it exits 0 when every GPU meets the threshold, 1 when one
   does not, 2 when no reading could be taken, and 0 for ``--help``. The command line
-  lives in ``tfshard/_utilization_cli.py``, which imports this module, never the reverse.
+  lives in ``tfshard/utilization/__main__.py``, which imports this package, never the
+  reverse: ``python -m`` runs a package's ``__main__`` after importing the package.
 
 The ``nvidia-smi`` executable is, in order: the ``nvidia_smi=`` argument, the
 ``TFSHARD_NVIDIA_SMI`` environment variable, ``nvidia-smi`` on ``PATH``.
@@ -83,7 +84,7 @@ _ENV_EXECUTABLE = "TFSHARD_NVIDIA_SMI"
 # Without persistence mode every nvidia-smi call initialises the driver, which takes
 # seconds on a machine with many GPUs; longer than this means it hangs.
 _DEFAULT_TIMEOUT_S = 10.0
-# Shared with the command line (tfshard/_utilization_cli.py).
+# Shared with the command line (tfshard/utilization/__main__.py).
 DEFAULT_THRESHOLD = 90.0
 _QUOTE_LIMIT = 1000
 _THREAD_NAME = "tfshard-utilization-monitor"
@@ -782,11 +783,3 @@ def format_table(readings: Iterable[GpuReading], threshold: float = DEFAULT_THRE
 
 def _show(value: float | None) -> str:
     return "n/a" if value is None else f"{value:g}"
-
-
-# Run by `python -m tfshard.utilization` only, never on import: the command line imports
-# this module (as tfshard.utilization) and does the rest.
-if __name__ == "__main__":
-    from tfshard import _utilization_cli
-
-    _utilization_cli.run_as_script()

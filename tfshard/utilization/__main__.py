@@ -1,12 +1,19 @@
-"""The command line of `tfshard.utilization`: ``python -m tfshard.utilization``.
+"""``python -m tfshard.utilization``: how busy the GPUs are, from ``nvidia-smi``.
 
-It prints a table of ``nvidia-smi`` readings (``--watch SECONDS`` to refresh, ``--threshold``,
-``--json``) and exits 0 when every GPU meets the threshold, 1 when one does not, 2 when no
-reading could be taken; ``--help`` exits 0. The readings come from
-`tfshard.utilization.query` and the table from `tfshard.utilization.format_table`; this module
-only loops, prints and parses flags (absl), as gpustat keeps its CLI apart from its core: it
-imports the core, and the core never imports it. `run_cli` is the command as a function.
+Prints a table of ``nvidia-smi`` readings, one line per GPU with its TensorFlow device name
+(``--watch SECONDS`` to refresh, ``--count`` to stop after so many refreshes, ``--json`` for
+the readings as JSON), and exits 0 when every GPU meets ``--threshold`` (90 %), 1 when one
+does not, 2 when no reading could be taken; ``--help`` exits 0.
+
+This is the command line of `tfshard.utilization`: the readings come from
+`tfshard.utilization.query` and the table from `tfshard.utilization.format_table`; this
+module only loops, prints and parses flags (absl). `run_cli` is the command as a function.
 """
+
+# gpustat's shape: the CLI imports the core, and the core never imports the CLI. `python -m`
+# imports the package (tfshard/utilization/__init__.py, the core) and then runs this file as
+# __main__; imported as tfshard.utilization.__main__ (as the tests do) it runs nothing. absl's
+# --help shows the docstring above, so it is written for the person at the command line.
 
 from __future__ import annotations
 
@@ -133,10 +140,6 @@ def _define_flags() -> None:
     flags.DEFINE_float("watch", None, "Refresh the table every this many seconds.")
     flags.DEFINE_integer("count", 0, "With --watch, stop after this many refreshes (0: never).")
     flags.DEFINE_bool("json", False, "Print the readings as JSON (GpuReading field names).")
-    # --help lists the key flags of the script absl runs (sys.argv[0], the core's file):
-    # these, though this module defines them.
-    for name in ("threshold", "watch", "count", "json"):
-        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -159,3 +162,7 @@ def run_as_script() -> None:
 
     _define_flags()
     app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run_as_script()
