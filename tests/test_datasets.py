@@ -878,7 +878,7 @@ _STREAMED = {
 @pytest.mark.parametrize("dtype", ["uint8", "int8", "int16", "uint16", "uint32", "uint64"])
 def test_a_stream_of_dtypes_a_gpu_tensorlist_cannot_hold_comes_back_exact(dtype):
     # On a GPU these travel through the stream's TensorArrays as their carrier dtype
-    # (collect.CARRIERS); the values and the dtype must come back unchanged.
+    # (_kinds.CARRIERS); the values and the dtype must come back unchanged.
     info = np.iinfo(dtype)
     x = np.array([info.min, info.max, 0, 1, info.max - 1, 7, 3], dtype=dtype)
     f = tfshard.parallelize(tf.identity, devices=CPUS[:3])

@@ -291,9 +291,9 @@ def test_the_routing_tables_match_the_registry():
         ("GatherV2", "Tparams"),
     ):
         covered = {d for d in every if device_memory(op, d, attr, DATA_ARGS[op])}
-        assert covered == set(every) - set(collect.CARRIERS), op
-        assert set(collect.CARRIERS.values()) <= covered, op
-    for dtype, carrier in collect.CARRIERS.items():
+        assert covered == set(every) - set(_kinds.CARRIERS), op
+        assert set(_kinds.CARRIERS.values()) <= covered, op
+    for dtype, carrier in _kinds.CARRIERS.items():
         for src, dst in ((dtype, carrier), (carrier, dtype)):
             attrs = {
                 "SrcT": AttrValue(type=src.as_datatype_enum),

@@ -116,7 +116,7 @@ def test_shards_run_concurrently():
 
 # Every dtype tfshard splits and gathers. Some have no GPU kernel for SplitV,
 # GatherV2 or TensorLists and travel as another dtype (`_kinds.Dense.split`,
-# `collect.CARRIERS`); tests/test_gpu_kernels.py shows where each op lands on
+# `_kinds.CARRIERS`); tests/test_gpu_kernels.py shows where each op lands on
 # GPUs. Here the round trip must give every value back, bit for bit.
 DTYPES = (
     "float16", "bfloat16", "float32", "float64", "complex64", "complex128", "int8", "int16",

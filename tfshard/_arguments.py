@@ -305,13 +305,9 @@ class Arguments:
             found.shared.append(tensor)
             found.keys.append(LeafKey("broadcast", spec_key(tensor, split=False)))
             return "broadcast"
-        if isinstance(tensor, tf.SparseTensor):
-            where = _trees.path(name, structure, i)
-            raise ArgumentError(
-                f"{where} is a tf.SparseTensor, which tfshard cannot split; pass "
-                f"tf.sparse.to_dense({where}), or pass {_entry(name)!r} in broadcast=(...) to give "
-                "every shard all of it"
-            )
+        sparse = _kinds.sparse(tensor)
+        if sparse is not None:
+            sparse.check_split(_trees.path(name, structure, i), _entry(name))
         if tensor.shape.rank == 0:
             where = _trees.path(name, structure, i)
             if _is_sequence(structure):
@@ -392,9 +388,7 @@ def as_tensor(value: Any) -> Any:
 
 def type_spec(t: Any, split: bool) -> tf.TypeSpec:
     """The spec of `t` as a graph input; a split tensor's rows are left open."""
-    if isinstance(t, tf.SparseTensor):  # broadcast whole only
-        return tf.SparseTensorSpec(t.shape, t.dtype)
-    return _kinds.of(t).batch_spec(t, split)
+    return (_kinds.sparse(t) or _kinds.of(t)).batch_spec(t, split)
 
 
 def spec_key(t: Any, split: bool) -> Hashable:

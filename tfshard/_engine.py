@@ -88,12 +88,14 @@ class Engine:
         # Replicas of this engine's devices, as they were when its graphs were traced,
         # and the generation of replicas that was (`refresh`).
         self._replicas: Replicas | None = None
-        self.generation = -1
+        self._generation = -1
 
     @property
-    def replicas(self) -> Replicas | None:
-        """The replicas this engine's shards read (as of its last `refresh`), or None."""
-        return self._replicas
+    def generation(self) -> int:
+        """Which replicas this engine's steps read: it changes when they do, and what
+        was traced from an older step (a stream's loop) must be traced again."""
+        self.refresh()
+        return self._generation
 
     @property
     def trace_count(self) -> int:
@@ -107,8 +109,15 @@ class Engine:
     # ------------------------------------------------------------ steps
 
     def step(self, call: _arguments.Call, *, beside_transfers: bool = False) -> Step:
-        """The step of a call with this trace key (see `tfshard._step.Step`)."""
+        """The step of a call with this trace key (see `tfshard._step.Step`).
+
+        With `beside_transfers` (a stream's, whose loop nests the shards where
+        `checked` cannot read them), the call's own graph is traced and
+        checked first.
+        """
         self.refresh()
+        if beside_transfers and (self.options.jit_compile or self._replicas is not None):
+            self.trace(call)
         if self._converted is None:
             self._converted = autographed(self.fn)
         options = self.options
@@ -137,7 +146,7 @@ class Engine:
         else traced from this engine's steps (a stream's loops) compares
         `generation` with the one it was traced at.
         """
-        if self.generation == Replicas.generation:
+        if self._generation == Replicas.generation:
             return
         with self._lock:
             generation = Replicas.generation
@@ -145,7 +154,7 @@ class Engine:
             if found is not None or self._replicas is not None:
                 self._replicas = found
                 self._graphs.clear()
-            self.generation = generation
+            self._generation = generation
 
     def checked(self, graph: Any) -> Any:
         """A traced graph, once refused if a shard writes a replicated variable or,

@@ -1,11 +1,18 @@
-"""Kinds of value tfshard splits and gathers: one adapter each, dense and ragged.
+"""Kinds of value tfshard splits and gathers: one adapter each, dense, ragged and sparse.
 
-Every step that treats a batch by its kind asks the adapter of that value
-(`of`) rather than testing for `tf.RaggedTensor` itself: its spec as a graph
-input, the spec of one row, its rows, its split, an empty batch, and its parts
-for a gather (a ragged tensor is its flat values plus one row-lengths vector
-per ragged dimension; gathering each part in order gathers the whole). A new
-kind is one more adapter with these members, and a line in `of`.
+Every step that treats a value by its kind asks the adapter of that value
+(`of`) rather than testing for `tf.RaggedTensor` or `tf.SparseTensor` itself:
+its spec as a graph input, the spec of one row, its rows, its split, an empty
+batch, its parts for a gather (a ragged tensor is its flat values plus one
+row-lengths vector per ragged dimension; gathering each part in order gathers
+the whole), whether a vectorised map can stack its rows, the spec a sample's
+output of its kind stacks to, and what it cannot do (be split, be reduced). A
+sparse tensor is broadcast whole only. A new kind is one more adapter with
+these members, and a line in `of`.
+
+The dtypes that travel differently on a GPU, because TensorFlow lacks their
+kernels there, are here too: `SPLIT_DTYPES` and `SLICED_DTYPES` for the split,
+`CARRIERS` for gathers and maps.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
+
+from tfshard.errors import ArgumentError
 
 # The dtypes whose GPU SplitV kernels hold their data in device memory (TF
 # 2.16-2.21; int32's kernel keeps it in host memory). The other numbers and
@@ -27,6 +36,35 @@ SPLIT_DTYPES = frozenset(
 )
 SLICED_DTYPES = frozenset({tf.int8, tf.uint8, tf.bool})
 _SAME_SIZE_FLOAT = {2: tf.float16, 4: tf.float32, 8: tf.float64}
+
+# Integer dtypes whose GPU kernels for TensorLists (the gather's TensorArray,
+# tf.map_fn's) and GatherV2 (tf.vectorized_map's) are missing in TensorFlow
+# 2.16-2.21: on a GPU, soft placement would quietly run those ops on the CPU
+# and copy the values there and back. Each travels instead as a dtype those
+# kernels cover, through a Cast that holds every value exactly (|int16| < 2**24
+# in float32; 2**64 - 1 as int64 -1, cast back bit for bit) and has GPU kernels
+# both ways. Every other dtype has the kernels and takes no extra op; strings
+# never live on a GPU. tests/test_gpu_kernels.py checks this table against
+# the installed TensorFlow's kernel registry.
+CARRIERS = {
+    tf.int8: tf.float16,
+    tf.uint8: tf.float16,
+    tf.int16: tf.float32,
+    tf.uint16: tf.float32,
+    tf.uint32: tf.int64,
+    tf.uint64: tf.int64,
+}
+
+
+def carried(value: tf.Tensor) -> tf.Tensor:
+    """`value` as its `CARRIERS` dtype (itself when it has none), on the caller's device."""
+    carrier = CARRIERS.get(value.dtype)
+    return value if carrier is None else tf.cast(value, carrier)
+
+
+def uncarried(value: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """A `carried` value back as `dtype`."""
+    return value if value.dtype == dtype else tf.cast(value, dtype)
 
 
 def _open_rows(shape: tf.TensorShape) -> tf.TensorShape:
@@ -126,6 +164,42 @@ class Dense:
         """The value whose `parts` these are (each concatenated over shards)."""
         return parts[0]
 
+    # tf.vectorized_map can stack its rows (each row one shape).
+    VECTORIZES = True
+
+    @staticmethod
+    def entering(t: Any) -> Any:
+        """`t` as a map takes its rows on a GPU (`carried`); `leaving` undoes it per row."""
+        return carried(t)
+
+    @staticmethod
+    def leaving(t: Any, dtype: tf.DType) -> Any:
+        return uncarried(t, dtype)
+
+    @staticmethod
+    def sample_output(value: Any, ragged: bool, path: str) -> tf.TypeSpec:
+        """The spec a sample's output of this kind stacks to (over a shard's samples).
+
+        Per-sample shapes that can vary (``ragged=True``, or a dimension not
+        known when traced) stack as a ragged tensor; a scalar per sample has one
+        shape and stacks to a dense ``[N]`` either way.
+        """
+        if value.shape.rank is None:
+            # Nothing to stack ragged by (e.g. a py_function): assume one shape.
+            if ragged:
+                raise ArgumentError(
+                    f"{path} has unknown rank, so ragged=True cannot stack it; give it "
+                    "a shape in the function (tf.ensure_shape(value, [None]))"
+                )
+            return tf.TensorSpec(value.shape, value.dtype)
+        if value.shape.rank > 0 and (ragged or not value.shape.is_fully_defined()):
+            return tf.RaggedTensorSpec(value.shape, value.dtype, ragged_rank=0)
+        return tf.TensorSpec(value.shape, value.dtype)
+
+    @staticmethod
+    def check_reducible(path: str, op: str) -> None:
+        """Raises ArgumentError when outputs of this kind cannot be reduced (dense can)."""
+
 
 class Ragged:
     """A `tf.RaggedTensor` (and its `tf.RaggedTensorSpec`): rows along its outer dimension."""
@@ -212,6 +286,45 @@ class Ragged:
     def from_parts(parts: Sequence[tf.Tensor]) -> Any:
         return tf.RaggedTensor.from_nested_row_lengths(parts[0], list(parts[1:]), validate=False)
 
+    # Rows of different lengths: tf.vectorized_map cannot stack them (tf.map_fn can).
+    VECTORIZES = False
+
+    @staticmethod
+    def entering(t: Any) -> Any:
+        return t
+
+    @staticmethod
+    def leaving(t: Any, dtype: tf.DType) -> Any:
+        return t
+
+    @staticmethod
+    def sample_output(value: Any, ragged: bool, path: str) -> tf.TypeSpec:
+        return tf.RaggedTensorSpec(value.shape, value.dtype, value.ragged_rank)
+
+    @staticmethod
+    def check_reducible(path: str, op: str) -> None:
+        raise ArgumentError(
+            f"{path} is ragged; reduce={op!r} needs outputs of one shape per sample "
+            "(pad them, or drop reduce= and reduce the ragged result yourself)"
+        )
+
+
+class Sparse:
+    """A `tf.SparseTensor` (and its spec): passed whole to every shard, never split."""
+
+    @staticmethod
+    def batch_spec(t: Any, split: bool) -> tf.TypeSpec:
+        return tf.SparseTensorSpec(t.shape, t.dtype)
+
+    @staticmethod
+    def check_split(where: str, entry: Any) -> None:
+        """Raises ArgumentError: a sparse tensor has no rows tfshard can cut."""
+        raise ArgumentError(
+            f"{where} is a tf.SparseTensor, which tfshard cannot split; pass "
+            f"tf.sparse.to_dense({where}), or pass {entry!r} in broadcast=(...) to give "
+            "every shard all of it"
+        )
+
 
 def _splits_dtype(t: Any) -> tf.DType:
     return t.row_splits.dtype if isinstance(t, tf.RaggedTensor) else t.row_splits_dtype
@@ -221,10 +334,15 @@ Kind = type[Dense] | type[Ragged]
 
 
 def of(value: Any) -> Kind:
-    """The adapter of a value or its spec."""
+    """The adapter of a value or its spec (a sparse one: `sparse`)."""
     return Ragged if isinstance(value, tf.RaggedTensor | tf.RaggedTensorSpec) else Dense
 
 
-def is_ragged(value: Any) -> bool:
-    """Whether `value` (or a spec) is of the ragged kind."""
-    return of(value) is Ragged
+def sparse(value: Any) -> type[Sparse] | None:
+    """The sparse adapter for a sparse tensor or spec, else None."""
+    return Sparse if isinstance(value, tf.SparseTensor | tf.SparseTensorSpec) else None
+
+
+def splittable(spec: Any) -> bool:
+    """Whether tfshard splits values of this spec along their rows (dense or ragged)."""
+    return isinstance(spec, tf.TensorSpec | tf.RaggedTensorSpec)

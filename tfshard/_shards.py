@@ -248,22 +248,19 @@ def vectorized(
     # Rows of different lengths in or out: vectorize cannot stack them.
     ragged = (
         ragged_outputs
-        or any(_kinds.is_ragged(t) for t in example)
-        or any(_kinds.is_ragged(s) for s in leaves)
+        or not all(_kinds.of(t).VECTORIZES for t in example)
+        or not all(_kinds.of(s).VECTORIZES for s in leaves)
     )
 
     def each(rows_in: Sequence[Any]) -> Any:
         # Rows of a dtype without GPU GatherV2/TensorList kernels (what both maps
         # take rows with) enter as their carrier and are cast back per sample.
         dtypes = [r.dtype for r in rows_in]
-        entering = tuple(r if _kinds.is_ragged(r) else collect.carried(r) for r in rows_in)
+        entering = tuple(_kinds.of(r).entering(r) for r in rows_in)
 
         def one(rows: Sequence[Any]) -> Any:
             outputs = call(
-                [
-                    r if _kinds.is_ragged(r) else collect.uncarried(r, d)
-                    for r, d in zip(rows, dtypes)
-                ]
+                [_kinds.of(r).leaving(r, d) for r, d in zip(rows, dtypes)]
             )
             # An output that is a tensor from outside the map (a broadcast argument
             # returned as it is) must still be an op of the map: pfor fails on it
@@ -326,21 +323,7 @@ def sample_signature(call: Callable[..., Any], example: Sequence[Any], ragged: b
     outputs = probe.get_concrete_function(*specs).structured_outputs
 
     def to_spec(value: Any, path: str) -> tf.TypeSpec:
-        if _kinds.is_ragged(value):
-            return tf.RaggedTensorSpec(value.shape, value.dtype, value.ragged_rank)
-        if value.shape.rank is None:
-            # Nothing to stack ragged by (e.g. a py_function): assume one shape.
-            if ragged:
-                raise ArgumentError(
-                    f"{path} has unknown rank, so ragged=True cannot stack it; give it "
-                    "a shape in the function (tf.ensure_shape(value, [None]))"
-                )
-            return tf.TensorSpec(value.shape, value.dtype)
-        if value.shape.rank > 0 and (ragged or not value.shape.is_fully_defined()):
-            # Per-sample shapes that can vary are stacked as a ragged tensor; a scalar
-            # per sample has one shape and stacks to a dense [N], ragged=True or not.
-            return tf.RaggedTensorSpec(value.shape, value.dtype, ragged_rank=0)
-        return tf.TensorSpec(value.shape, value.dtype)
+        return _kinds.of(value).sample_output(value, ragged, path)
 
     leaves, key = _trees.flatten(outputs, "outputs")
     specs = [to_spec(leaf, _trees.path("outputs", key, i)) for i, leaf in enumerate(leaves)]

@@ -28,35 +28,6 @@ import tensorflow as tf
 from tfshard import _kinds, _trees
 from tfshard.errors import ArgumentError
 
-# Integer dtypes whose GPU kernels for TensorLists (the gather's TensorArray,
-# tf.map_fn's) and GatherV2 (tf.vectorized_map's) are missing in TensorFlow
-# 2.16-2.21: on a GPU, soft placement would quietly run those ops on the CPU
-# and copy the values there and back. Each travels instead as a dtype those
-# kernels cover, through a Cast that holds every value exactly (|int16| < 2**24
-# in float32; 2**64 - 1 as int64 -1, cast back bit for bit) and has GPU kernels
-# both ways. Every other dtype has the kernels and takes no extra op; strings
-# never live on a GPU. tests/test_gpu_kernels.py checks this table against
-# the installed TensorFlow's kernel registry.
-CARRIERS = {
-    tf.int8: tf.float16,
-    tf.uint8: tf.float16,
-    tf.int16: tf.float32,
-    tf.uint16: tf.float32,
-    tf.uint32: tf.int64,
-    tf.uint64: tf.int64,
-}
-
-
-def carried(value: tf.Tensor) -> tf.Tensor:
-    """`value` as its `CARRIERS` dtype (itself when it has none), on the caller's device."""
-    carrier = CARRIERS.get(value.dtype)
-    return value if carrier is None else tf.cast(value, carrier)
-
-
-def uncarried(value: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    """A `carried` value back as `dtype`."""
-    return value if value.dtype == dtype else tf.cast(value, dtype)
-
 
 def gather(values: Sequence[tf.Tensor | tf.RaggedTensor]) -> tf.Tensor | tf.RaggedTensor:
     """Concatenates per-shard outputs along axis 0, in shard order.
@@ -88,10 +59,10 @@ def gather_counted(values: Sequence[Any]) -> tuple[Any, tf.Tensor | None]:
 def _concat(values: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor | None]:
     # [n_k, *inner] x K -> [sum n_k, *inner], and the n_k
     dtype = values[0].dtype
-    if dtype in CARRIERS:
+    if dtype in _kinds.CARRIERS:
         # Each shard's values cross in their own dtype and are cast where they land.
-        result, lengths = _concat([carried(value) for value in values])
-        return uncarried(result, dtype), lengths
+        result, lengths = _concat([_kinds.carried(value) for value in values])
+        return _kinds.uncarried(result, dtype), lengths
     if any(value.shape.rank is None for value in values):
         return _concat_unknown_rank(values), None
     inner = values[0].shape[1:]
@@ -352,11 +323,7 @@ def reduction(name: str | None) -> Reduction | None:
 def check_reducible(value: tf.Tensor, op: Reduction, path: str) -> None:
     """Raises ArgumentError when `op` cannot reduce outputs like `value`."""
     dtype = value.dtype
-    if _kinds.is_ragged(value):
-        raise ArgumentError(
-            f"{path} is ragged; reduce={op.name!r} needs outputs of one shape per sample "
-            "(pad them, or drop reduce= and reduce the ragged result yourself)"
-        )
+    _kinds.of(value).check_reducible(path, op.name)
     if dtype == tf.bool or dtype == tf.string:
         raise ArgumentError(
             f"{path} has dtype {dtype.name}, which reduce={op.name!r} cannot combine; "
@@ -501,7 +468,7 @@ def new_arrays(leaves: Sequence[Any]) -> list[tf.Tensor]:
     """The flows of empty TensorArrays that collect these output leaves, one entry per write."""
     return [
         tf.TensorArray(
-            CARRIERS.get(dtype, dtype),  # a GPU TensorList holds the carrier (see CARRIERS)
+            _kinds.CARRIERS.get(dtype, dtype),  # a GPU TensorList holds the carrier
             size=0,
             dynamic_size=True,
             infer_shape=False,
@@ -521,7 +488,7 @@ def write_shards(
         at = 0
         for leaf, value in zip(leaves, values):
             for part in _kinds.of(leaf).parts(value):
-                part = carried(part)
+                part = _kinds.carried(part)
                 array = tf.TensorArray(
                     part.dtype, dynamic_size=True, infer_shape=False, flow=flows[at]
                 )
@@ -536,13 +503,13 @@ def concat_all(flows: Sequence[tf.Tensor], leaves: Sequence[Any]) -> list[Any]:
     for leaf in leaves:
         parts = []
         for dtype, inner in _part_shapes(leaf):
-            carrier = CARRIERS.get(dtype, dtype)
+            carrier = _kinds.CARRIERS.get(dtype, dtype)
             array = tf.TensorArray(carrier, dynamic_size=True, infer_shape=False, flow=flows[at])
             at += 1
             zero = [0, *(0 if d is None else d for d in inner)] if inner.rank is not None else [0]
             concat = tf.cond(
                 array.size() > 0, array.concat, lambda e=zero, d=carrier: tf.zeros(e, d)
             )
-            parts.append(uncarried(concat, dtype))
+            parts.append(_kinds.uncarried(concat, dtype))
         results.append(_kinds.of(leaf).from_parts(parts))
     return results

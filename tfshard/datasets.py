@@ -130,7 +130,7 @@ def prepare(
             "arrays call the function itself, f(x)"
         )
     for where, spec in _leaf_paths(dataset.element_spec):
-        if not isinstance(spec, tf.TensorSpec | tf.RaggedTensorSpec):
+        if not _kinds.splittable(spec):
             fix = (
                 "flat_map each window into a batch first: ds.flat_map(lambda w: w.batch(n))"
                 if isinstance(spec, tf.data.DatasetSpec)
@@ -273,12 +273,12 @@ class Runner:
 
     def _current(self) -> None:
         """Drops what was traced with replicas that have changed since."""
-        self.engine.refresh()
-        if self._generation != self.engine.generation:
+        generation = self.engine.generation
+        if self._generation != generation:
             with self._lock:
                 self.loops.clear()
                 self._totals.clear()
-                self._generation = self.engine.generation
+                self._generation = generation
 
     def iterate(
         self,
@@ -376,11 +376,6 @@ class Runner:
         call = call._replace(rows=None, key=call.key._replace(leaves=leaves))
         relaxed = _trees.map_leaves(_any_rows, spec)  # one loop for every batch size
         key = (tf.data.DatasetSpec(relaxed), call.key)
-        options = engine.options
-        if key not in self.loops and (options.jit_compile or engine.replicas is not None):
-            # The checks of a call's graph (no shard writes a replicated variable, XLA
-            # reads none on another device) read ops that the loop nests in its body.
-            engine.trace(call)
         with self._lock:  # concurrent first calls trace one loop
             loop = self.loops.get(key)
             if loop is None:

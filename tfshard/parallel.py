@@ -61,14 +61,9 @@ class ShardedFunction:
     """
 
     def __init__(self, fn: Callable[..., Any], options: _options.Options) -> None:
-        self._fn = fn
-        self._options = options
-        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
-        self._arguments = _arguments.Arguments(fn, options.broadcast, self.__name__)
-        self._lock = threading.Lock()
-        self._built: _engine.Engine | None = None
-        self._streams: datasets.Runner | None = None
-        self._bound: weakref.WeakKeyDictionary[Any, ShardedFunction] = weakref.WeakKeyDictionary()
+        name = getattr(fn, "__name__", type(fn).__name__)
+        self._shared = _Shared(fn, options, _arguments.Arguments(fn, options.broadcast, name))
+        self.__name__ = name
         # Not updated=("__dict__",): the wrapped object's attributes (a Keras layer's
         # _lock, a tf.function's _jit_compile) must not replace ours.
         functools.update_wrapper(self, fn, updated=())
@@ -88,8 +83,8 @@ class ShardedFunction:
     @property
     def trace_count(self) -> int:
         """How many graphs have been traced so far (loops over datasets included)."""
-        streams = 0 if self._streams is None else self._streams.trace_count
-        return (0 if self._built is None else self._built.trace_count) + streams
+        streams = 0 if self._shared.runner is None else self._shared.runner.trace_count
+        return (0 if self._shared.engine is None else self._shared.engine.trace_count) + streams
 
     @_not_converted
     def plan(self, n: int) -> list[int]:
@@ -129,11 +124,11 @@ class ShardedFunction:
           0      /device:CPU:0  [0:3)      3  /device:CPU:0
           1      /device:CPU:1  [3:5)      2  -> /device:CPU:0
         """
-        call = self._arguments.classify(args, kwargs)
+        call = self._shared.arguments.classify(args, kwargs)
         if call.rows is None:
             raise ArgumentError("explain() needs arguments whose row count is known")
         engine = self._engine()
-        return _explain.table(engine, call, self.plan(call.rows), self.__name__, self._fn)
+        return _explain.table(engine, call, self.plan(call.rows), self.__name__, self._shared.fn)
 
     def replicas(self) -> contextlib.AbstractContextManager[Any]:
         """A scope in which new variables get one copy on each of this function's devices.
@@ -183,10 +178,10 @@ class ShardedFunction:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args and isinstance(args[0], tf.data.Dataset):
             options = {k: kwargs.pop(k) for k in datasets.DATASET_OPTIONS if k in kwargs}
-            return self._runner().run(self._arguments, args[0], args[1:], kwargs, **options)
+            return self._runner().run(self._shared.arguments, args[0], args[1:], kwargs, **options)
         if kwargs and not _STREAM_KEYWORDS.isdisjoint(kwargs):
-            datasets.refuse_stream_options(self._arguments, kwargs)
-        call = self._arguments.classify(args, kwargs)
+            datasets.refuse_stream_options(self._shared.arguments, kwargs)
+        call = self._shared.arguments.classify(args, kwargs)
         return self._engine().call(call)
 
     _call_unconverted = _not_converted(_call)
@@ -222,7 +217,7 @@ class ShardedFunction:
                 f"{self.__name__}.per_shard() takes tensors and arrays, not a "
                 f"tf.data.Dataset; stream one with {self.__name__}.iterate(dataset)"
             )
-        return self._engine().per_shard(self._arguments.classify(args, kwargs))
+        return self._engine().per_shard(self._shared.arguments.classify(args, kwargs))
 
     @_not_converted
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
@@ -240,7 +235,7 @@ class ShardedFunction:
         >>> sorted({op.device for op in graph.get_operations() if "shard_1/" in op.name})
         ['/device:CPU:1']
         """
-        return self._engine().trace(self._arguments.classify(args, kwargs))
+        return self._engine().trace(self._shared.arguments.classify(args, kwargs))
 
     @_not_converted
     def iterate(
@@ -292,7 +287,7 @@ class ShardedFunction:
                 f"{type(dataset).__name__}; call {self.__name__}(x) for tensors and arrays"
             )
         stream = self._runner().iterate(
-            self._arguments,
+            self._shared.arguments,
             dataset,
             args,
             kwargs,
@@ -304,7 +299,7 @@ class ShardedFunction:
         return (result for result, _ in stream)
 
     def __repr__(self) -> str:
-        devices = self._options.devices or "all devices"
+        devices = self._shared.options.devices or "all devices"
         return f"<tfshard.ShardedFunction {self.__name__} on {devices}>"
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
@@ -314,41 +309,46 @@ class ShardedFunction:
         # bound methods do, so ``self`` is the instance itself for the whole call.
         if instance is None:
             return self
-        if any(isinstance(b, int) for b in self._arguments.broadcast):
+        if any(isinstance(b, int) for b in self._shared.arguments.broadcast):
             raise ArgumentError(
                 f"{self.__name__} is a method decorated with broadcast="
-                f"{tuple(self._arguments.broadcast)!r}: a method's positions shift by self, "
+                f"{tuple(self._shared.arguments.broadcast)!r}: a method's positions shift by self, "
                 "so name its arguments instead, e.g. broadcast=('weights',)"
             )
-        bound = self._bound.get(instance)
+        shared = self._shared
+        bound = shared.bound.get(instance)
         if bound is None:
             # Names only for methods (checked above): positions would shift by self.
-            options = dataclasses.replace(self._options, broadcast=tuple(self._arguments.broadcast))
-            bound = ShardedFunction(_autograph.WeakMethod(self._fn, instance), options)
-            self._bound[instance] = bound
+            broadcast = tuple(shared.arguments.broadcast)
+            options = dataclasses.replace(shared.options, broadcast=broadcast)
+            bound = ShardedFunction(_autograph.WeakMethod(shared.fn, instance), options)
+            shared.bound[instance] = bound
         return _BoundMethod(bound, instance)
 
     # ------------------------------------------------------------ devices
 
     def _engine(self) -> _engine.Engine:
         """The engine, made when the devices are first needed (they resolve then)."""
-        if self._built is None:
-            with self._lock:
-                if self._built is None:
-                    devices, output = self._options.resolve()
-                    self._built = _engine.Engine(
-                        self._fn, self._options, name=self.__name__, devices=devices, output=output
+        shared = self._shared
+        if shared.engine is None:
+            with shared.lock:
+                if shared.engine is None:
+                    devices, output = shared.options.resolve()
+                    name = self.__name__
+                    shared.engine = _engine.Engine(
+                        shared.fn, shared.options, name=name, devices=devices, output=output
                     )
-        return self._built
+        return shared.engine
 
     def _runner(self) -> datasets.Runner:
         """What runs datasets through the engine, with its own caches."""
         engine = self._engine()
-        if self._streams is None:
-            with self._lock:
-                if self._streams is None:
-                    self._streams = datasets.Runner(engine)
-        return self._streams
+        shared = self._shared
+        if shared.runner is None:
+            with shared.lock:
+                if shared.runner is None:
+                    shared.runner = datasets.Runner(engine)
+        return shared.runner
 
     # ------------------------------------------------------------ timeline
 
@@ -389,7 +389,7 @@ class ShardedFunction:
                 f"{self.__name__}.timeline() records one call on tensors; pass one batch "
                 "of the dataset, e.g. next(iter(dataset))"
             )
-        call = self._arguments.classify(args, kwargs)
+        call = self._shared.arguments.classify(args, kwargs)
         return timeline_lib.record(
             self.get_concrete_function(*args, **kwargs),
             call.tensors,
@@ -403,22 +403,25 @@ class _BoundMethod(ShardedFunction):
     """A decorated method of one instance: its ShardedFunction, holding the instance.
 
     `ShardedFunction.__get__` makes one at each attribute access, as Python makes
-    a bound method. It shares every piece of state (options, engine, traced
-    graphs, trace count) with the ShardedFunction cached for the instance, whose
-    function holds the instance only weakly (a `_autograph.WeakMethod`), and holds
-    the instance itself: ``Model().apply(x)`` keeps its temporary alive through
-    the call, as ``iterate`` does through the stream, and a cached instance is
-    freed once nothing else holds it.
+    a bound method. It is the ShardedFunction cached for the instance (whose
+    function holds the instance only weakly, a `_autograph.WeakMethod`), seen
+    through a second object that holds the instance itself: both share one
+    `_Shared` (options, engine, traced graphs, trace count), so
+    ``Model().apply(x)`` keeps its temporary alive through the call, as
+    ``iterate`` does through the stream, and a cached instance is freed once
+    nothing else holds it.
 
     Attributes:
+      __func__: the instance's ShardedFunction, as on a bound method.
       __self__: the instance, as on a bound method.
     """
 
-    __slots__ = ("__self__",)
-
-    def __init__(self, bound: ShardedFunction, instance: Any) -> None:
-        # Not ShardedFunction.__init__: one state, the cached function's, seen through both.
-        self.__dict__ = bound.__dict__
+    def __init__(self, function: ShardedFunction, instance: Any) -> None:
+        # Not ShardedFunction.__init__: the cached function's parts, shared, not copied.
+        self._shared = function._shared
+        self.__name__ = function.__name__
+        functools.update_wrapper(self, function._shared.fn, updated=())
+        self.__func__ = function
         self.__self__ = instance
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
@@ -434,15 +437,40 @@ class _BoundMethod(ShardedFunction):
         # As bound methods compare: the same function of the same instance.
         return (
             isinstance(other, _BoundMethod)
-            and other.__dict__ is self.__dict__
+            and other._shared is self._shared
             and other.__self__ is self.__self__
         )
 
     def __hash__(self) -> int:
-        return hash((id(self.__dict__), id(self.__self__)))
+        return hash((id(self._shared), id(self.__self__)))
 
     def __repr__(self) -> str:
         return f"<bound tfshard.ShardedFunction {self.__qualname__} of {self.__self__!r}>"
+
+
+@dataclasses.dataclass(eq=False)
+class _Shared:
+    """What one parallelized function is made of, shared with its bound methods.
+
+    Attributes:
+      fn: the user's function.
+      options: what `parallelize` was asked for.
+      arguments: how its calls' arguments are sorted.
+      lock: guards making the engine and the runner.
+      engine: the engine, made when the devices are first needed.
+      runner: what runs datasets through the engine, made at the first stream.
+      bound: a decorated method's function per instance, weakly keyed.
+    """
+
+    fn: Callable[..., Any]
+    options: _options.Options
+    arguments: _arguments.Arguments
+    lock: Any = dataclasses.field(default_factory=threading.Lock)
+    engine: _engine.Engine | None = None
+    runner: datasets.Runner | None = None
+    bound: weakref.WeakKeyDictionary[Any, ShardedFunction] = dataclasses.field(
+        default_factory=weakref.WeakKeyDictionary
+    )
 
 
 def _holding(instance: Any, items: Iterator[Any]) -> Iterator[Any]:
