@@ -211,6 +211,44 @@ def test_explain_remote_error_ignores_a_shards_error_that_a_worker_sent(monkeypa
     assert cluster.explain_remote_error(error) is None
 
 
+def test_a_task_found_down_stays_down_until_connect_and_is_not_probed_again(monkeypatch):
+    jobs = {"worker": {0: "127.0.0.1:1", 1: "127.0.0.1:2"}}
+    monkeypatch.setattr(cluster, "_connection", cluster._Connection(jobs, "127.0.0.1:9"))
+    probed = []
+
+    def probe_all(jobs, timeout, wait_for_start=True):  # task 1 refuses, at once
+        probed.append((jobs, wait_for_start))
+        refused = ("Connection refused: is the worker running?", None)
+        return {(j, t): refused if t == 1 else (None, "127.0.0.1") for j in jobs for t in jobs[j]}
+
+    monkeypatch.setattr(cluster, "_probe_all", probe_all)
+    assert not cluster.any_down()
+    error = tf.errors.UnavailableError(
+        None, None, "Socket closed from remote target /job:worker/replica:0/task:1 while x"
+    )
+    assert cluster.explain_remote_error(error).startswith(
+        "/job:worker/task:1 at 127.0.0.1:2 is down (Connection refused: is the worker "
+        "running?); restart it with: python -m tfshard.worker --cluster=127.0.0.1:1,127.0.0.1:2 "
+        "--task=1; then call tfshard.connect(...) again with the same cluster and run the call "
+        "again (it returned nothing"
+    )
+    assert probed == [(jobs, False)]  # a refused connection is a worker down, not starting
+    assert cluster.any_down()
+    assert cluster.down_task("/job:worker/replica:0/task:1/device:CPU:0") == ("worker", 1)
+    assert cluster.down_task("/job:worker/replica:0/task:0/device:CPU:0") is None
+    assert cluster.down_task("/device:CPU:0") is None
+    # Found down, it is not asked again: only task 0 is.
+    assert not cluster.all_answer()
+    assert probed[-1] == ({"worker": {0: "127.0.0.1:1"}}, False)
+    assert cluster.down_hint().endswith(
+        "(this call did not run: an earlier call found the worker down, and every call on it "
+        "fails at once until then)"
+    )
+    # `connect` makes a new record of the cluster: nothing is down in it.
+    monkeypatch.setattr(cluster, "_connection", cluster._Connection(jobs, "127.0.0.1:9"))
+    assert not cluster.any_down() and cluster.down_hint() is None
+
+
 @pytest.mark.parametrize(
     "job, task, message",
     [
