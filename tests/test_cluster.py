@@ -211,6 +211,44 @@ def test_explain_remote_error_ignores_a_shards_error_that_a_worker_sent(monkeypa
     assert cluster.explain_remote_error(error) is None
 
 
+def test_a_task_found_down_stays_down_until_connect_and_is_not_probed_again(monkeypatch):
+    jobs = {"worker": {0: "127.0.0.1:1", 1: "127.0.0.1:2"}}
+    monkeypatch.setattr(cluster, "_connection", cluster._Connection(jobs, "127.0.0.1:9"))
+    probed = []
+
+    def probe_all(jobs, timeout, wait_for_start=True):  # task 1 refuses, at once
+        probed.append((jobs, wait_for_start))
+        refused = ("Connection refused: is the worker running?", None)
+        return {(j, t): refused if t == 1 else (None, "127.0.0.1") for j in jobs for t in jobs[j]}
+
+    monkeypatch.setattr(cluster, "_probe_all", probe_all)
+    assert not cluster.any_down()
+    error = tf.errors.UnavailableError(
+        None, None, "Socket closed from remote target /job:worker/replica:0/task:1 while x"
+    )
+    assert cluster.explain_remote_error(error).startswith(
+        "/job:worker/task:1 at 127.0.0.1:2 is down (Connection refused: is the worker "
+        "running?); restart it with: python -m tfshard.worker --cluster=127.0.0.1:1,127.0.0.1:2 "
+        "--task=1; then call tfshard.connect(...) again with the same cluster and run the call "
+        "again (it returned nothing"
+    )
+    assert probed == [(jobs, False)]  # a refused connection is a worker down, not starting
+    assert cluster.any_down()
+    assert cluster.down_task("/job:worker/replica:0/task:1/device:CPU:0") == ("worker", 1)
+    assert cluster.down_task("/job:worker/replica:0/task:0/device:CPU:0") is None
+    assert cluster.down_task("/device:CPU:0") is None
+    # Found down, it is not asked again: only task 0 is.
+    assert not cluster.all_answer()
+    assert probed[-1] == ({"worker": {0: "127.0.0.1:1"}}, False)
+    assert cluster.down_hint().endswith(
+        "(this call did not run: an earlier call found the worker down, and every call on it "
+        "fails at once until then)"
+    )
+    # `connect` makes a new record of the cluster: nothing is down in it.
+    monkeypatch.setattr(cluster, "_connection", cluster._Connection(jobs, "127.0.0.1:9"))
+    assert not cluster.any_down() and cluster.down_hint() is None
+
+
 @pytest.mark.parametrize(
     "job, task, message",
     [
@@ -568,6 +606,110 @@ def test_a_failing_shard_across_workers_is_named_every_time(two_workers):
         client.send("go")
         named = _event(client, "failures", timeout=120)["named"]
         assert named == ["ok"] * 18, [n for n in named if n != "ok"]
+    finally:
+        client.kill()
+
+
+DYING_CLIENT = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    import tensorflow as tf
+    import tfshard
+    from tfshard import cluster
+    from tfshard.errors import ShardError
+
+    def say(**event):
+        print(json.dumps(event), flush=True)
+
+    def wait_for_go():
+        assert sys.stdin.readline().strip() == "go"
+
+    def spin(block):  # [rows, 1] -> the rows, after block[0, 0] steps of a loop
+        steps = tf.cast(block[0, 0], tf.int32)
+        _, y = tf.while_loop(
+            lambda i, y: i < steps, lambda i, y: (i + 1, tf.sin(y)), (0, block))
+        return block + 0.0 * y
+
+    def timed(x):
+        start = time.monotonic()
+        try:
+            out = f(x).numpy()
+            return {"ok": bool(np.array_equal(out, x)), "seconds": time.monotonic() - start}
+        except Exception as error:  # noqa: BLE001
+            return {"ok": False, "seconds": time.monotonic() - start,
+                    "type": type(error).__name__, "shard_error": isinstance(error, ShardError),
+                    "unavailable": isinstance(error, tf.errors.UnavailableError),
+                    "message": str(error)}
+
+    addresses = sys.argv[1]
+    wait_for_go()
+    cluster.connect(addresses, timeout=20)
+    f = tfshard.parallelize(spin, devices=["worker0:CPU:0", "worker1:CPU:0"],
+                            output_device="worker0:CPU:0", per_sample=False)
+    quick = np.zeros((4, 1), np.float32)  # no steps: the rows come back at once
+    endless = np.full((4, 1), 2.0**24, np.float32)  # minutes of steps on each worker
+    for killed in (1, 0):
+        say(event="warm", result=timed(quick))
+        say(event="calling")
+        say(event="died", result=timed(endless))  # a worker is killed under way
+        say(event="after", results=[timed(quick) for _ in range(3)])
+        if killed:
+            wait_for_go()  # the worker restarted
+            cluster.connect(addresses, timeout=20)
+    """
+)
+
+
+def test_calls_after_a_worker_dies_mid_call_fail_at_once_naming_the_shard(two_workers):
+    """A worker killed under a call whose output lives on a worker: that call and the
+    next three fail within seconds, naming the shard, its rows, the task and the remedy
+    first; after a restart and `connect` the next call works.
+
+    Before, a worker killed mid-call left the next call hung for good (and the call
+    itself, when it was the output's worker): clearing TF's async error state waits,
+    with no deadline, for every worker, the dead one too.
+    """
+    client = _Child([sys.executable, "-c", DYING_CLIENT, two_workers.cluster])
+    try:
+        for task in range(2):
+            two_workers.wait_ready(task)
+        client.send("go")
+        for killed in (1, 0):  # a shard's worker, then the output's
+            assert _event(client, "warm")["result"]["ok"]
+            _event(client, "calling")
+            time.sleep(1.0)  # the call is under way on both workers
+            two_workers.kill(killed)
+            died = _event(client, "died", timeout=60)["result"]
+            assert died["seconds"] < 30, died  # Measured: ~0.1 s after the kill.
+            after = _event(client, "after", timeout=60)["results"]
+            device = f"/job:worker/replica:0/task:{killed}/device:CPU:0"
+            shard = f"spin: shard {killed} on {device} (rows [{2 * killed}:{2 * killed + 2}) of 4)"
+            address = two_workers.addresses[killed]
+            remedy = (
+                f"/job:worker/task:{killed} at {address} is down (Connection refused: is the "
+                f"worker running?); restart it with: python -m tfshard.worker "
+                f"--cluster={two_workers.cluster} --task={killed}; then call "
+                "tfshard.connect(...) again with the same cluster and run the call again ("
+            )
+            if killed == 0:  # the output's worker: the output is lost too
+                lost = f"{shard} and the output device {device} {{}}: the worker they run on"
+            else:
+                lost = f"{shard} {{}}: the worker it runs on"
+            for result, verb in [(died, "failed"), *[(a, "did not run") for a in after]]:
+                assert result["shard_error"] and result["unavailable"], result
+                lines = result["message"].split("\n")
+                assert lines[0] == lost.format(verb) + " is down", lines[0]
+                assert lines[1].startswith(remedy), lines[1]
+            assert all(a["seconds"] < 5 for a in after), after  # Measured: ~1 ms each.
+            # TF's own text follows the remedy, without gRPC's repetitions.
+            assert died["message"].split("\n")[2].startswith("TensorFlow's error: ")
+            assert len(died["message"]) < 1500, died["message"]
+            if killed:
+                two_workers.start(killed)
+                two_workers.wait_ready(killed)
+                client.send("go")
+        assert client.process.wait(timeout=30) == 0, client.tail()
     finally:
         client.kill()
 

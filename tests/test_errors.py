@@ -278,3 +278,33 @@ def test_grpc_reason_and_whether_the_peer_answered():
     forwarded = _FAILING_SHARD_CASES["real: remote, a function node before the failing node"]
     assert errors.peer_answered(forwarded[0])  # the worker answered with the shard's error
     assert not errors.peer_answered("no gRPC here")
+
+
+# A worker killed mid-call, the output on the other worker (captured, 1.1 KB).
+_KILLED_MID_CALL = (
+    "2 root error(s) found.\n"
+    "  (0) UNAVAILABLE: {{function_node __inference_body_192}} Socket closed\n"
+    "Additional GRPC error information from remote target "
+    "/job:worker/replica:0/task:1/device:CPU:0 while calling "
+    "/tensorflow.eager.EagerService/RunComponentFunction:\n"
+    ':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}\n'
+    "  (1) UNAVAILABLE: {{function_node __inference_body_192}} Socket closed\n"
+    "Additional GRPC error information from remote target /job:worker/replica:0/task:1 "
+    "while calling /tensorflow.WorkerService/RecvTensor:\n"
+    ':UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:"Socket closed"}\n'
+    "\t [[{{node tfshard_shard_1/cond/output/_14/_26}}]]\n"
+    "0 successful operations.\n"
+    "0 derived errors ignored."
+)
+
+
+def test_trimmed_remote_keeps_each_root_error_its_target_and_node():
+    assert errors.trimmed_remote(_KILLED_MID_CALL) == (
+        "2 root error(s) found.\n"
+        "  (0) UNAVAILABLE: Socket closed\n"
+        "  (from /job:worker/replica:0/task:1/device:CPU:0, RunComponentFunction)\n"
+        "  (1) UNAVAILABLE: Socket closed\n"
+        "  (from /job:worker/replica:0/task:1, RecvTensor)\n"
+        "\t [[{{node tfshard_shard_1/cond/output/_14/_26}}]]"
+    )
+    assert errors.trimmed_remote("x" * 1000, limit=100) == "x" * 100 + " ... (900 more characters)"

@@ -29,6 +29,7 @@ from tfshard.errors import (
     pfor_stack_failure,
     rows_error,
     shard_error,
+    trimmed_remote,
     user_frames,
 )
 from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
@@ -215,8 +216,15 @@ class Engine:
           tensors: its inputs.
           rows: the batch's rows when known (to name a failing shard's rows).
         """
+        eager = tf.executing_eagerly()
         # (Inside the user's tf.function, the outer call raises: nothing to wait for.)
-        remote = self.remote_output and tf.executing_eagerly()
+        remote = self.remote_output and eager
+        if eager and cluster.any_down():
+            # A call that needs a worker found down fails before it runs, with the
+            # error the call that found it raised (`cluster._Connection` says why).
+            lost = self.lost_error(rows)
+            if lost is not None:
+                raise lost
         try:
             # The call op's device is where TF leaves the function's outputs.
             with tf.device(self.output):
@@ -224,9 +232,12 @@ class Engine:
             if remote:
                 self._wait(result)
         except tf.errors.OpError as error:
-            if remote:
+            wrapped = self.call_error(error, rows)
+            # Clearing waits, without a deadline, for every worker to answer, and a
+            # dead one never does (the call hung for good): only when all answer.
+            if remote and cluster.all_answer():
                 tf.experimental.async_clear_error()
-            raise self.call_error(error, rows) from None
+            raise wrapped from None
         return result
 
     def _wait(self, result: Any) -> None:
@@ -244,26 +255,28 @@ class Engine:
             tf.size(leaves[0]).numpy()
 
     def call_error(self, error: tf.errors.OpError, rows: int | None) -> Exception:
-        """A failed call's error, naming the shard and, for a dead worker, the remedy."""
+        """A failed call's error, naming the shard and, for a dead worker, the remedy.
+
+        Shards on a worker found down come first, then the remedy, then TF's
+        own text without gRPC's repetitions (`trimmed_remote`).
+        """
         if ROWS_DIFFER in error.message:
             return rows_error(self.name, self.devices, error.message)
         if INPUTS_DIFFER in error.message:
             return inputs_error(self.name, error.message)
+        hint = cluster.explain_remote_error(error)  # None unless a worker is down
+        lost = self.lost_shards(rows, "failed") if hint is not None else None
+        if lost is not None:
+            trimmed = trimmed_remote(error.message)
+            return shard_error(error, f"{lost}\n{hint}\nTensorFlow's error: {trimmed}")
         k = failing_shard(error.message)
         wrapped = error
         if k is not None:
-            if rows is not None:
-                sizes = self.plan(rows)
-                start = sum(sizes[:k])
-                where = f"rows [{start}:{start + sizes[k]}) of {rows}"
-            else:
-                where = "its slice of the batch"
             wrapped = shard_error(
                 error,
-                f"{self.name}: shard {k} on {self.devices[k]} ({where}) failed: "
+                f"{self.name}: shard {k} on {self.devices[k]} ({self.rows_of(k, rows)}) failed: "
                 f"{user_frames(error.message)}",
             )
-        hint = cluster.explain_remote_error(error)  # None unless a worker is down
         pfor_stack = pfor_stack_failure(error.message)
         per_sample, ragged = self.options.per_sample, self.options.ragged
         if hint is None and per_sample and not ragged and pfor_stack:
@@ -275,3 +288,37 @@ class Engine:
         if hint is not None:
             wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
         return wrapped
+
+    def rows_of(self, k: int, rows: int | None) -> str:
+        """Shard k's rows of a call of `rows` rows, in words (None: a batch of a stream)."""
+        if rows is None:
+            return "its slice of the batch"
+        sizes = self.plan(rows)
+        start = sum(sizes[:k])
+        return f"rows [{start}:{start + sizes[k]}) of {rows}"
+
+    def lost_shards(self, rows: int | None, verb: str) -> str | None:
+        """The shards, and the output, on workers found down, as one line; None for none."""
+        lost = [
+            (f"shard {k} on {device} ({self.rows_of(k, rows)})", cluster.down_task(device))
+            for k, device in enumerate(self.devices)
+        ]
+        lost.append((f"the output device {self.output}", cluster.down_task(self.output)))
+        lost = [(what, task) for what, task in lost if task is not None]
+        if not lost:
+            return None
+        if len(lost) == 1:
+            where = "the worker it runs on is"
+        elif len({task for _, task in lost}) == 1:
+            where = "the worker they run on is"
+        else:
+            where = "the workers they run on are"
+        return f"{self.name}: {' and '.join(what for what, _ in lost)} {verb}: {where} down"
+
+    def lost_error(self, rows: int | None) -> Exception | None:
+        """The error of a call that needs a worker found down, raised before it runs."""
+        lost = self.lost_shards(rows, "did not run")
+        if lost is None:
+            return None
+        message = f"{lost}\n{cluster.down_hint()}"
+        return shard_error(tf.errors.UnavailableError(None, None, message), message)

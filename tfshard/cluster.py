@@ -16,7 +16,10 @@ this process is connected to (its tasks' addresses and this client's). It
 mirrors TensorFlow's own cluster connection, which is process-global (one
 server def per process, replaced by `tf.config.experimental_connect_to_cluster`),
 so there is exactly one to record; only `connect` replaces it, whole and under
-a lock, and `host_of` and `explain_remote_error` read it.
+a lock, and `host_of` and `explain_remote_error` read it. The one thing that
+changes in it is which of its tasks were found down (`_Connection`): a later
+call that needs one fails before it runs, and nothing waits on one again,
+until `connect` makes a new record.
 
 A worker that dies fails the running or next call at once with
 `tf.errors.UnavailableError` naming its task (`explain_remote_error` says which
@@ -29,8 +32,9 @@ after about a minute (measured 60-80 s; workers started another way need the
 same variable). Pings more often than every 5 minutes are not safe with default
 gRPC servers: they fail long calls with "Too many pings".
 
-Shared internals (plain names, not in ``__all__``, used by tfshard.worker):
-`cluster_jobs`, `cluster_flag`, `Jobs`.
+Shared internals (plain names, not in ``__all__``): `cluster_jobs`, `cluster_flag`,
+`Jobs` (used by tfshard.worker); `any_down`, `down_task`, `down_hint`,
+`all_answer` (used by the engine, tfshard/_sharding.py).
 
 >>> tfshard.cluster.cluster_spec("127.0.0.1:2222,127.0.0.1:2223").as_dict()
 {'worker': ['127.0.0.1:2222', '127.0.0.1:2223']}
@@ -100,13 +104,55 @@ Jobs = dict[str, dict[int, str]]  # job -> task index -> "host:port"
 
 @dataclasses.dataclass(frozen=True)
 class _Connection:
-    """The cluster this process is connected to (see `connect`)."""
+    """The cluster this process is connected to (see `connect`), and its tasks found down.
+
+    A task found down stays down for this connection, whatever it does next:
+    TensorFlow keeps this client's remote state of it until the next
+    `connect` (a restarted worker has lost this client's context anyway). And
+    `tf.experimental.async_clear_error`, which a failed call with its output
+    on a worker needs, sends a sync to every task over its eager stream and
+    waits for every answer with no deadline, in C++ where Ctrl-C cannot reach
+    it: once the stream to a dead task has failed, that answer never comes
+    (measured, TF 2.21: in plain TF, the first clear after killing a worker
+    the client had used hung; in tfshard, the call after a worker's death hung
+    in it, > 60 s every run, and a killed output worker hung the failing call
+    itself).
+    """
 
     jobs: Jobs  # the remote tasks
     client: str  # this process's own gRPC address, "host:port"
+    # (job, task) -> why it was found down; only grows, under `lock`.
+    down: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict, compare=False)
+    lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, compare=False, repr=False
+    )
 
     def address(self, job: str, task: int) -> str | None:
         return self.jobs.get(job, {}).get(task)
+
+    def found_down(self) -> dict[tuple[str, int], str]:
+        """The tasks found down so far, in cluster order."""
+        with self.lock:
+            down = dict(self.down)
+        order = [(job, task) for job, tasks in self.jobs.items() for task in tasks]
+        return {key: down[key] for key in order if key in down}
+
+    def find_down(self, timeout: float) -> dict[tuple[str, int], str]:
+        """Probes the tasks not found down yet; records the ones down now. All down tasks.
+
+        A refused connection counts at once (`_probe` without waiting for a start).
+        """
+        known = self.found_down()
+        rest = {
+            job: {t: a for t, a in tasks.items() if (job, t) not in known}
+            for job, tasks in self.jobs.items()
+        }
+        probes = _probe_all({job: tasks for job, tasks in rest.items() if tasks}, timeout, False)
+        now = {key: problem for key, (problem, _) in probes.items() if problem}
+        if now:
+            with self.lock:
+                self.down.update(now)
+        return self.found_down()
 
 
 # TensorFlow's cluster connection is process-wide state (one server def per
@@ -279,14 +325,18 @@ def cluster_spec(cluster: Any = None) -> tf.train.ClusterSpec:
 # ------------------------------------------------------------------- probes
 
 
-def _probe(address: str, timeout: float) -> tuple[str | None, str | None]:
+def _probe(
+    address: str, timeout: float, wait_for_start: bool = True
+) -> tuple[str | None, str | None]:
     """(problem, local address) for one TensorFlow server, bounded by `timeout`.
 
-    First a TCP connect, retried while it is refused so that workers still
-    starting up (importing TensorFlow takes seconds) are waited for; then a
-    gRPC call to the server's worker service, so a port that accepts
-    connections but never answers (a stopped process, or not a TensorFlow
-    server) is caught too. `problem` is None when it answered.
+    First a TCP connect, retried while it is refused (with `wait_for_start`)
+    so that workers still starting up (importing TensorFlow takes seconds) are
+    waited for; then a gRPC call to the server's worker service, so a port
+    that accepts connections but never answers (a stopped process, or not a
+    TensorFlow server) is caught too. `problem` is None when it answered.
+    Without `wait_for_start` a refused connection is a worker down now: after
+    a failed call nothing is starting, and waiting cost every failure ~1.8 s.
     """
     host, port = _split_address(address, "address")
     deadline = time.monotonic() + timeout
@@ -300,6 +350,8 @@ def _probe(address: str, timeout: float) -> tuple[str | None, str | None]:
         except TimeoutError:
             return f"no TCP connection within {timeout:g} s (host down, or a firewall)", None
         except ConnectionRefusedError as error:
+            if not wait_for_start:
+                return f"{error.strerror}: is the worker running?", None
             if time.monotonic() + 0.25 < deadline:
                 time.sleep(0.25)
                 continue
@@ -331,12 +383,17 @@ def _probe(address: str, timeout: float) -> tuple[str | None, str | None]:
     return None, local
 
 
-def _probe_all(jobs: Jobs, timeout: float) -> dict[tuple[str, int], tuple[str | None, str | None]]:
+def _probe_all(
+    jobs: Jobs, timeout: float, wait_for_start: bool = True
+) -> dict[tuple[str, int], tuple[str | None, str | None]]:
     """`_probe` of every task at once: the whole check takes about `timeout` at most."""
     tasks = [(job, task, address) for job, ts in jobs.items() for task, address in ts.items()]
+    if not tasks:
+        return {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(tasks))) as pool:
         futures = {
-            (job, task): pool.submit(_probe, address, timeout) for job, task, address in tasks
+            (job, task): pool.submit(_probe, address, timeout, wait_for_start)
+            for job, task, address in tasks
         }
         return {key: future.result() for key, future in futures.items()}
 
@@ -602,9 +659,11 @@ def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> st
 
     A worker that died or stopped answering fails the call with a TensorFlow
     error (usually `tf.errors.UnavailableError`) whose message is gRPC detail.
-    This names the worker(s) actually down, checked again now (each probe is
-    bounded by `probe_timeout`), and the way back: restart the worker, then
-    ``tfshard.connect(...)`` again with the same cluster.
+    This names the worker(s) down, and the way back: restart the worker, then
+    ``tfshard.connect(...)`` again with the same cluster. Tasks not found down
+    before are checked again now (each probe bounded by `probe_timeout`; a
+    refused connection counts at once); a task found down stays down until
+    `connect`, and tfshard fails a call on it before it runs.
 
     Args:
       error: the exception a call raised.
@@ -630,19 +689,12 @@ def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> st
     if not unavailable and (not named or peer_answered(text)):
         return None  # a shard's own error that crossed from a worker says nothing of the network
     reason = grpc_reason(text)
-    probes = _probe_all(connection.jobs, probe_timeout)
-    down = [(key, problem) for key, (problem, _) in probes.items() if problem]
-    command = "tfshard.connect(...) again with the same cluster"
+    down = connection.find_down(probe_timeout)
     if down:
-        parts = [
-            f"/job:{job}/task:{task} at {connection.jobs[job][task]} is down ({problem}); "
-            f"restart it with: {_worker_command(connection.jobs, job, task)}"
-            for (job, task), problem in down
-        ]
         return (
-            "; ".join(parts)
-            + f"; then call {command} and run the call again (it returned nothing; a "
-            "function that updates variables may have updated them on the shards that finished)"
+            _down_hint(connection, down)
+            + " and run the call again (it returned nothing; a function that updates variables "
+            "may have updated them on the shards that finished)"
         )
     where = (
         ", ".join(f"/job:{j}/task:{t} at {connection.address(j, t)}" for j, t in sorted(named))
@@ -651,8 +703,69 @@ def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> st
     detail = f" ({reason})" if reason else ""
     return (
         f"the call lost contact with {where}{detail}, but every worker answers now: if it "
-        f"restarted, its state from before is gone, so call {command} and retry the call"
+        f"restarted, its state from before is gone, so call {_RECONNECT} and retry the call"
     )
+
+
+_RECONNECT = "tfshard.connect(...) again with the same cluster"
+
+
+def _down_hint(connection: _Connection, down: Mapping[tuple[str, int], str]) -> str:
+    """Each task down, why, and the command that restarts it; then to connect again."""
+    parts = [
+        f"/job:{job}/task:{task} at {connection.address(job, task)} is down ({problem}); "
+        f"restart it with: {_worker_command(connection.jobs, job, task)}"
+        for (job, task), problem in down.items()
+    ]
+    return "; ".join(parts) + f"; then call {_RECONNECT}"
+
+
+def any_down() -> bool:
+    """Whether a task of the connected cluster was found down (see `_Connection`).
+
+    Shared internal: the engine asks before every call, so this costs a lookup.
+    """
+    connection = _connection
+    return connection is not None and bool(connection.down)
+
+
+def down_task(device: _device_names.DeviceSpecLike) -> tuple[str, int] | None:
+    """``(job, task)`` of `device` when that task was found down; None when not, or local.
+
+    Shared internal, for the engine's messages.
+    """
+    task = _task_of(device)
+    connection = _connection
+    if task is None or connection is None or task not in connection.found_down():
+        return None
+    return task
+
+
+def down_hint() -> str | None:
+    """The way back from every task found down, without probing; None when none was.
+
+    Shared internal: the engine's message for a call it fails before running.
+    """
+    connection = _connection
+    down = connection.found_down() if connection is not None else {}
+    if not down:
+        return None
+    return (
+        _down_hint(connection, down)
+        + " and run the call again (this call did not run: an earlier call found the worker "
+        "down, and every call on it fails at once until then)"
+    )
+
+
+def all_answer(probe_timeout: float = 2.0) -> bool:
+    """Whether every task of the connected cluster answers now (True without a cluster).
+
+    Tasks found down before are not probed again; those down now are
+    recorded. Shared internal: the engine clears TensorFlow's async error
+    state only when this holds (see `_Connection`).
+    """
+    connection = _connection
+    return connection is None or not connection.find_down(probe_timeout)
 
 
 # ------------------------------------------------------------------ servers

@@ -8,7 +8,8 @@ derive from `RuntimeError`.
 All parsing of a TensorFlow error's message lives here: which shard failed
 (`failing_shard`), what tfshard's own in-graph checks printed (`rows_error`,
 `inputs_error`), whether pfor failed to stack (`pfor_stack_failure`), and which
-workers a remote error names (`remote_tasks`, `grpc_reason`). The callers add
+workers a remote error names (`remote_tasks`, `grpc_reason`), and that error's
+text without gRPC's repetitions (`trimmed_remote`). The callers add
 what they know (devices, rows, the cluster); this module knows TF's formats.
 
 This module imports no TensorFlow: `tfshard.utilization` uses it without TF.
@@ -358,6 +359,51 @@ def grpc_reason(message: str) -> str | None:
     """
     reason = _GRPC_MESSAGE_RE.search(message)
     return reason["message"] if reason else None
+
+
+# Lines of a remote error that repeat what its first line and the hint say: gRPC's
+# status of the same failure, TF's counts, and the stacks that built each node.
+_REMOTE_NOISE_RE = re.compile(
+    r"^(?::UNKNOWN:Error received from peer.*"
+    r"|\d+ (?:successful operations|derived errors ignored)\."
+    r"|Graph execution error:"
+    r"|Detected at node .*|  File .*|)$"
+)
+_FUNCTION_NODE_RE = re.compile(r"\{\{function_node [^}]*\}\}\s*")
+_GRPC_INFO_RE = re.compile(
+    r"^Additional GRPC error information from remote target (\S+) while calling \S*?/?(\w+):$"
+)
+
+
+def trimmed_remote(message: str, limit: int = 600) -> str:
+    """A remote TF error's message without gRPC's repetitions, at most about `limit` characters.
+
+    TF repeats each root error's gRPC status after it, and the stacks that built
+    each node; a lost worker's error runs to 1.2 KB and more before anything
+    else is said. This keeps each root error's line, the target it called and
+    the nodes it names.
+
+    >>> print(trimmed_remote(
+    ...     "{{function_node f}} Socket closed\\nAdditional GRPC error information from "
+    ...     "remote target /job:worker/replica:0/task:1 while calling "
+    ...     "/tensorflow.WorkerService/RecvTensor:"
+    ...     '\\n:UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:"Socket closed"}'
+    ...     "\\n0 successful operations."))
+    Socket closed
+      (from /job:worker/replica:0/task:1, RecvTensor)
+    """
+    kept = []
+    for line in message.replace("\r", "").split("\n"):
+        if _REMOTE_NOISE_RE.match(line):
+            continue
+        info = _GRPC_INFO_RE.match(line.strip())
+        if info:
+            line = f"  (from {info[1]}, {info[2]})"
+        kept.append(_FUNCTION_NODE_RE.sub("", line).rstrip())
+    text = "\n".join(kept).strip("\n")
+    if len(text) > limit:
+        text = f"{text[:limit].rstrip()} ... ({len(text) - limit} more characters)"
+    return text
 
 
 def peer_answered(message: str) -> bool:
