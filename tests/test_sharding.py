@@ -1,162 +1,81 @@
-"""_sharding: where each shard's ops are placed in the traced graph, and what shards return.
+"""_sharding: how each shard runs, one pure choice, settled by what the shared trace learned.
 
-References are independent of tfshard: NumPy for round trips, the traced
-graph's own op placement for devices.
+The choice is a function of where the shards are and what is asked; its reasons are
+measured elsewhere (tests/test_step.py for placement, tests/test_concurrency.py for
+shards at once). Here its table, against the rules the module states.
 """
-
-import collections
-import threading
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import tfshard
+from tfshard import _sharding
+from tfshard._sharding import How
 
 CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
+HOST = CPUS[0]
+WORKER = "/job:worker/replica:0/task:1/device:CPU:0"
 
 
-# -------------------------------------------------------------- placement
+def _choose(devices, output=CPUS[0], **asked):
+    options = dict(replicas=False, jit_compile=False, beside_transfers=False) | asked
+    return _sharding.choose(devices, output, HOST, **options)
 
 
-def test_each_shard_runs_on_its_device():
-    f = tfshard.parallelize(lambda s: tf.sin(s) * 3.0, devices=["cpu:1", "cpu:3"])
-    x = np.zeros([4, 2], np.float32)
-    f(x)
-    graph = f.get_concrete_function(x)
-    devices = collections.defaultdict(set)
-    for op in graph.graph.get_operations():
-        if op.name.startswith("tfshard_shard_"):
-            devices[op.name.split("/")[0]].add(op.device)
-    assert devices == {
-        "tfshard_shard_0": {"/device:CPU:1"},
-        "tfshard_shard_1": {"/device:CPU:3"},
-    }
-    gather = [op for op in graph.graph.get_operations() if op.name.startswith("tfshard_collect/")]
-    assert gather and {op.device for op in gather} == {"/device:CPU:1"}
-    # A TensorArray in a TF2 graph is a TensorList.
-    assert {"TensorListReserve", "TensorListConcatV2"} <= {op.type for op in gather}
+def test_shards_off_the_output_and_the_host_share_one_trace():
+    assert _choose(CPUS) == [How.IN_PLACE, How.SHARED, How.SHARED, How.SHARED]
+    # Output on CPU:1: CPU:0 is the host and CPU:1 the output, both in place.
+    assert _choose(CPUS, output=CPUS[1]) == [How.IN_PLACE, How.IN_PLACE, How.SHARED, How.SHARED]
 
 
-# What the plan runs: the row count's arithmetic, the sizes and the empty-shard
-# predicate. Its Shape op runs where the batch is (on a GPU its output is in
-# host memory); tests/test_gpu_kernels.py checks the same graph built for GPUs.
-_PLAN_OPS = {"FloorDiv", "FloorMod", "Range", "Less", "Unpack", "Cumsum"}
+@pytest.mark.parametrize(
+    "asked",
+    [{"replicas": True}, {"beside_transfers": True}],
+    ids=["replicas", "beside_transfers"],
+)
+def test_every_shard_runs_in_place_where_sharing_is_not_right(asked):
+    assert _choose(CPUS, **asked) == [How.IN_PLACE] * 4
 
 
-@pytest.mark.parametrize("dtype", ["float32", "uint8", "int64"])  # SplitV, slices, bitcast
-@pytest.mark.parametrize("per_sample", [True, False])
-def test_when_run_the_plan_runs_on_the_host_and_each_shard_on_its_device(
-    dtype, per_sample, executed_nodes
-):
-    """Run, not just traced: the devices each node ran on, from the step stats.
-
-    The output is CPU:1 so that its host, CPU:0, is a device no shard uses,
-    as the host CPU is on a GPU machine; the batch lives on CPU:3.
-    """
-    devices = CPUS[1:]
-    fn = (lambda s: s[:2]) if per_sample else (lambda x: x[:, :2])
-    f = tfshard.parallelize(fn, devices=devices, output_device="cpu:1", per_sample=per_sample)
-    with tf.device("/device:CPU:3"):
-        x = tf.cast(tf.reshape(tf.range(21), [7, 3]), dtype)
-    out = f(x)
-    np.testing.assert_array_equal(out.numpy(), x.numpy()[:, :2])
-    concrete = f.get_concrete_function(x)
-    ran = executed_nodes(concrete, x.numpy())
-    top = {op.name for op in concrete.graph.get_operations()}
-    plan = {d for name, op, d in ran if op in _PLAN_OPS and name in top}
-    assert plan == {"/device:CPU:0"}, plan
-    # Shards off the output device run one shared function, its nodes named as
-    # in the function (cond/... for the empty-shard guard's branches) and run
-    # once on each of their devices.
-    shared = {d for name, _, d in ran if name.startswith("cond/")}
-    assert shared == set(devices[1:]), shared
-    for k, device in enumerate(devices):
-        # A lowered cond's Switches and pivots run beside what they forward (the
-        # predicate on the host, the rows where the batch is); they compute nothing.
-        shard = {
-            d
-            for name, op, d in ran
-            if f"tfshard_shard_{k}/" in name and op not in ("Switch", "Identity")
-        }
-        assert shard == {device}, (k, shard)
-    assert {d for name, _, d in ran if name.startswith("tfshard_collect/")} == {"/device:CPU:1"}
-    split = {d for _, op, d in ran if op in ("SplitV", "StridedSlice", "Bitcast")}
-    assert "/device:CPU:3" in split
+def test_one_shard_off_the_output_would_share_with_nobody():
+    assert _choose(CPUS[:2]) == [How.IN_PLACE, How.IN_PLACE]
 
 
-def test_split_runs_where_the_input_lives():
-    f = tfshard.parallelize(lambda s: s + 1.0, devices=["cpu:0", "cpu:1"])
-    with tf.device("/device:CPU:2"):
-        x = tf.zeros([4, 2])
-    f(x)
-    graph = f.get_concrete_function(x)
-    splits = [op for op in graph.graph.get_operations() if op.type == "SplitV"]
-    assert [op.device for op in splits] == ["/job:localhost/replica:0/task:0/device:CPU:2"]
+def test_a_remote_device_runs_every_shard_in_place():
+    assert _choose((CPUS[1], CPUS[2], WORKER)) == [How.IN_PLACE] * 3
 
 
-def test_shards_run_concurrently():
-    """Two devices, each blocked until the other has started: only parallel shards finish."""
-    barrier = threading.Barrier(2, timeout=20)
-
-    def wait(x):
-        barrier.wait()
-        return x
-
-    def block(x):
-        # stateful=True would make TF serialize the two calls.
-        return tf.numpy_function(wait, [x], tf.float32, stateful=False)
-
-    f = tfshard.parallelize(block, devices=["cpu:0", "cpu:1"], per_sample=False)
-    out = f(np.arange(4, dtype=np.float32).reshape(4, 1))
-    assert out.numpy().ravel().tolist() == [0, 1, 2, 3]
+def test_xla_compiles_one_trace_or_one_per_device_with_replicas():
+    assert _choose(CPUS, jit_compile=True) == [How.COMPILED] * 4
+    assert _choose(CPUS, jit_compile=True, replicas=True) == [How.COMPILED_PER_DEVICE] * 4
 
 
-# ------------------------------------------------------- dtypes, routed
-
-# Every dtype tfshard splits and gathers. Some have no GPU kernel for SplitV,
-# GatherV2 or TensorLists and travel as another dtype (`_kinds.Dense.split`,
-# `_kinds.CARRIERS`); tests/test_gpu_kernels.py shows where each op lands on
-# GPUs. Here the round trip must give every value back, bit for bit.
-DTYPES = (
-    "float16", "bfloat16", "float32", "float64", "complex64", "complex128", "int8", "int16",
-    "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-)  # fmt: skip
+def test_a_shared_trace_that_writes_runs_in_place():
+    chosen = _choose(CPUS)
+    assert _sharding.settle(chosen, writes=True) == [How.IN_PLACE] * 4
+    assert _sharding.settle(chosen, writes=False) == chosen
 
 
-def _extremes(dtype: tf.DType, n: int) -> np.ndarray:
-    """[n, 3] values of `dtype` with its extremes (bit patterns that are NaNs as floats)."""
-    if dtype == tf.bool:
-        return (np.arange(3 * n).reshape(n, 3) % 3 == 0).astype(bool)
-    if dtype.is_integer:
-        info = np.iinfo(dtype.as_numpy_dtype)
-        values = [int(info.min), int(info.max), -1 if info.min else 0, 1, 2]
-        return np.resize(np.array(values, dtype.as_numpy_dtype), 3 * n).reshape(n, 3)
-    values = np.array([-np.inf, np.inf, 0.0, -0.0, 1.5, 65504.0, -3.0], np.float64)
-    real = np.resize(values, 3 * n).reshape(n, 3)
-    out = np.zeros([n, 3], dtype.as_numpy_dtype)
-    if dtype.is_complex:
-        out.real, out.imag = real, real[::-1]
-    else:
-        out[...] = real
-    return out
+def test_a_trace_returns_its_structure_and_whether_it_writes_as_values():
+    counter = tf.Variable(0.0)
 
+    def guarded(rows_in, rows):
+        (x,) = rows_in
+        return {"y": x * 2.0, "n": rows}
 
-@pytest.mark.parametrize("per_sample", [True, False], ids=["per_sample", "whole_shard"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_every_dtype_comes_back_bit_for_bit(dtype, per_sample):
-    dtype = tf.as_dtype(dtype)
-    seen = []
+    def writing(rows_in, rows):
+        counter.assign_add(1.0)
+        return guarded(rows_in, rows)
 
-    def fn(x):
-        seen.append(x.dtype)  # the function sees its own dtype, never a carrier
-        return {"x": x, "first": x[..., :1] if per_sample else x[:, :1]}
+    @tf.function(autograph=False)
+    def body(x):
+        pure = _sharding.Trace.of(guarded, [x])
+        writes = _sharding.Trace.of(writing, [x])
+        assert not pure.writes and writes.writes
+        assert pure.structure == writes.structure
+        token = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="t")
+        return pure([x], tf.constant(3), token)
 
-    f = tfshard.parallelize(fn, devices=CPUS, per_sample=per_sample)
-    for n in (0, 3, 9):  # no rows, fewer rows than devices, uneven shards
-        x = _extremes(dtype, n)
-        out = f(x)
-        assert out["x"].dtype == dtype and out["x"].shape == x.shape
-        assert out["x"].numpy().tobytes() == x.tobytes()
-        assert out["first"].numpy().tobytes() == np.ascontiguousarray(x[:, :1]).tobytes()
-    assert set(seen) == {dtype}
+    out = body(tf.constant(np.arange(3, dtype=np.float32)))
+    assert set(out) == {"y", "n"}
+    np.testing.assert_array_equal(out["y"].numpy(), [0.0, 2.0, 4.0])

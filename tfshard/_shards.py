@@ -200,9 +200,10 @@ class Shard(NamedTuple):
     """What one shard computes.
 
     Attributes:
-      run: its outputs, from its rows (traced in place or shared, `_sharding.shard_runs`).
+      run: its outputs, from its rows (as `_sharding.choose` decides).
       empty: the outputs of a shard with no rows instead, from what `run`
-        returned when traced, or None to run it after all (`skip_if_empty`).
+        returned when traced (None if not known), or None to run it after all
+        (`skip_if_empty`).
     """
 
     run: Callable[[Sequence[Any]], Any]
@@ -218,14 +219,18 @@ def skip_if_empty(shard: Shard, rows_in: Sequence[Any], has_rows: tf.Tensor) -> 
     per-sample call on 2 CPU devices ~1.5 % at 8 rows and ~5 % at 1024 (no
     buffer forwarding into its branch).
     """
-    traced: list[Any] = []
+    # A whole shard's empty outputs copy the structure and shapes of what the
+    # function returned in the branch with rows, which tf.cond traces first; were it
+    # ever traced second, the branch without rows would run the function instead.
+    returned: list[Any] = []
 
     def with_rows() -> Any:
-        traced.append(shard.run(rows_in))
-        return traced[0]
+        outputs = shard.run(rows_in)
+        returned.append(outputs)
+        return outputs
 
-    def without() -> Any:  # traced after with_rows, so it sees its outputs
-        outputs = shard.empty(traced[0])
+    def without() -> Any:
+        outputs = shard.empty(returned[0] if returned else None)
         return shard.run(rows_in) if outputs is None else outputs
 
     return tf.cond(has_rows, with_rows, without)
@@ -287,6 +292,8 @@ def whole_shard(call: Callable[[Sequence[Any]], Any]) -> Shard:
     """
 
     def empty(outputs: Any) -> Any:
+        if outputs is None:
+            return None
         leaves, structure = _trees.flatten(outputs)
         if not all(isinstance(t, tf.Tensor) and _known_but_rows(t.shape) for t in leaves):
             return None

@@ -1,0 +1,162 @@
+"""_step: where each shard's ops are placed in the traced graph, and what shards return.
+
+References are independent of tfshard: NumPy for round trips, the traced
+graph's own op placement for devices.
+"""
+
+import collections
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfshard
+
+CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
+
+
+# -------------------------------------------------------------- placement
+
+
+def test_each_shard_runs_on_its_device():
+    f = tfshard.parallelize(lambda s: tf.sin(s) * 3.0, devices=["cpu:1", "cpu:3"])
+    x = np.zeros([4, 2], np.float32)
+    f(x)
+    graph = f.get_concrete_function(x)
+    devices = collections.defaultdict(set)
+    for op in graph.graph.get_operations():
+        if op.name.startswith("tfshard_shard_"):
+            devices[op.name.split("/")[0]].add(op.device)
+    assert devices == {
+        "tfshard_shard_0": {"/device:CPU:1"},
+        "tfshard_shard_1": {"/device:CPU:3"},
+    }
+    gather = [op for op in graph.graph.get_operations() if op.name.startswith("tfshard_collect/")]
+    assert gather and {op.device for op in gather} == {"/device:CPU:1"}
+    # A TensorArray in a TF2 graph is a TensorList.
+    assert {"TensorListReserve", "TensorListConcatV2"} <= {op.type for op in gather}
+
+
+# What the plan runs: the row count's arithmetic, the sizes and the empty-shard
+# predicate. Its Shape op runs where the batch is (on a GPU its output is in
+# host memory); tests/test_gpu_kernels.py checks the same graph built for GPUs.
+_PLAN_OPS = {"FloorDiv", "FloorMod", "Range", "Less", "Unpack", "Cumsum"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint8", "int64"])  # SplitV, slices, bitcast
+@pytest.mark.parametrize("per_sample", [True, False])
+def test_when_run_the_plan_runs_on_the_host_and_each_shard_on_its_device(
+    dtype, per_sample, executed_nodes
+):
+    """Run, not just traced: the devices each node ran on, from the step stats.
+
+    The output is CPU:1 so that its host, CPU:0, is a device no shard uses,
+    as the host CPU is on a GPU machine; the batch lives on CPU:3.
+    """
+    devices = CPUS[1:]
+    fn = (lambda s: s[:2]) if per_sample else (lambda x: x[:, :2])
+    f = tfshard.parallelize(fn, devices=devices, output_device="cpu:1", per_sample=per_sample)
+    with tf.device("/device:CPU:3"):
+        x = tf.cast(tf.reshape(tf.range(21), [7, 3]), dtype)
+    out = f(x)
+    np.testing.assert_array_equal(out.numpy(), x.numpy()[:, :2])
+    concrete = f.get_concrete_function(x)
+    ran = executed_nodes(concrete, x.numpy())
+    top = {op.name for op in concrete.graph.get_operations()}
+    plan = {d for name, op, d in ran if op in _PLAN_OPS and name in top}
+    assert plan == {"/device:CPU:0"}, plan
+    # Shards off the output device run one shared function, its nodes named as
+    # in the function (cond/... for the empty-shard guard's branches) and run
+    # once on each of their devices.
+    shared = {d for name, _, d in ran if name.startswith("cond/")}
+    assert shared == set(devices[1:]), shared
+    for k, device in enumerate(devices):
+        # A lowered cond's Switches and pivots run beside what they forward (the
+        # predicate on the host, the rows where the batch is); they compute nothing.
+        shard = {
+            d
+            for name, op, d in ran
+            if f"tfshard_shard_{k}/" in name and op not in ("Switch", "Identity")
+        }
+        assert shard == {device}, (k, shard)
+    assert {d for name, _, d in ran if name.startswith("tfshard_collect/")} == {"/device:CPU:1"}
+    split = {d for _, op, d in ran if op in ("SplitV", "StridedSlice", "Bitcast")}
+    assert "/device:CPU:3" in split
+
+
+def test_split_runs_where_the_input_lives():
+    f = tfshard.parallelize(lambda s: s + 1.0, devices=["cpu:0", "cpu:1"])
+    with tf.device("/device:CPU:2"):
+        x = tf.zeros([4, 2])
+    f(x)
+    graph = f.get_concrete_function(x)
+    splits = [op for op in graph.graph.get_operations() if op.type == "SplitV"]
+    assert [op.device for op in splits] == ["/job:localhost/replica:0/task:0/device:CPU:2"]
+
+
+def test_shards_run_concurrently():
+    """Two devices, each blocked until the other has started: only parallel shards finish."""
+    barrier = threading.Barrier(2, timeout=20)
+
+    def wait(x):
+        barrier.wait()
+        return x
+
+    def block(x):
+        # stateful=True would make TF serialize the two calls.
+        return tf.numpy_function(wait, [x], tf.float32, stateful=False)
+
+    f = tfshard.parallelize(block, devices=["cpu:0", "cpu:1"], per_sample=False)
+    out = f(np.arange(4, dtype=np.float32).reshape(4, 1))
+    assert out.numpy().ravel().tolist() == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------- dtypes, routed
+
+# Every dtype tfshard splits and gathers. Some have no GPU kernel for SplitV,
+# GatherV2 or TensorLists and travel as another dtype (`_kinds.Dense.split`,
+# `_kinds.CARRIERS`); tests/test_gpu_kernels.py shows where each op lands on
+# GPUs. Here the round trip must give every value back, bit for bit.
+DTYPES = (
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128", "int8", "int16",
+    "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+)  # fmt: skip
+
+
+def _extremes(dtype: tf.DType, n: int) -> np.ndarray:
+    """[n, 3] values of `dtype` with its extremes (bit patterns that are NaNs as floats)."""
+    if dtype == tf.bool:
+        return (np.arange(3 * n).reshape(n, 3) % 3 == 0).astype(bool)
+    if dtype.is_integer:
+        info = np.iinfo(dtype.as_numpy_dtype)
+        values = [int(info.min), int(info.max), -1 if info.min else 0, 1, 2]
+        return np.resize(np.array(values, dtype.as_numpy_dtype), 3 * n).reshape(n, 3)
+    values = np.array([-np.inf, np.inf, 0.0, -0.0, 1.5, 65504.0, -3.0], np.float64)
+    real = np.resize(values, 3 * n).reshape(n, 3)
+    out = np.zeros([n, 3], dtype.as_numpy_dtype)
+    if dtype.is_complex:
+        out.real, out.imag = real, real[::-1]
+    else:
+        out[...] = real
+    return out
+
+
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per_sample", "whole_shard"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_comes_back_bit_for_bit(dtype, per_sample):
+    dtype = tf.as_dtype(dtype)
+    seen = []
+
+    def fn(x):
+        seen.append(x.dtype)  # the function sees its own dtype, never a carrier
+        return {"x": x, "first": x[..., :1] if per_sample else x[:, :1]}
+
+    f = tfshard.parallelize(fn, devices=CPUS, per_sample=per_sample)
+    for n in (0, 3, 9):  # no rows, fewer rows than devices, uneven shards
+        x = _extremes(dtype, n)
+        out = f(x)
+        assert out["x"].dtype == dtype and out["x"].shape == x.shape
+        assert out["x"].numpy().tobytes() == x.tobytes()
+        assert out["first"].numpy().tobytes() == np.ascontiguousarray(x[:, :1]).tobytes()
+    assert set(seen) == {dtype}
