@@ -58,6 +58,7 @@ import numbers
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -464,7 +465,7 @@ def _stop(processes: list[Any], wait: bool) -> None:
     deadline = time.monotonic() + _GRACE_S
     for process in started:
         process.join(max(0.0, deadline - time.monotonic()))
-    while any(_signal_group(g, 0) for g in groups) and time.monotonic() < deadline:
+    while _running_groups(groups) and time.monotonic() < deadline:
         time.sleep(0.05)
     for process in started:
         if process.is_alive():
@@ -482,3 +483,34 @@ def _signal_group(group: int, signum: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def _running_groups(groups: list[int]) -> list[int]:
+    """The process groups among `groups` that have a member not yet exited.
+
+    A member that exits after its worker becomes a zombie until init reaps
+    it, which takes a second on some systems and never happens in a
+    container whose init does not reap, and a signal still reaches a zombie:
+    `os.killpg(group, 0)` would keep a stopped group waiting the whole grace
+    period. On Linux the members' states are read from ``/proc`` instead;
+    elsewhere a zombie counts as running.
+    """
+    if not groups:
+        return []
+    if not sys.platform.startswith("linux"):
+        return [g for g in groups if _signal_group(g, 0)]
+    wanted = set(groups)
+    running = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited while we looked
+        group = int(fields[2])
+        if group in wanted and fields[0] not in (b"Z", b"X"):
+            running.add(group)
+    return [g for g in groups if g in running]
