@@ -296,6 +296,26 @@ def test_one_ctrl_c_ends_cooperative_workers_and_the_parent_within_a_second(tmp_
         assert [pid for pid in pids if not process_gone(pid, seconds=2)] == []
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process groups from /proc")
+def test_a_second_ctrl_c_kills_workers_that_ignore_sigterm_at_once(tmp_path, process_gone):
+    # The first Ctrl-C sends SIGTERM, which workers and children ignore, and waits the
+    # grace period (5 s); the second kills every group then. Before, the second broke out
+    # of the wait, and the parent hung at exit joining workers that still ran.
+    with _run_in_a_terminal(tmp_path, "ignore") as (parent, pids):
+        assert processes._GRACE_S >= 3
+        _ctrl_c(parent)
+        time.sleep(0.5)
+        assert parent.poll() is None  # waiting the grace period
+        pressed = _ctrl_c(parent)
+        try:
+            parent.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the parent did not exit within 2 s of the second Ctrl-C")
+        assert _interrupted_at(tmp_path) - pressed < 1.0
+        assert parent.returncode == -signal.SIGINT
+        assert [pid for pid in pids if not process_gone(pid, seconds=2)] == []
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "match"),
     [
