@@ -6,6 +6,7 @@ live at the top level of this module: the workers import it to find them.
 """
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
@@ -19,6 +20,8 @@ import tensorflow as tf
 
 from tfshard import processes
 from tfshard.errors import ArgumentError, DeviceError, TfshardError
+
+_log = logging.getLogger(__name__)
 
 
 def _report(arg, *, scale):
@@ -274,10 +277,37 @@ def _ctrl_c(parent):
     return time.monotonic()
 
 
-def _interrupted_at(tmp_path):
+def _exit_after_ctrl_c(parent, tmp_path, pressed, limit):
+    """Waits up to `limit` s for the parent to exit after the Ctrl-C pressed at `pressed`.
+
+    Returns:
+      The seconds from the Ctrl-C to the call's KeyboardInterrupt, logged with the
+      seconds to the parent's exit (``--log-cli-level=INFO`` shows them).
+    """
+    try:
+        parent.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        out = (tmp_path / "stdout").read_text()
+        raised = f"{float(out.split()[2]) - pressed:.2f} s" if out else "never"
+        pytest.fail(
+            f"the parent did not exit within {limit} s of the Ctrl-C; the call raised "
+            f"KeyboardInterrupt after {raised}"
+        )
+    exited = time.monotonic() - pressed
     out = (tmp_path / "stdout").read_text()
     assert out.startswith("interrupted at"), (out, (tmp_path / "stderr").read_text()[-3000:])
-    return float(out.split()[2])
+    raised = float(out.split()[2]) - pressed
+    _log.info(
+        "Ctrl-C: the call raised after %.3f s, the parent exited after %.3f s", raised, exited
+    )
+    return raised
+
+
+# The parent's exit after the call raised is its interpreter and TensorFlow shutting down,
+# out of tfshard's hands: 0.55 s of CPU for a bare `import tfshard.processes` and Ctrl-C,
+# which stretches to 0.8-1.8 s on two cores with 5-6 runnable processes. The tests bound
+# tightly the part tfshard controls, the call giving the Ctrl-C back, and the exit less so.
+_EXIT_LIMIT_S = 3.0
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process groups from /proc")
@@ -285,15 +315,10 @@ def test_one_ctrl_c_stops_cooperative_workers_at_once(tmp_path, process_gone):
     with _run_in_a_terminal(tmp_path, "cooperative") as (parent, pids):
         assert len(pids) >= 6  # parent, resource tracker, two workers, their two children
         pressed = _ctrl_c(parent)
-        parent.wait(timeout=10)
-        exited = time.monotonic() - pressed
-        # The workers die of SIGTERM at once; their children too, and then wait as zombies
-        # for init to reap them (a second here) while the call waited for them before.
-        assert _interrupted_at(tmp_path) - pressed < 0.75
-        # The rest is the parent's own interpreter and TensorFlow shutting down: 0.55 s for a
-        # bare `import tfshard.processes` and Ctrl-C here, 0.6-1.5 s for this parent on two
-        # busy cores (2.2-2.8 s before). Well short of the 5 s grace, and not flaky.
-        assert exited < 2.5
+        raised = _exit_after_ctrl_c(parent, tmp_path, pressed, _EXIT_LIMIT_S)
+        # The workers die of SIGTERM at once, their children too, which then wait as
+        # zombies for init to reap them: 1.1-2.0 s here, which the call used to wait out.
+        assert raised < 0.75
         assert parent.returncode == -signal.SIGINT
         assert [pid for pid in pids if not process_gone(pid, seconds=2)] == []
 
@@ -309,11 +334,8 @@ def test_a_second_ctrl_c_kills_workers_that_ignore_sigterm_at_once(tmp_path, pro
         time.sleep(0.5)
         assert parent.poll() is None  # waiting the grace period
         pressed = _ctrl_c(parent)
-        try:
-            parent.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the parent did not exit within 2 s of the second Ctrl-C")
-        assert _interrupted_at(tmp_path) - pressed < 1.0
+        raised = _exit_after_ctrl_c(parent, tmp_path, pressed, _EXIT_LIMIT_S)
+        assert raised < 1.0
         assert parent.returncode == -signal.SIGINT
         assert [pid for pid in pids if not process_gone(pid, seconds=2)] == []
 
