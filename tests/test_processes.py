@@ -188,8 +188,9 @@ def work(index, *, pid_dir, ignore_term):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         command = ["sh", "-c", "trap '' TERM; exec sleep 60"]
     child = subprocess.Popen(command)
-    Path(pid_dir, "part").write_text(f"{os.getpid()} {child.pid}")
-    os.replace(Path(pid_dir, "part"), Path(pid_dir, f"worker-{index}"))
+    part = Path(pid_dir, f"part-{index}")  # renamed when whole: the test reads it meanwhile
+    part.write_text(f"{os.getpid()} {child.pid}")
+    part.replace(Path(pid_dir, f"worker-{index}"))
     time.sleep(600)
 
 if __name__ == "__main__":
