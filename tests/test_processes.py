@@ -5,17 +5,23 @@ cases that start workers are few and use two workers. The worker functions
 live at the top level of this module: the workers import it to find them.
 """
 
+import contextlib
+import logging
 import multiprocessing
 import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import tensorflow as tf
 
 from tfshard import processes
 from tfshard.errors import ArgumentError, DeviceError, TfshardError
+
+_log = logging.getLogger(__name__)
 
 
 def _report(arg, *, scale):
@@ -167,6 +173,172 @@ def test_worker_that_exits_without_a_result_is_reported(worker_pids):
             _exit_abruptly, ["sleep", "die"], devices=["cpu", "cpu"], timeout=120
         )
     _assert_all_gone(worker_pids)
+
+
+# A script the tests run as a terminal runs a job in the foreground, and press Ctrl-C in.
+# Its workers live in it (a spawned worker imports the script to find `work`), each
+# with a child of its own; with "ignore", workers and children ignore SIGTERM.
+INTERRUPTED_RUN = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+
+def work(index, *, pid_dir, ignore_term):
+    command = ["sleep", "60"]
+    if ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        command = ["sh", "-c", "trap '' TERM; exec sleep 60"]
+    child = subprocess.Popen(command)
+    part = Path(pid_dir, f"part-{index}")  # renamed when whole: the test reads it meanwhile
+    part.write_text(f"{os.getpid()} {child.pid}")
+    part.replace(Path(pid_dir, f"worker-{index}"))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    from tfshard import processes
+
+    pid_dir, ignore_term = sys.argv[1], sys.argv[2] == "ignore"
+    try:
+        processes.run_per_device(
+            work, [0, 1], shared={"pid_dir": pid_dir, "ignore_term": ignore_term},
+            devices=["cpu", "cpu"], timeout=120,
+        )
+    except KeyboardInterrupt:
+        print(f"interrupted at {time.monotonic()}", flush=True)  # the clock all processes share
+        raise
+"""
+
+
+def _group_members(groups):
+    """The pids of the processes, zombies aside, whose process group is in `groups`."""
+    members = set()
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) in groups and fields[0] != "Z":
+            members.add(int(stat_path.parent.name))
+    return members
+
+
+@contextlib.contextmanager
+def _run_in_a_terminal(tmp_path, workers):
+    """Runs INTERRUPTED_RUN as a terminal's foreground job until both workers' children run.
+
+    Yields the parent (a Popen whose stdout and stderr go to files) and the pids of every
+    process then in the process groups involved: the parent's (the parent, and
+    multiprocessing's resource tracker, which the terminal's Ctrl-C reaches too) and each
+    worker's (the worker and its child). What is left of them at the end is SIGKILLed,
+    so a failing test leaves nothing running.
+    """
+    script = tmp_path / "interrupted_run.py"
+    script.write_text(INTERRUPTED_RUN)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's tfshard, in every process
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        parent = subprocess.Popen(
+            [sys.executable, str(script), str(pid_dir), workers],
+            stdout=out,
+            stderr=err,
+            env=env,
+            start_new_session=True,  # its own group, as a terminal gives a job
+            preexec_fn=_as_in_a_terminal,
+        )
+    pids = set()
+    try:
+        deadline = time.monotonic() + 60  # two workers importing TensorFlow: seconds
+        while len(list(pid_dir.glob("worker-*"))) < 2:
+            assert parent.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the workers did not start within 60 s"
+            time.sleep(0.05)
+        workers = {int(f.read_text().split()[0]) for f in pid_dir.glob("worker-*")}
+        pids = _group_members({parent.pid} | workers)
+        children = {int(f.read_text().split()[1]) for f in pid_dir.glob("worker-*")}
+        assert workers | children <= pids
+        yield parent, pids
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _as_in_a_terminal():
+    # A shell's background job (`make test &`, a CI runner's) starts with SIGINT ignored,
+    # which its children inherit, and Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _ctrl_c(parent):
+    """Presses Ctrl-C: SIGINT to the terminal's foreground process group, the parent's."""
+    os.killpg(parent.pid, signal.SIGINT)
+    return time.monotonic()
+
+
+def _exit_after_ctrl_c(parent, tmp_path, pressed, limit):
+    """Waits up to `limit` s for the parent to exit after the Ctrl-C pressed at `pressed`.
+
+    Returns:
+      The seconds from the Ctrl-C to the call's KeyboardInterrupt, logged with the
+      seconds to the parent's exit (``--log-cli-level=INFO`` shows them).
+    """
+    try:
+        parent.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        out = (tmp_path / "stdout").read_text()
+        raised = f"{float(out.split()[2]) - pressed:.2f} s" if out else "never"
+        pytest.fail(
+            f"the parent did not exit within {limit} s of the Ctrl-C; the call raised "
+            f"KeyboardInterrupt after {raised}"
+        )
+    exited = time.monotonic() - pressed
+    out = (tmp_path / "stdout").read_text()
+    assert out.startswith("interrupted at"), (out, (tmp_path / "stderr").read_text()[-3000:])
+    raised = float(out.split()[2]) - pressed
+    _log.info(
+        "Ctrl-C: the call raised after %.3f s, the parent exited after %.3f s", raised, exited
+    )
+    return raised
+
+
+# The parent's exit after the call raised is its interpreter and TensorFlow shutting down,
+# out of tfshard's hands: 0.55 s of CPU for a bare `import tfshard.processes` and Ctrl-C,
+# which stretches to 0.8-1.8 s on two cores with 5-6 runnable processes. The tests bound
+# tightly the part tfshard controls, the call giving the Ctrl-C back, and the exit less so.
+_EXIT_LIMIT_S = 3.0
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process groups from /proc")
+def test_one_ctrl_c_stops_cooperative_workers_at_once(tmp_path, process_gone):
+    with _run_in_a_terminal(tmp_path, "cooperative") as (parent, pids):
+        assert len(pids) >= 6  # parent, resource tracker, two workers, their two children
+        pressed = _ctrl_c(parent)
+        raised = _exit_after_ctrl_c(parent, tmp_path, pressed, _EXIT_LIMIT_S)
+        # The workers die of SIGTERM at once, their children too, which then wait as
+        # zombies for init to reap them: 1.1-2.0 s here, which the call used to wait out.
+        assert raised < 0.75
+        assert parent.returncode == -signal.SIGINT
+        assert [pid for pid in pids if not process_gone(pid, seconds=2)] == []
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process groups from /proc")
+def test_a_second_ctrl_c_kills_workers_that_ignore_sigterm_at_once(tmp_path, process_gone):
+    # The first Ctrl-C sends SIGTERM, which workers and children ignore, and waits the
+    # grace period (5 s); the second kills every group then. Before, the second broke out
+    # of the wait, and the parent hung at exit joining workers that still ran.
+    with _run_in_a_terminal(tmp_path, "ignore") as (parent, pids):
+        assert processes._GRACE_S >= 3
+        _ctrl_c(parent)
+        time.sleep(0.5)
+        assert parent.poll() is None  # waiting the grace period
+        pressed = _ctrl_c(parent)
+        raised = _exit_after_ctrl_c(parent, tmp_path, pressed, _EXIT_LIMIT_S)
+        assert raised < 1.0
+        assert parent.returncode == -signal.SIGINT
+        assert [pid for pid in pids if not process_gone(pid, seconds=2)] == []
 
 
 @pytest.mark.parametrize(

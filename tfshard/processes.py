@@ -35,13 +35,18 @@ How it works, and why:
   start, which would leave the next worker none.
 - Each worker sends back its result, or its exception and traceback, through
   its own pipe. The first failure, an exit without a result, or the timeout
-  stops every other worker (SIGTERM, then SIGKILL after a grace period) and
-  raises `WorkerError` naming the worker's device. No worker outlives the call,
-  whatever happens, also on KeyboardInterrupt, and neither does a process a
-  worker started: each worker leads its own session (``os.setsid``), and the
-  whole process group is signalled, also after a normal exit (POSIX only).
-  A Ctrl-C in a terminal therefore reaches only the parent, which then stops
-  the workers.
+  stops every other worker (SIGTERM, then SIGKILL for what still runs 5 s
+  later) and raises `WorkerError` naming the worker's device. No worker
+  outlives the call, whatever happens, also on KeyboardInterrupt, and neither
+  does a process a worker started: each worker leads its own session
+  (``os.setsid``), and the whole process group is signalled, also after a
+  normal exit (POSIX only).
+- With a session of its own, a worker is out of reach of a Ctrl-C in a
+  terminal once it runs ``fn`` (one still starting gets it and stops). The
+  Ctrl-C reaches the parent, which stops the workers the same way: workers
+  that exit on SIGTERM are gone at once, and the call raises
+  KeyboardInterrupt. A second Ctrl-C during the 5 s given to workers that
+  ignore SIGTERM kills every worker's process group at once.
 
 `fn`, the arguments and the results travel by pickle: `fn` must be a function
 defined at the top level of an importable module (or of the script being run,
@@ -58,6 +63,7 @@ import numbers
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -251,6 +257,8 @@ def run_per_device(
       WorkerError: a worker raised (the message has its device and traceback),
         exited without a result, or the timeout passed. Every other worker has
         been stopped by then.
+      KeyboardInterrupt: Ctrl-C; every worker has been stopped by then (a
+        second Ctrl-C kills those still running at once).
     """
     shared, timeout = _check_arguments(fn, per_device_args, shared, devices, timeout)
     count = len(per_device_args)
@@ -278,9 +286,11 @@ def run_per_device(
         finished = True
         return results
     finally:
-        _stop(processes, wait=finished)
-        for reader in readers:
-            reader.close()
+        try:
+            _stop(processes, wait=finished)
+        finally:
+            for reader in readers:
+                reader.close()
 
 
 def _check_arguments(
@@ -449,30 +459,72 @@ def _stop(processes: list[Any], wait: bool) -> None:
     the worker itself otherwise. With `wait` (every worker reported), the
     workers first get the grace period to exit by themselves; what they leave
     running is ended all the same.
+
+    A Ctrl-C while it waits skips the rest of that wait: during the workers'
+    own exit it moves on to SIGTERM, during the grace after SIGTERM to
+    SIGKILL at once. Whatever happens, every worker is killed, reaped and
+    closed before it returns or raises, so nothing is left for
+    multiprocessing's exit handler to join, which would block the exit of
+    the interpreter on a worker that ignores SIGTERM.
+
+    Raises:
+      KeyboardInterrupt: a Ctrl-C came while it waited (after the kill).
     """
     started = [p for p in processes if p.pid is not None]
     groups = [p.pid for p in started]  # a group keeps its id while a member lives
-    if wait:
-        deadline = time.monotonic() + _GRACE_S
+    interrupted = False
+    try:
+        if wait:
+            try:
+                _wait_for_exit(started, [], time.monotonic() + _GRACE_S)
+            except KeyboardInterrupt:
+                interrupted = True  # the user is done waiting: on to SIGTERM
         for process in started:
-            process.join(max(0.0, deadline - time.monotonic()))
-    for process in started:
-        if process.is_alive():
-            process.terminate()  # also before the worker made its group
-    for group in groups:
-        _signal_group(group, signal.SIGTERM)
-    deadline = time.monotonic() + _GRACE_S
+            if process.is_alive():
+                process.terminate()  # also before the worker made its group
+        for group in groups:
+            _signal_group(group, signal.SIGTERM)
+        _wait_for_exit(started, groups, time.monotonic() + _GRACE_S)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        interrupted |= _kill(started, groups)
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def _wait_for_exit(started: list[Any], groups: list[int], deadline: float) -> None:
+    """Waits until the workers and every running member of `groups` exited, or the deadline."""
     for process in started:
         process.join(max(0.0, deadline - time.monotonic()))
-    while any(_signal_group(g, 0) for g in groups) and time.monotonic() < deadline:
+    while _running_groups(groups) and time.monotonic() < deadline:
         time.sleep(0.05)
-    for process in started:
-        if process.is_alive():
-            process.kill()
-            process.join()
-        process.close()
-    for group in groups:
-        _signal_group(group, signal.SIGKILL)
+
+
+def _kill(started: list[Any], groups: list[int]) -> bool:
+    """SIGKILLs every worker and its group, then reaps and closes the workers.
+
+    A Ctrl-C here starts it over rather than leave a worker unreaped: every
+    step is quick, and repeating one is harmless.
+
+    Returns:
+      Whether a Ctrl-C came meanwhile, for the caller to raise it.
+    """
+    pending = list(started)
+    interrupted = False
+    while True:
+        try:
+            for process in pending:
+                if process.is_alive():
+                    process.kill()  # also a worker that has not made its group yet
+            for group in groups:
+                _signal_group(group, signal.SIGKILL)
+            while pending:
+                pending[0].join()  # reaped: multiprocessing forgets it
+                pending.pop(0).close()
+            return interrupted
+        except KeyboardInterrupt:
+            interrupted = True
 
 
 def _signal_group(group: int, signum: int) -> bool:
@@ -482,3 +534,34 @@ def _signal_group(group: int, signum: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def _running_groups(groups: list[int]) -> list[int]:
+    """The process groups among `groups` that have a member not yet exited.
+
+    A member that exits after its worker becomes a zombie until init reaps
+    it, which takes a second on some systems and never happens in a
+    container whose init does not reap, and a signal still reaches a zombie:
+    `os.killpg(group, 0)` would keep a stopped group waiting the whole grace
+    period. On Linux the members' states are read from ``/proc`` instead;
+    elsewhere a zombie counts as running.
+    """
+    if not groups:
+        return []
+    if not sys.platform.startswith("linux"):
+        return [g for g in groups if _signal_group(g, 0)]
+    wanted = set(groups)
+    running = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited while we looked
+        group = int(fields[2])
+        if group in wanted and fields[0] not in (b"Z", b"X"):
+            running.add(group)
+    return [g for g in groups if g in running]
