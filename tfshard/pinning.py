@@ -212,11 +212,9 @@ def resolve_device(spec: DeviceSpecLike) -> str:
     ...     tfshard.resolve_device("dev0")
     '/device:CPU:2'
     """
-    if isinstance(spec, str):
-        contexts = active_contexts()
-        _active.log_env_once(contexts)
-        if contexts is not None and spec.strip() in contexts:
-            return contexts.resolve(spec.strip())
+    name = context_name(spec)
+    if name is not None:
+        return active_contexts().resolve(name)
     parsed = _parse_request(spec)
     wanted = DeviceKey.of(parsed)
     devices = tf.config.list_logical_devices()
@@ -237,6 +235,20 @@ def resolve_device(spec: DeviceSpecLike) -> str:
         f"device {spec!r} ({parsed.to_string()}) does not exist; this process has "
         f"{_existing(devices)}{hint}"
     )
+
+
+def context_name(spec: DeviceSpecLike) -> str | None:
+    """The context name `spec` is in the active context map (stripped), else None.
+
+    The one reading of a spelling as a role: `resolve_device` resolves it to its
+    device, `tfshard.processes` reads its target as a worker's device.
+    """
+    if not isinstance(spec, str):
+        return None
+    contexts = active_contexts()
+    _active.log_env_once(contexts)
+    name = spec.strip()
+    return name if contexts is not None and name in contexts else None
 
 
 def _remote_hint(wanted: DeviceKey, devices: list[tf.config.LogicalDevice]) -> str:

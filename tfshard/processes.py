@@ -116,12 +116,10 @@ def _placements(devices: Sequence[Any] | None, count: int) -> list[_Placement]:
                 "one device per worker (a GPU may be named twice, or use 'cpu')"
             )
         devices = [f"gpu:{i}" for i in range(count)]
-    contexts = pinning.active_contexts()
     indices: list[int | None] = []
     for position, spec in enumerate(devices):
-        text = spec
-        if isinstance(spec, str) and contexts is not None and spec.strip() in contexts:
-            text = contexts[spec.strip()]
+        name = pinning.context_name(spec)
+        text = spec if name is None else pinning.active_contexts()[name]
         index = _gpu_index(text, position, spec)
         if index is not None and index >= gpus:
             raise DeviceError(
