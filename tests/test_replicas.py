@@ -550,3 +550,29 @@ def test_replicate_copies_an_adapted_lookup_layers_vocabulary(layer):
     f = tfshard.parallelize(tf.identity, devices=DEVICES_2)
     copy = tfshard.parallelize(f.replicate(model), devices=DEVICES_2)
     np.testing.assert_allclose(copy(texts).numpy(), model(texts).numpy(), rtol=1e-6)
+
+
+@keras.saving.register_keras_serializable(package="tfshard_tests")
+class _Tokens(keras.layers.Layer):
+    """A custom layer holding an adapted lookup as an attribute (not in any .layers)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lookup = keras.layers.StringLookup()
+
+    def call(self, x):
+        return self.lookup(x)
+
+
+def test_replicate_copies_a_vocabulary_nested_in_a_custom_layer_or_the_layer_itself():
+    texts = tf.constant(["a", "c", "zz", "b"])
+    f = tfshard.parallelize(tf.identity, devices=DEVICES_2)
+    tokens = _Tokens()
+    tokens.lookup.adapt(tf.constant(["a", "b", "c", "a"]))
+    inputs = keras.Input((), dtype="string")
+    model = keras.Model(inputs, tokens(inputs))
+    copy = f.replicate(model)
+    np.testing.assert_array_equal(copy(texts).numpy(), model(texts).numpy())
+    lookup = keras.layers.StringLookup()
+    lookup.adapt(tf.constant(["x", "y", "x"]))
+    np.testing.assert_array_equal(f.replicate(lookup)(texts).numpy(), lookup(texts).numpy())

@@ -11,14 +11,13 @@ import contextlib
 import copy
 import functools
 import inspect
+import sys
 import types
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
-
-from tfshard.replicas import keras_of
 
 
 def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -50,6 +49,21 @@ def _converted(fn: Callable[..., Any]) -> Callable[..., Any]:
         return tf.autograph.to_graph(fn)
     except Exception:  # no source to read, a builtin: call it as written
         return fn
+
+
+def keras_of(obj: Any) -> Any:
+    """The Keras package whose layer (or model) `obj` is, or None.
+
+    Keras is never imported here: a layer's existence means it was.
+    """
+    for name in ("keras", "tf_keras"):  # Keras 3 (tf.keras), or Keras 2's package
+        keras = sys.modules.get(name)
+        if keras is not None and isinstance(obj, keras.layers.Layer):
+            return keras
+    return None
+
+
+@tf.autograph.experimental.do_not_convert  # plain Python that builds ops, in a tf.function too
 
 
 def is_keras_layer(fn: Any) -> bool:

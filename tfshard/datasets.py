@@ -49,7 +49,7 @@ from typing import Any, NamedTuple, TextIO
 
 import tensorflow as tf
 
-from tfshard import _kinds, _stream, _trees, collect, pinning, replicas
+from tfshard import _autograph, _kinds, _stream, _trees, collect, pinning
 from tfshard._arguments import Arguments, Call, type_spec
 from tfshard._engine import Engine
 from tfshard._plan import Planned, host_cpu, rows
@@ -199,7 +199,7 @@ def model_inputs(dataset: tf.data.Dataset, fn: Any) -> tf.data.Dataset:
     Raises:
       ArgumentError: a Keras model's element is a tuple of more than three.
     """
-    model = replicas.keras_of(fn)
+    model = _autograph.keras_of(fn)
     if model is None or not isinstance(fn, model.Model) or type(dataset.element_spec) is not tuple:
         return dataset
     unpack = model.utils.unpack_x_y_sample_weight

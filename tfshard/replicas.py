@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import sys
+import os
 import tempfile
 import threading
 import weakref
@@ -44,6 +44,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfshard import pinning
+from tfshard._autograph import keras_of
 from tfshard._graph import shard_accesses, shard_writes
 from tfshard.errors import ArgumentError
 
@@ -209,13 +210,22 @@ class _ShardContext(tf.distribute.ReplicaContext):
 def replicate(model: Any, replicas: Replicas) -> Any:
     """A copy of a Keras model whose variables are replicated, with the same weights.
 
+    A `Sequential` or functional model is copied as Keras saves and loads it
+    (``model.save`` to a temporary ``.keras`` file, ``keras.saving.load_model``
+    inside the scope, uncompiled): its config, its weights and what a layer
+    keeps outside them (an adapted `StringLookup`'s or `TextVectorization`'s
+    vocabulary, nested in custom layers too), as ``load_model`` would restore
+    it on another machine. A single layer is copied from its config and
+    weights, and its assets.
+
     Args:
-      model: a built Keras `Sequential` or functional model (what
-        `keras.models.clone_model` can clone), or a layer with a config.
+      model: a built Keras `Sequential` or functional model (one Keras can
+        save; custom layers registered with
+        ``keras.saving.register_keras_serializable``), or a layer with a config.
       replicas: where the copies go.
 
     Raises:
-      ArgumentError: `model` cannot be cloned; build it inside the scope.
+      ArgumentError: `model` cannot be copied; build it inside the scope.
     """
     keras = keras_of(model)
     if keras is None:
@@ -224,41 +234,52 @@ def replicate(model: Any, replicas: Replicas) -> Any:
             "into replicas; build it inside `with f.replicas():` instead"
         )
     try:
-        with replicas.scope():
-            if isinstance(model, keras.Model):
-                clone = keras.models.clone_model(model)
-            else:
+        if isinstance(model, keras.Model):
+            clone = _saved_and_loaded(keras, model, replicas)
+        else:
+            with replicas.scope():
                 clone = type(model).from_config(model.get_config())
                 built = model.get_build_config()  # the shapes it was built for
                 if built:
                     clone.build_from_config(built)
-    except (NotImplementedError, TypeError, ValueError, AttributeError) as error:
+    except (NotImplementedError, TypeError, ValueError, AttributeError, KeyError) as error:
         raise ArgumentError(
-            f"replicate({type(model).__name__}): it cannot be cloned ({error}); build it "
+            f"replicate({type(model).__name__}): it cannot be copied ({error}); build it "
             "inside `with f.replicas():` and load its weights there "
             "(model.load_weights(path) or model.set_weights(old.get_weights()))"
         ) from error
     if len(clone.weights) != len(model.weights):
         raise ArgumentError(
-            f"replicate({type(model).__name__}): the clone has {len(clone.weights)} weights "
+            f"replicate({type(model).__name__}): the copy has {len(clone.weights)} weights "
             f"and the model {len(model.weights)}; build the model (call it once) first"
         )
-    clone.set_weights(model.get_weights())  # cross-replica: writes every copy
-    with replicas.scope():
-        _copy_assets(model, clone)
+    if not isinstance(model, keras.Model):
+        clone.set_weights(model.get_weights())  # cross-replica: writes every copy
+        with replicas.scope():
+            _copy_assets(model, clone)
     return clone
 
 
-def _copy_assets(model: Any, clone: Any) -> None:
-    """Copies what Keras keeps of each layer outside its weights, as saving a model does.
+def _saved_and_loaded(keras: Any, model: Any, replicas: Replicas) -> Any:
+    """`model` saved as a ``.keras`` file and loaded back inside the replicas' scope."""
+    with tempfile.TemporaryDirectory(prefix="tfshard_replicate_") as folder:
+        path = os.path.join(folder, "model.keras")
+        model.save(path)
+        with replicas.scope():
+            return keras.saving.load_model(path, compile=False)
+
+
+def _copy_assets(layer: Any, clone: Any) -> None:
+    """Copies what Keras keeps of a layer (and its sublayers) outside its weights.
 
     A lookup layer's vocabulary (StringLookup, IntegerLookup, TextVectorization
-    after ``adapt``) is not a weight and not in its config, so a clone has an
-    empty table ("Table not initialized" at its first call); Keras's own saving
-    moves it through the layer's ``save_assets``/``load_assets`` (and its
-    TF-IDF weights through ``save_own_variables``), and so does this.
+    after ``adapt``) is not a weight and not in its config, so a copy from its
+    config has an empty table ("Table not initialized" at its first call);
+    Keras's own saving moves it through the layer's ``save_assets`` /
+    ``load_assets`` (and its TF-IDF weights through ``save_own_variables``),
+    and so does this.
     """
-    for original, copy in zip(_all_layers(model), _all_layers(clone)):
+    for original, copy in zip([layer, *_all_layers(layer)], [clone, *_all_layers(clone)]):
         if not (hasattr(original, "save_assets") and hasattr(copy, "load_assets")):
             continue
         # In the order Keras loads a saved model: variables first (TF-IDF weights),
@@ -281,20 +302,6 @@ def _all_layers(model: Any) -> list[Any]:
     return layers
 
 
-def keras_of(obj: Any) -> Any:
-    """The Keras package whose layer (or model) `obj` is, or None.
-
-    Shared internal (tfshard._sharding asks whether a function is a layer).
-    Keras is never imported here: a layer's existence means it was.
-    """
-    for name in ("keras", "tf_keras"):  # Keras 3 (tf.keras), or Keras 2's package
-        keras = sys.modules.get(name)
-        if keras is not None and isinstance(obj, keras.layers.Layer):
-            return keras
-    return None
-
-
-@tf.autograph.experimental.do_not_convert  # plain Python that builds ops, in a tf.function too
 def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
     """``optimizer.apply_gradients(grads_and_vars)``, for replicated variables too.
 
@@ -373,7 +380,8 @@ def _check_optimizer(optimizer: Any, owner: Replicas | None) -> None:
         f"but the {name} optimizer was created outside `with f.replicas():`; create it "
         "there with the model (`with f.replicas(): model = build(); optimizer = "
         f"keras.optimizers.{name}(...)`), so its state has a copy on each device as the "
-        "variables do"
+        "variables do. A model compiled before f.replicate(model) keeps its optimizer "
+        "outside: make a new one inside the scope for the copy (or compile the copy there)"
     )
 
 
