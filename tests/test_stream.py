@@ -2,7 +2,7 @@
 
 The pace is checked against a clock of our own (`Progress` reads
 ``time.perf_counter`` through the module), and end to end on real streams of
-``f(dataset)`` and ``f.iterate`` with the pace shortened
+``f(dataset)``, ``f.iterate`` and ``f.write`` with the pace shortened
 (``LOG_SECONDS``), so the test runs in about a second.
 """
 
@@ -131,14 +131,16 @@ def slow():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("way", ["call", "iterate"])
+@pytest.mark.parametrize("way", ["call", "iterate", "write"])
 def test_every_stream_logs_at_the_pace_and_ends_with_a_line(quick, slow, tmp_path, way):
     ds = tf.data.Dataset.from_tensor_slices(np.zeros([100, 1], np.float32)).batch(5)
     log = io.StringIO()
     if way == "call":
         slow(ds, progress=log)
-    else:
+    elif way == "iterate":
         list(slow.iterate(ds, progress=log))
+    else:
+        slow.write(ds, tmp_path / "out", progress=log)
     lines = _lines(log)
     # >= 0.5 s: the first batch's line, lines 0.01, 0.02 and 0.05 s apart, then every
     # 0.1 s, and the last: 7 or more.
@@ -148,7 +150,7 @@ def test_every_stream_logs_at_the_pace_and_ends_with_a_line(quick, slow, tmp_pat
     assert lines[-1].startswith("<lambda>: batch 20/20  100 samples")
 
 
-@pytest.mark.parametrize("way", ["call", "iterate"])
+@pytest.mark.parametrize("way", ["call", "iterate", "write"])
 def test_a_failing_stream_says_where_it_stopped(quick, tmp_path, way):
     def fails_at_batch_3(x):
         tf.debugging.assert_less(tf.reduce_max(x), 10.0, "row 10 reached")
@@ -168,3 +170,9 @@ def test_a_failing_stream_says_where_it_stopped(quick, tmp_path, way):
     assert len(stopped) == 1, _lines(log)
     assert stopped[0].startswith("fails_at_batch_3: stopped at batch 2/5, 8 samples, after ")
     assert "Error)" in stopped[0]
+    if way == "write":
+        assert _lines(log)[-1].endswith(
+            "8 rows (2 batches) are on disk in "
+            f"{str(tmp_path / 'out')!r}; call fails_at_batch_3.write(dataset, "
+            f"{str(tmp_path / 'out')!r}) again to resume after them"
+        )
