@@ -271,12 +271,12 @@ def test_what_cannot_be_written_is_refused_before_anything_runs(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
     for overwrite in (False, True):  # never a user's files
-        with pytest.raises(ArgumentError, match=r"holding other files \(notes.txt\)"):
+        with pytest.raises(ArgumentError, match=r"files that are not a tfshard write's \(notes"):
             f.write(ds, tmp_path / "mine", overwrite=overwrite)
     words = tfshard.parallelize(lambda s: tf.strings.as_string(s), devices=CPUS[:2])
     with pytest.raises(ArgumentError, match="tf.string tensor; write stores numbers"):
         words.write(ds, tmp_path / "w")
-    with pytest.raises(WriteError, match=r"Not a directory.*0 rows \(0 batches\) are on disk"):
+    with pytest.raises(WriteError, match=r"Not a directory \(.*below\); nothing was written"):
         f.write(ds, tmp_path / "file" / "below")
     assert not (tmp_path / "s").exists() and not (tmp_path / "i").exists()
 
@@ -316,6 +316,35 @@ def test_load_refuses_a_write_that_has_not_finished_unless_partial(tmp_path):
     assert np.load(tmp_path / "p" / "output.npy").tolist() == [1, 2, 3, 4, 5, 6]
     assert f.write(ds, tmp_path / "p").computed_rows == 4
     assert tfshard.load(tmp_path / "p").tolist() == list(range(1, 11))
+
+
+def test_a_second_write_to_a_path_being_written_is_refused(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    (tmp_path / "busy").mkdir()
+    held = os.open(tmp_path / "busy", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a write in another process holds it
+    f = tfshard.parallelize(lambda s: s, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(4).batch(2)
+    try:
+        with pytest.raises(WriteError, match="another write is running there"):
+            f.write(ds, tmp_path / "busy")
+    finally:
+        os.close(held)
+    assert f.write(ds, tmp_path / "busy").rows == 4  # and free once it ends
+
+
+def test_a_crash_after_the_last_commit_finishes_on_resume(reference, tmp_path, monkeypatch):
+    # Every batch committed, the files not yet trimmed nor the write marked done.
+    def crash(self):
+        raise KeyboardInterrupt
+
+    f, rows = _counted()
+    with monkeypatch.context() as patch:
+        patch.setattr(writing._Store, "finish", crash)
+        with pytest.raises(KeyboardInterrupt):
+            f.write(write_job.dataset(), tmp_path / "job")
+    manifest = _resume_and_compare(tmp_path / "job", reference / "job", write_job.dataset())
+    assert manifest["rows"] == write_job.ROWS and manifest["batches"] == 6
 
 
 # ---------------------------------------------------------- crashes, resumed

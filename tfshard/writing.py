@@ -199,16 +199,43 @@ def _stopped(
     if meter:
         meter.say(f"{on_disk}; {resume}")
     if isinstance(error, OSError):
-        reason = _OS_REASONS.get(error.errno, "")
-        where = f" ({error.filename})" if error.filename else ""
-        failed = WriteError(
-            f"{call}: {error.strerror or error}{where}{reason}; {on_disk}: {resume}"
-        )
-        failed.errno, failed.strerror, failed.filename = error.errno, error.strerror, error.filename
-        return failed
+        return _write_error(error, call, f"{on_disk}: {resume}")
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(f"tfshard: {on_disk}; {resume}")
     return error
+
+
+def _write_error(error: OSError, call: str, then: str) -> WriteError:
+    """`error` as a WriteError: what failed, what to do about it, then `then`."""
+    reason = _OS_REASONS.get(error.errno, "")
+    where = f" ({error.filename})" if error.filename else ""
+    failed = WriteError(f"{call}: {error.strerror or error}{where}{reason}; {then}")
+    failed.errno, failed.strerror, failed.filename = error.errno, error.strerror, error.filename
+    return failed
+
+
+def _lock(path: str, call: str) -> int:
+    """The directory `path`, open and locked against other writes until it is closed.
+
+    Two processes writing one path would commit over each other; the lock goes
+    with the process, however it ends, so a resume after a crash finds it free.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): unguarded
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as error:
+        os.close(fd)
+        busy = WriteError(
+            f"{call}: another write is running there (it holds the directory's lock); wait "
+            "for it to end, or write somewhere else"
+        )
+        busy.errno, busy.strerror, busy.filename = error.errno, error.strerror, path
+        raise busy from None
+    return fd
 
 
 # What to do about the OSErrors a write meets, by errno.
@@ -247,7 +274,12 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
     [0, 2, 4, 6, 8]
     """
     path = os.fspath(path)
-    manifest = _read_manifest(path)
+    try:
+        manifest = _read_manifest(path)
+    except ValueError as error:
+        raise ArgumentError(
+            f"tfshard.load({path!r}): its {MANIFEST} is not a tfshard manifest ({error})"
+        ) from None
     if manifest is None:
         raise ArgumentError(
             f"tfshard.load({path!r}): no {MANIFEST} there, so it holds no write; make one "
@@ -298,12 +330,36 @@ class _Store:
         self._structure: Hashable = None
         self._written = (self.rows, self.batches)  # written, not yet committed
         self._last_commit = 0.0
+        self._lock = -1  # the directory, open and locked (`_lock`)
 
     @classmethod
     def open(
         cls, path: str, function: str, source: dict[str, Any], overwrite: bool, call: str
     ) -> _Store:
-        """The write at `path`, checked against this one, or a new one (`overwrite`: always)."""
+        """The write at `path`, checked against this one, or a new one (`overwrite`: always).
+
+        The directory is made (an unwritable path fails here, before anything
+        runs) and locked for this process until `close`.
+        """
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ArgumentError(f"{call}: {path!r} is a file; write into a directory")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as error:
+            raise _write_error(error, call, "nothing was written") from None
+        lock = _lock(path, call)
+        try:
+            store = cls._opened(path, function, source, overwrite, call)
+        except BaseException:
+            os.close(lock)
+            raise
+        store._lock = lock
+        return store
+
+    @classmethod
+    def _opened(
+        cls, path: str, function: str, source: dict[str, Any], overwrite: bool, call: str
+    ) -> _Store:
         try:
             manifest = None if overwrite else _read_manifest(path)
         except ValueError as error:
@@ -315,19 +371,16 @@ class _Store:
             _check_same(manifest, function, source, call)
             return cls(path, manifest, call)
         old = _read_manifest_quietly(path) if overwrite else None
-        if os.path.isdir(path):
-            own = {MANIFEST, _temporary(MANIFEST)}
-            if old is not None:
-                own |= {part["file"] for leaf in old["leaves"] or () for part in leaf["parts"]}
-            others = sorted(set(os.listdir(path)) - own)
-            if others:
-                raise ArgumentError(
-                    f"{call}: {path!r} is a directory holding other files ({', '.join(others[:3])}"
-                    f"{', ...' if len(others) > 3 else ''}) and no write of tfshard's; write "
-                    "into a new or empty directory"
-                )
-        elif os.path.exists(path):
-            raise ArgumentError(f"{call}: {path!r} is a file; write into a directory")
+        own = {MANIFEST, _temporary(MANIFEST)}
+        if old is not None:
+            own |= {part["file"] for leaf in old["leaves"] or () for part in leaf["parts"]}
+        others = sorted(set(os.listdir(path)) - own)
+        if others:
+            raise ArgumentError(
+                f"{call}: {path!r} holds files that are not a tfshard write's "
+                f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); write into a "
+                "new or empty directory (a write never removes files it did not write)"
+            )
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -339,17 +392,15 @@ class _Store:
             "outputs": None,
             "leaves": None,
         }
-        store = cls(path, manifest, call)
         try:
-            os.makedirs(path, exist_ok=True)
-            _replace(os.path.join(path, MANIFEST), _encoded(manifest))  # a bad path fails here
+            _replace(os.path.join(path, MANIFEST), _encoded(manifest))  # a full disk fails here
         except OSError as error:
-            raise _stopped(store, error, None, call) from None
+            raise _write_error(error, call, "nothing was written") from None
         for leaf in (old or {}).get("leaves") or ():  # the old write's data, after its manifest
             for part in leaf["parts"]:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(path, part["file"]))
-        return store
+        return cls(path, manifest, call)
 
     def append(self, result: Any, rows: int, *, empty: bool = False) -> None:
         """One batch's outputs written at their place in the files (not yet committed).
@@ -389,6 +440,10 @@ class _Store:
 
     def finish(self) -> None:
         """Trims the files to their rows, commits the last batches, marks the write done."""
+        if self._files is None and self.leaves is not None:  # all committed before a crash
+            self._files = [
+                [_Column.reopen(self.path, p) for p in leaf["parts"]] for leaf in self.leaves
+            ]
         for column in self._columns():
             column.trim()
         self._commit(complete=True)
@@ -397,6 +452,9 @@ class _Store:
     def close(self) -> None:
         for column in self._columns():
             column.close()
+        if self._lock >= 0:
+            os.close(self._lock)  # and with it the lock
+            self._lock = -1
 
     def _columns(self) -> list[_Column]:
         return [column for columns in self._files or () for column in columns]
