@@ -347,6 +347,31 @@ def test_a_crash_after_the_last_commit_finishes_on_resume(reference, tmp_path, m
     assert manifest["rows"] == write_job.ROWS and manifest["batches"] == 6
 
 
+def test_a_batch_half_written_when_the_disk_fills_counts_for_nothing(
+    reference, tmp_path, monkeypatch
+):
+    # Commits on the default clock leave batches written but not committed when the disk
+    # fills half way through batch 3 (after n's two files, at y's): the commit on the way
+    # out counts batches 1 and 2 whole, in every file, and none of batch 3.
+    monkeypatch.setattr(writing, "COMMIT_SECONDS", 1e9)  # the first batch's commit only
+    append, calls = writing._Column.append, []
+
+    def fills_up(self, array):
+        calls.append(1)
+        if len(calls) == 9:  # batch 3's third file, y.npy
+            raise OSError(28, "No space left on device", "y.npy")
+        return append(self, array)
+
+    f, _ = _counted()
+    with monkeypatch.context() as patch:
+        patch.setattr(writing._Column, "append", fills_up)
+        with pytest.raises(WriteError, match=r"the disk is full; free some space; 16 rows \(2 "):
+            f.write(write_job.dataset(), tmp_path / "job")
+    manifest = _resume_and_compare(tmp_path / "job", reference / "job", write_job.dataset())
+    values = int((write_job.inputs()[:16, 0].astype(np.int64) % 4).sum())  # n's first 16 rows
+    assert [p["rows"] for leaf in manifest["leaves"] for p in leaf["parts"]] == [values, 16, 16]
+
+
 # ---------------------------------------------------------- crashes, resumed
 
 
