@@ -136,6 +136,16 @@ def define_contexts_flag() -> flags.FlagHolder:
     return holder
 
 
+def define_batch_size_flag(default: int | None, help_: str) -> flags.FlagHolder:
+    """``--batch_size``: samples per global batch of a stream (its meaning is the script's)."""
+    return _define(flags.DEFINE_integer, "batch_size", default, help_, lower_bound=1)
+
+
+def define_progress_flag(default: bool, help_: str) -> flags.FlagHolder:
+    """``--progress``: progress lines on stderr while a stream runs."""
+    return _define(flags.DEFINE_bool, "progress", default, help_)
+
+
 def define_repeats_flag() -> flags.FlagHolder:
     """``--repeats``: timed runs per measurement; the median is reported."""
     return _define(

@@ -35,12 +35,10 @@ _REPEATS = _common.define_repeats_flag()
 _NUM_SAMPLES = flags.DEFINE_integer(
     "num_samples", 65536, "How many samples to embed.", lower_bound=0
 )
-_BATCH_SIZE = flags.DEFINE_integer(
-    "batch_size",
+_BATCH_SIZE = _common.define_batch_size_flag(
     None,
     "Stream the samples as a tf.data.Dataset in global batches of this many (each "
     "split across the devices). Default: one call on the whole array.",
-    lower_bound=1,
 )
 _WEIGHTS = flags.DEFINE_list(
     "weights",
@@ -48,8 +46,8 @@ _WEIGHTS = flags.DEFINE_list(
     "Relative device speeds, one per device (e.g. 3,1): shard sizes follow them. "
     "Default: an even split.",
 )
-_PROGRESS = flags.DEFINE_bool(
-    "progress", False, "Print a progress line with samples/s while streaming (needs --batch_size)."
+_PROGRESS = _common.define_progress_flag(
+    False, "Print a progress line with samples/s while streaming (needs --batch_size)."
 )
 
 

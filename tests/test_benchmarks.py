@@ -7,6 +7,7 @@ the plot read, and that every method's output equals the one-device output.
 
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -333,3 +334,27 @@ def test_stream_memory_script_reads_peak_bytes_of_each_way(tmp_path):
         assert run["result_bytes"] == run["rows"] * 8 * 4
         assert all(peak >= 0 for peak in run["peak_bytes"].values())
     assert "f.iterate(dataset)" in proc.stdout
+
+
+def test_write_script_measures_each_way_in_its_own_process(tmp_path):
+    """write.py: write and the README's recipe, each in a fresh process, same rows, a table."""
+    out = tmp_path / "write.json"
+    flags = ["--rows=300", "--batch=64", "--features=8", "--hidden=8", "--dim=4"]
+    flags += ["--ways=write,recipe", "--repeats=1", f"--dir={tmp_path}", f"--json={out}"]
+    repo = str(BENCHMARKS.parent)  # this checkout's tfshard, in the script and its children
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "write.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": repo, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(r["way"], r["rows"]) for r in report["summary"]] == [("write", 300), ("recipe", 300)]
+    for row in report["summary"]:
+        assert row["seconds"] > 0 and row["result_bytes"] == 300 * 4 * 4
+    assert report["summary"][1]["x_recipe"] == 1.0
+    assert "  write          300" in proc.stdout and "x recipe" in proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["write.json"]  # each way's files removed

@@ -30,6 +30,7 @@ SCRIPTS = (
     "per_device_processes",
     "check_utilization",
     "replicated_inference",
+    "write_embeddings",
 )
 THREE = ["cpu:0", "cpu:1", "cpu:2"]
 
@@ -83,6 +84,7 @@ EXPECTED_FLAGS = {
         "batch",
         "width",
     ),
+    "write_embeddings": ("virtual_devices", "rows", "path", "batch_size", "progress"),
 }
 
 
@@ -554,3 +556,35 @@ def test_replicated_inference_builds_the_model_on_the_first_device_not_the_defau
         ex.replicated_inference.main(["replicated_inference.py"])
     out = capsys.readouterr().out
     assert out.count("(8 on /device:CPU:0)") == 3 and "(8 on /device:CPU:3)" not in out
+
+
+# -------------------------------------------------------- write_embeddings
+
+
+def test_write_embeddings_writes_what_numpy_embeds(ex, tmp_path):
+    params = ex.write_embeddings.make_params()
+    f = ex.write_embeddings.build(THREE)
+    path = str(tmp_path / "emb")
+    written = ex.write_embeddings.write_embeddings(f, params, 37, path, batch_size=8)
+    assert (written.rows, written.batches, written.computed_rows) == (37, 5, 37)
+    x = ex.write_embeddings.sample_rows(list(range(37)), 8)
+    np.testing.assert_allclose(
+        np.load(tmp_path / "emb" / "output.npy"), _embed_numpy(x, params), rtol=1e-5, atol=1e-6
+    )
+    assert ex.write_embeddings.check(path, params, 8) < 1e-5
+
+
+def test_write_embeddings_main_writes_then_finds_it_written(ex, capsys, tmp_path):
+    flags_ = dict(
+        virtual_devices="4", rows="40", batch_size="16", path=str(tmp_path / "e"), progress="true"
+    )
+    for _ in range(2):
+        with flagsaver.as_parsed(**flags_):
+            ex.write_embeddings.main(["write_embeddings.py"])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "embedding 40 samples with an MLP 256 -> 512 -> 512 into" in out
+    assert "output.npy holds 40 embeddings (0.1 MiB, 3 batches); computed all of them" in out
+    assert "output.npy holds 40 embeddings (0.1 MiB, 3 batches); it was written already" in out
+    assert "rows match NumPy's embedding to" in out
+    assert "embed: batch 3/3  40 samples" in captured.err  # --progress

@@ -48,6 +48,9 @@ CONTRACT = {
     "replicas",
     # What ran where and when in one call (issue 24): f.timeline(x) returns one.
     "Timeline",
+    # A long job's outputs on disk (issue 31): what f.write(ds, path) wrote, and its error.
+    "load",
+    "WriteError",
 }
 
 
@@ -74,6 +77,9 @@ def test_errors_form_one_family():
         assert issubclass(error, tfshard.TfshardError) and issubclass(error, ValueError)
     for name in ("DeviceSetupError", "UtilizationError", "ClusterError", "WorkerError"):
         assert issubclass(getattr(tfshard, name), RuntimeError)
+    # A write that the disk refused is still an OSError, with its errno.
+    assert issubclass(tfshard.WriteError, tfshard.TfshardError)
+    assert issubclass(tfshard.WriteError, OSError)
     assert issubclass(tfshard.ShardError, tfshard.TfshardError)
 
 

@@ -25,6 +25,7 @@ from tfshard.errors import ShardError as ShardError
 from tfshard.errors import TfshardError as TfshardError
 from tfshard.errors import UtilizationError as UtilizationError
 from tfshard.errors import WorkerError as WorkerError
+from tfshard.errors import WriteError as WriteError
 
 if TYPE_CHECKING:
     from tfshard import processes as processes
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from tfshard.pinning import use_contexts as use_contexts
     from tfshard.pinning import virtual_devices as virtual_devices
     from tfshard.timeline import Timeline as Timeline
+    from tfshard.writing import load as load
 
 __version__ = "0.1.0"
 
@@ -71,6 +73,7 @@ _LAZY = {
     "use_contexts": "tfshard.pinning",
     "virtual_devices": "tfshard.pinning",
     "Timeline": "tfshard.timeline",
+    "load": "tfshard.writing",
     "processes": None,
     "replicas": None,
     "utilization": None,
@@ -89,11 +92,13 @@ __all__ = (
     "Timeline",
     "UtilizationError",
     "WorkerError",
+    "WriteError",
     "active_contexts",
     "connect",
     "cpu",
     "gpu",
     "list_devices",
+    "load",
     "num_gpus",
     "parallelize",
     "pin",

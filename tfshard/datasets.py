@@ -292,12 +292,52 @@ class Runner:
         progress: bool | TextIO = False,
     ) -> Iterator[tuple[Any, int]]:
         """``(result, rows)`` for each global batch, in order, as they are computed."""
+        batches = self.batches(
+            arguments, dataset, args, kwargs, batch_size=batch_size, batched=batched
+        )
+        meter = _stream.meter(self.engine.name, batches, progress)
+        return self.stream(arguments, batches, args, kwargs, meter)
+
+    def batches(
+        self,
+        arguments: Arguments,
+        dataset: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        *,
+        batch_size: int | None = None,
+        batched: bool | None = None,
+        how: str = ".iterate(dataset)",
+    ) -> tf.data.Dataset:
+        """The dataset's global batches as the function takes them, checked (`prepare`).
+
+        `how` names the call in an error (``".write(dataset, path)"``).
+        """
         engine = self.engine
-        _check_eager(engine.name, ".iterate(dataset)")
+        _check_eager(engine.name, how)
         dataset = model_inputs(dataset, engine.fn)
         _check_specs(arguments, dataset, args, kwargs)
-        batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
-        return _batches(engine.name, engine.call, arguments, batches, args, kwargs, progress)
+        return prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
+
+    def stream(
+        self,
+        arguments: Arguments,
+        batches: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        meter: _stream.Progress | None,
+    ) -> Iterator[tuple[Any, int]]:
+        """``(result, rows)`` for each of `batches` (from `batches`), one call each, in order."""
+        return _reported(_batches(self.engine.call, arguments, batches, args, kwargs, meter), meter)
+
+    def no_rows(self, arguments: Arguments, spec: Any, args: tuple, kwargs: dict) -> Any:
+        """The function's result for a batch of zero rows of element spec `spec`.
+
+        What a dataset with no elements gives: outputs of zero rows, their
+        unknown dimensions 0.
+        """
+        element = _split_element(_zeros(spec))
+        return self.engine.call(arguments.classify((*element, *args), kwargs))
 
     def run(
         self,
@@ -332,8 +372,7 @@ class Runner:
         if total == 0:
             # No elements: the function on a batch of zero rows (unknown dimensions 0).
             spec = dataset.batch(1).element_spec if batch_size is not None else dataset.element_spec
-            element = _split_element(_zeros(spec))
-            return engine.call(arguments.classify((*element, *args), kwargs))
+            return self.no_rows(arguments, spec, args, kwargs)
         return result
 
     def _graph_loop(
@@ -386,9 +425,15 @@ class Runner:
         try:
             result, total = loop.run(batches, call.tensors[count:], meter, interrupted)
         except tf.errors.OpError as error:
+            if meter:
+                meter.stopped(error)
             if INPUTS_DIFFER in error.message:
                 raise inputs_error(engine.name, error.message, dataset=True) from None
             raise engine.call_error(error, None) from None
+        except BaseException as error:  # Ctrl-C between calls: say where it stopped
+            if meter:
+                meter.stopped(error)
+            raise
         if meter:
             meter.close()
         return result, total
@@ -410,7 +455,8 @@ class Runner:
         # A reduction's batches run as `collect.Total`s (a mean undivided, in the
         # accumulator dtype), finished once at the end.
         run = engine.call if op is None else self._batch_totals
-        stream = _batches(engine.name, run, arguments, batches, args, kwargs, progress)
+        meter = _stream.meter(engine.name, batches, progress)
+        stream = _reported(_batches(run, arguments, batches, args, kwargs, meter), meter)
         for result, batch_rows in stream:
             total += batch_rows
             if op is None:
@@ -460,16 +506,14 @@ class _Totals(NamedTuple):
 
 
 def _batches(
-    name: str,
     run: Callable[[Call], Any],
     arguments: Arguments,
     batches: tf.data.Dataset,
     args: tuple,
     kwargs: dict,
-    progress: bool | TextIO,
+    meter: _stream.Progress | None,
 ) -> Iterator[tuple[Any, int]]:
     """The Python loop: `run` once per batch, checking per-sample shapes."""
-    meter = _stream.meter(name, batches, progress)
     first: list[Any] | None = None
     for element in batches:
         leaves, structure = _trees.flatten(element)
@@ -494,6 +538,16 @@ def _batches(
         yield result, batch_rows
     if meter:
         meter.close()
+
+
+def _reported(items: Iterator[Any], meter: _stream.Progress | None) -> Iterator[Any]:
+    """`items`; where they stop with an error (Ctrl-C included), the meter says where."""
+    try:
+        yield from items
+    except BaseException as error:
+        if meter:
+            meter.stopped(error)
+        raise
 
 
 def _zeros(spec: Any) -> Any:

@@ -100,6 +100,16 @@ class ClusterError(TfshardError, RuntimeError):
     """
 
 
+class WriteError(TfshardError, OSError):
+    """``f.write(dataset, path)`` could not write (a full disk, a file size limit,
+    no permission); the message says how much is on disk and that calling it
+    again resumes. It keeps the OSError's ``errno``, ``strerror`` and ``filename``.
+    """
+
+    # The message as written: OSError's own would print only "[Errno 28] ...: 'file'".
+    __str__ = Exception.__str__
+
+
 class WorkerError(TfshardError, RuntimeError):
     """A worker process failed, exited without a result, or outlived the timeout.
 

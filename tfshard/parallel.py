@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,7 @@ import tensorflow as tf
 from tfshard import _arguments, _autograph, _engine, _explain, _options, datasets, pinning
 from tfshard import replicas as replicas_lib
 from tfshard import timeline as timeline_lib
+from tfshard import writing as writing_lib
 from tfshard.errors import ArgumentError
 
 __all__ = ("ShardedFunction", "parallelize")
@@ -297,6 +299,88 @@ class ShardedFunction:
         )
         # Not a generator itself: bad arguments fail here, at the call, not at next().
         return (result for result, _ in stream)
+
+    @_not_converted
+    def write(
+        self,
+        dataset: tf.data.Dataset,
+        path: str | os.PathLike,
+        *args: Any,
+        batch_size: int | None = None,
+        batched: bool | None = None,
+        progress: bool | Any = False,
+        overwrite: bool = False,
+        **kwargs: Any,
+    ) -> writing_lib.Written:
+        """Streams a dataset through the function and writes every output to `path`, in order.
+
+        For results larger than memory, and for long jobs: each global batch's
+        outputs go to files as they are computed (one call per batch, as
+        `iterate`), so memory holds the batches in flight, not the result.
+        `path` is a directory of ``.npy`` files, one per output leaf (a ragged
+        leaf: its values and row lengths), and a ``manifest.json``;
+        `tfshard.load` reads it back as the outputs' structure, memory-mapped,
+        and NumPy reads a finished file without tfshard
+        (``np.load(path + "/output.npy", mmap_mode="r")``).
+
+        Calling it again after the process died (Ctrl-C, SIGKILL, a power cut,
+        a full disk) resumes after the last batch committed to disk (commits
+        come about once a second, `tfshard.writing.COMMIT_SECONDS`): nothing is
+        lost, nothing written twice, and a batch is never half visible. A
+        finished write returns at once. A resume assumes the same dataset in
+        the same order and the same function; it checks the function's name,
+        its outputs' structure, dtypes and per-row shapes, and the dataset's
+        element spec, number of batches and first batch (`tfshard.writing`).
+
+        Args:
+          dataset: batches, or single samples with `batch_size`; finite.
+          path: the directory to write (made if missing; a new or empty one,
+            or one this method wrote).
+          *args: further arguments, passed with every batch, as for `iterate`.
+          batch_size: batch a dataset of single samples into global batches of
+            this many (the last may be smaller).
+          batched: as for `iterate`.
+          progress: True for progress lines on stderr (or a stream to print
+            them to); on a log file or pipe a line every 10 s, with the time
+            left, and where it stopped on Ctrl-C or an error.
+          overwrite: replace what `path` holds instead of resuming it (only the
+            files of a write there, never others).
+          **kwargs: further keyword arguments, passed with every batch.
+
+        Returns:
+          A `tfshard.writing.Written`: ``path``, ``rows`` and ``batches`` on
+          disk, and ``computed_rows``, those this call computed.
+
+        Raises:
+          ArgumentError: a bad dataset (as for `iterate`), an infinite one,
+            ``reduce=`` set (there are no rows to write), outputs that are not
+            dense or ragged numbers, or a `path` holding another function's or
+            dataset's write (the message names the difference).
+          WriteError: a full disk, a file size limit or an unwritable path; what
+            was committed stays, and calling again resumes.
+
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "squares")
+        >>> f = tfshard.parallelize(lambda s: s * s, devices=["cpu:0", "cpu:1"])
+        >>> f.write(tf.data.Dataset.range(5), path, batch_size=2)
+        Written(path='...squares', rows=5, batches=3, computed_rows=5)
+        >>> tfshard.load(path).tolist()
+        [0, 1, 4, 9, 16]
+        >>> f.write(tf.data.Dataset.range(5), path, batch_size=2).computed_rows  # finished
+        0
+        """
+        return writing_lib.write(
+            self._runner(),
+            self._shared.arguments,
+            dataset,
+            path,
+            args,
+            kwargs,
+            batch_size=batch_size,
+            batched=batched,
+            progress=progress,
+            overwrite=overwrite,
+        )
 
     def __repr__(self) -> str:
         devices = self._shared.options.devices or "all devices"

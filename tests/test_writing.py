@@ -1,0 +1,507 @@
+"""f.write(dataset, path) and tfshard.load: outputs on disk in order, and resumes after crashes.
+
+References: the same function's in-memory result on the dataset, ``f(dataset)``
+(the traced loop and its TensorList gather, not the Python loop write uses),
+NumPy for the job of tests/write_job.py, and an uninterrupted write of the
+same job, which every interrupted and resumed write must equal byte for byte.
+The interruptions are real: child processes (write_job.py) killed by SIGKILL
+at points reached by counting calls, stopped by SIGINT, and refused by a file
+size limit; each is resumed here and counted, row by row, through a
+`tf.py_function` in the function.
+"""
+
+import collections
+import io
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import write_job
+
+import tfshard
+from tfshard import writing
+from tfshard.errors import ArgumentError, WriteError
+
+CPUS = [f"/device:CPU:{i}" for i in range(4)]
+REPO = pathlib.Path(__file__).resolve().parents[1]
+rng = np.random.default_rng(31)
+
+
+def _equal(got, want):
+    """`got` (what load gave) equals `want` (f(dataset)), leaf by leaf, in structure."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want)
+        for key in want:
+            _equal(got[key], want[key])
+    elif isinstance(want, tuple | list):
+        assert type(got).__name__ == type(want).__name__, (type(got), type(want))
+        assert getattr(got, "_fields", None) == getattr(want, "_fields", None)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            _equal(a, b)
+    elif isinstance(want, tf.RaggedTensor):
+        assert isinstance(got, tf.RaggedTensor)
+        assert got.to_list() == want.to_list()
+    else:
+        assert isinstance(got, np.ndarray)
+        assert got.dtype == want.dtype.as_numpy_dtype
+        np.testing.assert_array_equal(got, want.numpy())
+
+
+Pair = collections.namedtuple("Pair", "low high")
+
+OUTPUTS = {
+    "dense": lambda s: tf.tanh(s) * 3.0,
+    "dict": lambda s: {"emb": s * 2.0, "sq": tf.reduce_sum(s * s), "id": tf.cast(s[0], tf.int32)},
+    "nested": lambda s: (s, {"pair": Pair(s[:1], tf.cast(s > 0, tf.uint8))}),
+    "ragged": lambda s: {"r": tf.range(tf.cast(tf.abs(s[0]) * 3, tf.int32)), "d": s},
+}
+
+
+@pytest.mark.parametrize(
+    ("outputs", "length"),
+    [("dense", "known"), ("dict", "unknown"), ("nested", "known"), ("ragged", "unknown")],
+)
+def test_write_then_load_equals_the_call_on_the_dataset(tmp_path, outputs, length):
+    f = tfshard.parallelize(OUTPUTS[outputs], devices=CPUS[:3])
+    x = rng.normal(size=[23, 4]).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(x)
+    if length == "unknown":
+        ds = ds.filter(lambda s: s[1] > -1.0)
+        assert int(ds.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    ds = ds.batch(5)  # the last batch partial
+    written = f.write(ds, tmp_path / "out")
+    want = f(ds)
+    rows = sum(len(batch) for batch in ds)
+    assert written == writing.Written(str(tmp_path / "out"), rows, -(-rows // 5), rows)
+    _equal(tfshard.load(tmp_path / "out"), want)
+
+
+def test_a_ragged_output_of_two_ragged_dimensions(tmp_path):
+    def nested(s):  # [(k), (j)] per sample: k rows of lengths 0, 1, ..
+        k = tf.cast(tf.abs(s[0]) * 3, tf.int64) % 4
+        return tf.RaggedTensor.from_row_lengths(tf.range(k * (k - 1) // 2), tf.range(k))
+
+    f = tfshard.parallelize(nested, devices=CPUS[:2], ragged=True)
+    ds = tf.data.Dataset.from_tensor_slices(rng.normal(size=[11, 2]).astype(np.float32)).batch(4)
+    f.write(ds, tmp_path / "deep")
+    got, want = tfshard.load(tmp_path / "deep"), f(ds)
+    assert got.ragged_rank == want.ragged_rank == 2
+    assert got.to_list() == want.to_list()
+    names = sorted(os.listdir(tmp_path / "deep"))
+    assert names == [
+        "manifest.json",
+        "output.row_lengths.1.npy",
+        "output.row_lengths.2.npy",
+        "output.values.npy",
+    ]
+
+
+def test_numpy_reads_the_files_without_tfshard(tmp_path):
+    f = tfshard.parallelize(lambda s: {"emb": s * 2.0, "ids": tf.range(tf.cast(s[0], tf.int32))})
+    x = np.arange(14, dtype=np.float32).reshape(7, 2) % 4
+    f.write(tf.data.Dataset.from_tensor_slices(x), tmp_path / "w", batch_size=3)
+    emb = np.load(tmp_path / "w" / "emb.npy", mmap_mode="r")
+    np.testing.assert_array_equal(emb, x * 2.0)
+    values = np.load(tmp_path / "w" / "ids.values.npy")
+    lengths = np.load(tmp_path / "w" / "ids.row_lengths.npy")
+    np.testing.assert_array_equal(lengths, x[:, 0].astype(int))
+    rows = np.split(values, np.cumsum(lengths)[:-1])
+    assert [r.tolist() for r in rows] == [list(range(int(n))) for n in x[:, 0]]
+    manifest = json.loads((tmp_path / "w" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["rows"] == 7 and manifest["batches"] == 3
+    assert isinstance(tfshard.load(tmp_path / "w")["emb"], np.memmap)
+
+
+def test_every_numeric_dtype_comes_back_exact(tmp_path):
+    dtypes = [tf.bfloat16, tf.float16, tf.float64, tf.bool, tf.int8, tf.uint64, tf.complex64]
+    f = tfshard.parallelize(lambda s: {d.name: tf.cast(s, d) for d in dtypes}, devices=CPUS[:2])
+    ds = tf.data.Dataset.from_tensor_slices(np.arange(9.0).reshape(9, 1) - 3).batch(4)
+    f.write(ds, tmp_path / "d")
+    got, want = tfshard.load(tmp_path / "d"), f(ds)
+    for dtype in dtypes:
+        assert got[dtype.name].dtype == dtype.as_numpy_dtype
+        np.testing.assert_array_equal(got[dtype.name], want[dtype.name].numpy())
+
+
+def test_further_arguments_and_batch_size_as_a_call_takes_them(tmp_path):
+    f = tfshard.parallelize(
+        lambda s, w, scale: tf.linalg.matvec(w, s) * scale, devices=CPUS[:2], broadcast=("w",)
+    )
+    w = rng.normal(size=[3, 4]).astype(np.float32)
+    x = rng.normal(size=[10, 4]).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(x)
+    f.write(ds, tmp_path / "a", w, batch_size=4, scale=2.0)
+    np.testing.assert_allclose(tfshard.load(tmp_path / "a"), 2.0 * x @ w.T, rtol=1e-5)
+
+
+@pytest.mark.parametrize("element", ["x", "(x, y)", "(x, y, w)"])
+def test_a_keras_model_writes_what_predict_gives(tmp_path, element):
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(31)
+    with tf.device(CPUS[0]):
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    x = rng.normal(size=(11, 6)).astype(np.float32)
+    y, w = rng.integers(0, 3, 11), rng.random(11).astype(np.float32)
+    slices = {"x": x, "(x, y)": (x, y), "(x, y, w)": (x, y, w)}[element]
+    ds = tf.data.Dataset.from_tensor_slices(slices).batch(4)
+    tfshard.parallelize(model, devices=CPUS[:2]).write(ds, tmp_path / "p")
+    np.testing.assert_allclose(
+        tfshard.load(tmp_path / "p"), model.predict(ds, verbose=0), rtol=1e-6
+    )
+
+
+def test_an_empty_dataset_writes_outputs_of_zero_rows(tmp_path):
+    f = tfshard.parallelize(lambda s: {"a": s[:2] * 2, "b": tf.range(tf.cast(s[0], tf.int32))})
+    ds = tf.data.Dataset.from_tensor_slices(np.zeros([0, 5], np.float32)).batch(4)
+    assert f.write(ds, tmp_path / "e").rows == 0
+    got = tfshard.load(tmp_path / "e")
+    assert got["a"].shape == (0, 2) and got["b"].shape.as_list() == [0, None]
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def _counted(features=write_job.FEATURES):
+    """The job's function, with the rows it computes counted."""
+    rows = []
+    return write_job.make_scored(rows.append, CPUS[:2]), rows
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted writes of the job: the narrow one, and the wide one known and unknown."""
+    base = tmp_path_factory.mktemp("reference")
+    f, rows = _counted()
+    f.write(write_job.dataset(), base / "job")
+    assert sum(rows) == write_job.ROWS
+    for name, unknown in (("known", False), ("unknown", True)):
+        f.write(write_job.dataset(write_job.WIDE, unknown), base / "wide" / name)
+    return base
+
+
+def test_the_job_equals_numpy(reference):
+    x = write_job.inputs()
+    got = tfshard.load(reference / "job")
+    np.testing.assert_array_equal(got["y"], x * 2 + 1)
+    lengths = x[:, 0].astype(np.int64) % 4
+    assert got["n"].to_list() == [[float(v)] * int(k) for v, k in zip(x[:, 1], lengths)]
+
+
+def test_a_finished_write_called_again_computes_nothing(reference, tmp_path, capsys):
+    f, rows = _counted()
+    stream = io.StringIO()
+    assert f.write(write_job.dataset(), reference / "job", progress=stream).computed_rows == 0
+    assert rows == []
+    assert "holds all 45 rows already; nothing to compute" in stream.getvalue()
+
+
+def test_another_function_or_dataset_is_refused_and_overwrite_replaces(reference, tmp_path):
+    target = tmp_path / "job"
+    f, _ = _counted()
+    f.write(write_job.dataset(), target)
+    fix = "pass overwrite=True to replace it, or write to another path"
+    other = tfshard.parallelize(lambda x: x, per_sample=False, devices=CPUS[:2])
+    theirs = f"the write there is 'scored''s, not '<lambda>''s; {fix}"
+    with pytest.raises(ArgumentError, match=theirs):
+        other.write(write_job.dataset(), target)
+    six = write_job.dataset(features=6)
+    with pytest.raises(ArgumentError, match=r"elements element: TensorSpec\(shape=\(None, 3\)"):
+        f.write(six, target)
+    with pytest.raises(ArgumentError, match=f"a dataset of 6 batches, this one has 5; {fix}"):
+        f.write(write_job.dataset().take(5), target)
+    unknown = write_job.dataset().filter(lambda b: True)
+    with pytest.raises(ArgumentError, match="this one has an unknown number of; "):
+        f.write(unknown, target)
+    shuffled = (
+        tf.data.Dataset.from_tensor_slices(write_job.inputs())
+        .shuffle(45, seed=1, reshuffle_each_iteration=False)
+        .batch(8)
+    )  # one order, every time
+    with pytest.raises(ArgumentError, match=r"first batch differs .* reshuffle_each_iteration"):
+        f.write(shuffled, target)
+    # overwrite=True: the shuffled rows, in their order, and nothing of the old files left.
+    f.write(shuffled, target, overwrite=True)
+    np.testing.assert_array_equal(
+        tfshard.load(target)["y"], np.concatenate([b.numpy() for b in shuffled]) * 2 + 1
+    )
+    assert sorted(os.listdir(target)) == sorted(os.listdir(reference / "job"))
+
+
+def test_another_output_of_the_same_name_is_refused_at_its_first_batch(tmp_path):
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([10, 3], np.float32)).batch(4)
+
+    def embed(s):
+        return s * 2
+
+    tfshard.parallelize(embed, devices=CPUS[:2]).write(ds.take(2), tmp_path / "e")
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    manifest["complete"] = False  # as if it had stopped after two of three batches
+    manifest["dataset"]["batches"] = 3
+    (tmp_path / "e" / "manifest.json").write_text(json.dumps(manifest))
+
+    def embed(s):  # noqa: F811  the same name, another output: [N, 3] int32
+        return tf.cast(s, tf.int32)
+
+    with pytest.raises(
+        ArgumentError,
+        match=r"output there is dense float32 \[N, 3\]; this "
+        r"function gives dense int32 \[N, 3\]",
+    ):
+        tfshard.parallelize(embed, devices=CPUS[:2]).write(ds, tmp_path / "e")
+
+
+def test_what_cannot_be_written_is_refused_before_anything_runs(tmp_path):
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([4, 2], np.float32)).batch(2)
+    summed = tfshard.parallelize(lambda s: s, devices=CPUS[:2], reduce="sum")
+    with pytest.raises(ArgumentError, match=r"reduce='sum' gives one value.*call <lambda>\(dat"):
+        summed.write(ds, tmp_path / "s")
+    f = tfshard.parallelize(lambda s: s, devices=CPUS[:2])
+    with pytest.raises(ArgumentError, match=r"infinite .* \(dataset.take\(n\)\)"):
+        f.write(ds.repeat(), tmp_path / "i")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ArgumentError, match="is a file; write into a directory"):
+        f.write(ds, tmp_path / "file")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    for overwrite in (False, True):  # never a user's files
+        with pytest.raises(ArgumentError, match=r"files that are not a tfshard write's \(notes"):
+            f.write(ds, tmp_path / "mine", overwrite=overwrite)
+    words = tfshard.parallelize(lambda s: tf.strings.as_string(s), devices=CPUS[:2])
+    with pytest.raises(ArgumentError, match="tf.string tensor; write stores numbers"):
+        words.write(ds, tmp_path / "w")
+    with pytest.raises(WriteError, match=r"Not a directory \(.*below\); nothing was written"):
+        f.write(ds, tmp_path / "file" / "below")
+    assert not (tmp_path / "s").exists() and not (tmp_path / "i").exists()
+
+
+def test_outputs_whose_row_shape_changes_are_refused_naming_the_leaf(tmp_path):
+    x = np.repeat(np.arange(1.0, 4.0, dtype=np.float32), 2)[:, None]  # batch k's rows hold k
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(2)
+    widens = tfshard.parallelize(
+        lambda s: {"x": tf.tile(s, [1, tf.cast(s[0, 0], tf.int32)])},
+        per_sample=False,
+        devices=CPUS[:1],
+    )
+    changed = r"output\['x'\] has rows of shape \[2\] in this batch but \[1\] in the first; a file"
+    with pytest.raises(ArgumentError, match=changed):
+        widens.write(ds, tmp_path / "g")
+    assert tfshard.load(tmp_path / "g", partial=True)["x"].tolist() == [[1.0], [1.0]]
+
+
+def test_load_refuses_a_write_that_has_not_finished_unless_partial(tmp_path):
+    with pytest.raises(ArgumentError, match="no manifest.json there"):
+        tfshard.load(tmp_path)
+    f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(10).batch(3)
+
+    def stop(i, b):
+        tf.debugging.assert_less(i, tf.constant(2, tf.int64), "stop")
+        return b
+
+    failing = tf.data.Dataset.zip((tf.data.Dataset.range(4), ds)).map(stop)
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        f.write(failing, tmp_path / "p")
+    assert "tfshard: 6 rows (2 batches) are on disk" in "".join(caught.value.__notes__)
+    with pytest.raises(ArgumentError, match=r"has not finished \(6 rows in 2 batches"):
+        tfshard.load(tmp_path / "p")
+    assert tfshard.load(tmp_path / "p", partial=True).tolist() == [1, 2, 3, 4, 5, 6]
+    # The rows so far are a valid .npy for NumPy too: its header counts them.
+    assert np.load(tmp_path / "p" / "output.npy").tolist() == [1, 2, 3, 4, 5, 6]
+    assert f.write(ds, tmp_path / "p").computed_rows == 4
+    assert tfshard.load(tmp_path / "p").tolist() == list(range(1, 11))
+
+
+def test_a_second_write_to_a_path_being_written_is_refused(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    (tmp_path / "busy").mkdir()
+    held = os.open(tmp_path / "busy", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a write in another process holds it
+    f = tfshard.parallelize(lambda s: s, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(4).batch(2)
+    try:
+        with pytest.raises(WriteError, match="another write is running there"):
+            f.write(ds, tmp_path / "busy")
+    finally:
+        os.close(held)
+    assert f.write(ds, tmp_path / "busy").rows == 4  # and free once it ends
+
+
+def test_a_crash_after_the_last_commit_finishes_on_resume(reference, tmp_path, monkeypatch):
+    # Every batch committed, the files not yet trimmed nor the write marked done.
+    def crash(self):
+        raise KeyboardInterrupt
+
+    f, rows = _counted()
+    with monkeypatch.context() as patch:
+        patch.setattr(writing._Store, "finish", crash)
+        with pytest.raises(KeyboardInterrupt):
+            f.write(write_job.dataset(), tmp_path / "job")
+    manifest = _resume_and_compare(tmp_path / "job", reference / "job", write_job.dataset())
+    assert manifest["rows"] == write_job.ROWS and manifest["batches"] == 6
+
+
+def test_a_batch_half_written_when_the_disk_fills_counts_for_nothing(
+    reference, tmp_path, monkeypatch
+):
+    # Commits on the default clock leave batches written but not committed when the disk
+    # fills half way through batch 3 (after n's two files, at y's): the commit on the way
+    # out counts batches 1 and 2 whole, in every file, and none of batch 3.
+    monkeypatch.setattr(writing, "COMMIT_SECONDS", 1e9)  # the first batch's commit only
+    append, calls = writing._Column.append, []
+
+    def fills_up(self, array):
+        calls.append(1)
+        if len(calls) == 9:  # batch 3's third file, y.npy
+            raise OSError(28, "No space left on device", "y.npy")
+        return append(self, array)
+
+    f, _ = _counted()
+    with monkeypatch.context() as patch:
+        patch.setattr(writing._Column, "append", fills_up)
+        with pytest.raises(WriteError, match=r"the disk is full; free some space; 16 rows \(2 "):
+            f.write(write_job.dataset(), tmp_path / "job")
+    manifest = _resume_and_compare(tmp_path / "job", reference / "job", write_job.dataset())
+    values = int((write_job.inputs()[:16, 0].astype(np.int64) % 4).sum())  # n's first 16 rows
+    assert [p["rows"] for leaf in manifest["leaves"] for p in leaf["parts"]] == [values, 16, 16]
+
+
+# ---------------------------------------------------------- crashes, resumed
+
+
+SCENARIOS = (
+    "before_first_batch",
+    "mid_compute",
+    "mid_data",
+    "mid_header",
+    "mid_manifest",
+    "sigint",
+    "full_disk",
+)
+
+
+def _as_in_a_terminal():
+    # A background job starts with SIGINT ignored; the SIGINT child needs Ctrl-C's default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started(tmp_path_factory):
+    """Every scenario of write_job.py in its own process, started with this module's first
+    test, so that they start TensorFlow while the tests above run; name -> (process, the
+    write's directory, its log)."""
+    base = tmp_path_factory.mktemp("children")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    processes = {}
+    for name in SCENARIOS:
+        path, log = base / name, base / f"{name}.log"
+        command = [sys.executable, str(REPO / "tests" / "write_job.py"), name, str(path), str(log)]
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            preexec_fn=_as_in_a_terminal,
+        )
+        processes[name] = (process, path, log)
+    yield processes
+    for process, _, _ in processes.values():
+        process.kill()
+        process.communicate()
+
+
+@pytest.fixture(scope="module")
+def children(started):
+    """Each scenario's end: name -> (exit status, stdout, stderr, directory, log)."""
+    done = {}
+    for name, (process, path, log) in started.items():
+        out, err = process.communicate(timeout=240)
+        done[name] = (process.returncode, out, err, path, log)
+    return done
+
+
+def _files(path):
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path))}
+
+
+def _resume_and_compare(path, reference_path, dataset):
+    """Resumes the write at `path`; the rows it computed, checked to be exactly the missing ones."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert not manifest["complete"]
+    f, rows = _counted()
+    written = f.write(dataset, path)
+    assert sum(rows) == written.computed_rows == written.rows - manifest["rows"]
+    assert _files(path) == _files(reference_path)  # byte for byte, the manifest too
+    return manifest
+
+
+@pytest.mark.parametrize(
+    ("scenario", "committed"),
+    [
+        ("before_first_batch", 0),
+        ("mid_compute", 2),
+        ("mid_data", 2),
+        ("mid_header", 2),
+        ("mid_manifest", 2),
+    ],
+)
+def test_a_write_killed_anywhere_resumes_to_the_uninterrupted_files(
+    children, reference, scenario, committed
+):
+    code, out, err, path, _ = children[scenario]
+    assert code == -signal.SIGKILL, (out, err[-3000:])
+    leftovers = set(os.listdir(path)) - set(os.listdir(reference / "job"))
+    if scenario == "mid_manifest":
+        assert leftovers == {".manifest.json.tmp"}  # half written; the next commit replaces it
+    else:
+        assert not leftovers
+    if scenario == "mid_header":  # n's headers count batch 3; y's and the manifest do not
+        assert np.load(path / "n.row_lengths.npy").shape == (24,)
+        assert np.load(path / "y.npy").shape == (16, 3)
+    manifest = _resume_and_compare(path, reference / "job", write_job.dataset())
+    assert manifest["batches"] == committed
+    assert manifest["rows"] == 8 * committed
+
+
+def test_ctrl_c_stops_a_write_saying_where_and_it_resumes(children, reference):
+    code, out, err, path, log = children["sigint"]
+    assert (code, out.strip()) == (0, "interrupted"), err[-3000:]
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("scored: batch 1/6  8 samples")
+    assert lines[-2].startswith("scored: stopped at batch 2/6, 16 samples, after ")
+    assert lines[-2].endswith("(KeyboardInterrupt)")
+    assert lines[-1] == (
+        f"16 rows (2 batches) are on disk in {str(path)!r}; call "
+        f"scored.write(dataset, {str(path)!r}) again to resume after them"
+    )
+    _resume_and_compare(path, reference / "job", write_job.dataset())
+
+
+def test_a_full_disk_is_a_clear_error_and_the_write_resumes(children, reference):
+    code, out, err, path, log = children["full_disk"]
+    assert code == 0, err[-3000:]
+    report = json.loads(log.read_text())
+    # A known length reserves its files first: the limit is met before any batch is written.
+    known = report["known"]
+    assert known["is_os_error"] and known["errno"] == 27
+    assert "File too large" in known["message"] and "y.npy" in known["message"]
+    assert "the file size limit (ulimit -f) is reached; raise it" in known["message"]
+    assert "0 rows (0 batches) are on disk" in known["message"]
+    assert known["message"].endswith("again to resume after them")
+    # An unknown length meets it at the third batch; two are committed.
+    unknown = report["unknown"]
+    assert unknown["errno"] == 27 and "16 rows (2 batches) are on disk" in unknown["message"]
+    for name, unknown_length in (("known", False), ("unknown", True)):
+        dataset = write_job.dataset(write_job.WIDE, unknown_length)
+        wide = write_job.make_scored(lambda rows: None, CPUS[:2])
+        before = json.loads((path / name / "manifest.json").read_text())["rows"]
+        written = wide.write(dataset, path / name)
+        assert written.rows - before == written.computed_rows
+        assert _files(path / name) == _files(reference / "wide" / name)
