@@ -48,6 +48,9 @@ CONTRACT = {
     "replicas",
     # What ran where and when in one call (issue 24): f.timeline(x) returns one.
     "Timeline",
+    # Where a shard is, inside the function (issue 30).
+    "shard_index",
+    "row_index",
 }
 
 

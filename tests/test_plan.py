@@ -118,6 +118,23 @@ def test_the_python_plan_is_the_graphs(n, weights):
     assert _plan.plan_rows(n, count, weights) == in_graph
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    n=st.integers(0, 10_000),
+    weights=st.lists(st.floats(0.0, 60.0), min_size=1, max_size=6).filter(any),
+)
+def test_weights_fed_at_run_time_plan_as_the_same_weights_traced(n, weights):
+    """weights="auto" feeds its weights as a tensor: the plan is the one of constants."""
+    integer = _plan.integer_weights(weights)
+    fed = tf.constant(integer, tf.int64)
+    count = len(weights)
+    in_graph = _plan.plan_sizes(tf.constant(n, tf.int64), count, fed).numpy().tolist()
+    assert in_graph == _plan.plan_rows(n, count, integer)
+    assert _plan.plan_sizes(tf.constant(n), count, tf.ones([count], tf.int64)).numpy().tolist() == (
+        _plan.plan_rows(n, count, None)  # equal weights: the even plan
+    )
+
+
 def test_plan_and_explain_work_inside_a_tf_function():
     f = tfshard.parallelize(tf.identity, devices=CPUS[:3], weights=[2, 1, 1])
     seen = []

@@ -56,6 +56,7 @@ class ShardedFunction:
 
     Attributes:
       devices: the canonical device names, one shard each, in shard order.
+      weights: the weights the plan uses now (None: an even split).
       trace_count: how many graphs have been traced (one per distinct argument
         signature; the batch size is not part of it).
     """
@@ -79,6 +80,22 @@ class ShardedFunction:
     def output_device(self) -> str:
         """Where results land: `output_device`, else the first device."""
         return self._engine().output
+
+    @property
+    def weights(self) -> tuple[float, ...] | None:
+        """The weights the plan uses now: as given, measured, or None for an even split.
+
+        With ``weights="auto"`` they are each device's measured speed, the
+        slowest device with rows at 1 (``(2.95, 1.0)``), None until every device
+        has been measured; pass them as ``weights=`` to plan the same way
+        without measuring. Static weights read back as given.
+
+        >>> tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1"], weights=[3, 1]).weights
+        (3, 1)
+        >>> print(tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1"]).weights)
+        None
+        """
+        return self._engine().weights
 
     @property
     def trace_count(self) -> int:
@@ -228,7 +245,10 @@ class ShardedFunction:
         more shards are off the output device and the host CPU, each of them
         calls one trace they share: it shows one call op on its device
         (``tfshard_shard_k/StatefulPartitionedCall``), whose ops are in
-        ``.graph.as_graph_def().library``, placed by the call.
+        ``.graph.as_graph_def().library``, placed by the call. With
+        ``weights="auto"`` it takes the plan's weights after the call's tensors
+        (int64, one per device) and returns ``(outputs, timing)``, each shard's
+        rows and seconds.
 
         >>> f = tfshard.parallelize(tf.sin, devices=["cpu:0", "cpu:1"])
         >>> graph = f.get_concrete_function(np.zeros([4], np.float32)).graph
@@ -482,7 +502,7 @@ def parallelize(
     fn: Callable[..., Any] | None = None,
     *,
     devices: Sequence[pinning.DeviceSpecLike] | None = None,
-    weights: Sequence[float] | None = None,
+    weights: Sequence[float] | str | None = None,
     per_sample: bool | None = None,
     reduce: str | None = None,
     output_device: pinning.DeviceSpecLike | None = None,
@@ -490,6 +510,7 @@ def parallelize(
     ragged: bool = False,
     jit_compile: bool = False,
     allow_duplicate_devices: bool = False,
+    max_rows: int | Sequence[int | None] | None = None,
 ) -> Any:
     """Runs a function on every device at once, splitting its batch between them.
 
@@ -526,8 +547,15 @@ def parallelize(
       devices: where to run, one shard each (anything `resolve_device` takes).
         Default: every GPU, else every logical CPU device.
       weights: relative speeds, one per device; shard sizes follow them with
-        largest-remainder rounding (``[3, 1]`` splits 10 rows 8:2). Default: even
-        split, sizes differing by at most one, extra rows to the first shards.
+        largest-remainder rounding (``[3, 1]`` splits 10 rows 8:2). ``"auto"``:
+        measure them on the function itself: each shard of every call (and
+        of a stream's batches) is timed in the graph, and each device's
+        weight is its speed from the median of its last 9 times per row; the
+        plan starts even and changes only when that is predicted to end a
+        call at least 5 % sooner, and a device keeps rows unless it is over
+        50x slower per row than the fastest (`ShardedFunction.weights` shows
+        them; `tfshard._balance` has the rules). Default: even split, sizes
+        differing by at most one, extra rows to the first shards.
       per_sample: True to vectorise `fn` over the rows with `tf.vectorized_map`
         (falling back to a `tf.while_loop` where an op has no vectorised form);
         False to call `fn` on each shard as a batch. Default: False for a Keras
@@ -566,6 +594,16 @@ def parallelize(
         ragged tensors, most data-dependent shapes) fail on the first call.
       allow_duplicate_devices: let two shards share a device (as when a context
         map aliases two names to one card). Otherwise that is an error.
+      max_rows: the most rows the function takes at once on a device, for a
+        batch larger than a device's memory: an int for every device, or one
+        per device (None: no limit there). A shard with more rows runs the
+        function on consecutive chunks of at most that many, in a loop on its
+        device, and its outputs are gathered or reduced exactly as if it had
+        run once (a whole-shard mean stays the batch's mean).
+
+    Inside the function, `tfshard.shard_index` is the shard's index and
+    `tfshard.row_index` the global row of the sample (or of each row of the
+    shard), counted over the whole input (`tfshard.position`).
 
     Returns:
       A `ShardedFunction`; calling it returns the function's outputs for all
@@ -576,7 +614,8 @@ def parallelize(
         resolved); bad arguments at a call, before anything runs.
       DeviceError: a device does not exist.
       ShardError: a shard failed while running; the message names its device
-        and rows. It is also the TensorFlow error type the shard raised.
+        and rows (and, out of memory, the remedies: ``max_rows=``,
+        ``weights=``). It is also the TensorFlow error type the shard raised.
 
     >>> @tfshard.parallelize(devices=["cpu:0", "cpu:1"])
     ... def double(sample):
@@ -594,6 +633,7 @@ def parallelize(
         ragged=ragged,
         jit_compile=jit_compile,
         allow_duplicate_devices=allow_duplicate_devices,
+        max_rows=max_rows,
     )
     if fn is None:
         return functools.partial(parallelize, **given)
