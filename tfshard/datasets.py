@@ -336,6 +336,40 @@ class Runner:
             return engine.call(arguments.classify((*element, *args), kwargs))
         return result
 
+    def one_batch(
+        self,
+        arguments: Arguments,
+        dataset: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        batch_index: int,
+        batch_size: int | None,
+        batched: bool | None,
+    ) -> Call:
+        """Batch `batch_index` of the dataset as a call would take it (`f.timeline(dataset)`).
+
+        The dataset is read as a call on it reads it (a Keras model's ``x``,
+        `batch_size`, `batched`); the batch is then one call of its own.
+
+        Raises:
+          ArgumentError: `batch_index` is not an int >= 0, or the dataset has
+            no batch of that index.
+        """
+        name = self.engine.name
+        if isinstance(batch_index, bool) or not isinstance(batch_index, int) or batch_index < 0:
+            raise ArgumentError(f"batch_index={batch_index!r}: the batch to record, an int >= 0")
+        dataset = model_inputs(dataset, self.engine.fn)
+        _check_specs(arguments, dataset, args, kwargs)
+        batches = prepare(dataset, batch_size, batched)
+        with tf.device(HOST):
+            element = next(iter(batches.skip(batch_index).take(1)), None)
+        if element is None:
+            raise ArgumentError(
+                f"{name}.timeline(dataset, batch_index={batch_index}): the dataset has no batch "
+                f"{batch_index} (it has fewer than {batch_index + 1}); pick an earlier one"
+            )
+        return arguments.classify((*_split_element(element), *args), kwargs)
+
     def _graph_loop(
         self,
         arguments: Arguments,

@@ -373,19 +373,31 @@ class ShardedFunction:
     # ------------------------------------------------------------ timeline
 
     @_not_converted
-    def timeline(self, *args: Any, **kwargs: Any) -> timeline_lib.Timeline:
+    def timeline(
+        self,
+        *args: Any,
+        batch_index: int = 0,
+        batch_size: int | None = None,
+        batched: bool | None = None,
+        **kwargs: Any,
+    ) -> timeline_lib.Timeline:
         """Runs one call with these arguments and returns what ran where and when.
 
         The record is TensorFlow's own (the step stats of the call's graph, run
         in a session of its own with a full trace; see `tfshard.timeline`), so
         it answers "did my devices run at once, and where did the time go?"
         without TensorBoard. The call's results are not returned, and writes
-        to variables go to copies: the function's variables are left as they
-        were.
+        to variables and lookup tables go to copies: the function's own are
+        left as they were.
 
         Args:
-          *args: the arguments you would call the function with (tensors, not
-            a `tf.data.Dataset`: pass one batch of it).
+          *args: the arguments you would call the function with; a
+            `tf.data.Dataset` first records one of its batches, run as a call.
+          batch_index: with a dataset, which batch (0, the first, by default).
+          batch_size: with a dataset of single samples, the batch size, as
+            for a call on it.
+          batched: with a dataset, whether its elements are batches, as for a
+            call on it.
           **kwargs: likewise.
 
         Returns:
@@ -394,8 +406,9 @@ class ShardedFunction:
           ``print`` it for a table, ``.plot(path)`` for a PNG.
 
         Raises:
-          ArgumentError: a dataset, a device on another machine, or a captured
-            resource that is not a variable.
+          ArgumentError: a device on another machine, a dataset with fewer
+            batches than `batch_index`, or a captured resource that is neither
+            a variable, a lookup table nor a critical section.
 
         >>> f = tfshard.parallelize(tf.sin, devices=["cpu:0", "cpu:1"])
         >>> print(f.timeline(np.zeros([6], np.float32)))  # doctest: +ELLIPSIS
@@ -404,17 +417,25 @@ class ShardedFunction:
           0       /device:CPU:0     3  ...
           1       /device:CPU:1     3  ...
         """
+        arguments = self._shared.arguments
         if args and isinstance(args[0], tf.data.Dataset):
-            raise ArgumentError(
-                f"{self.__name__}.timeline() records one call on tensors; pass one batch "
-                "of the dataset, e.g. next(iter(dataset))"
+            call = self._runner().one_batch(
+                arguments, args[0], args[1:], kwargs, batch_index, batch_size, batched
             )
-        call = self._shared.arguments.classify(args, kwargs)
+        else:
+            for key, value in (("batch_size", batch_size), ("batched", batched)):
+                if value is not None:
+                    raise ArgumentError(
+                        f"{self.__name__}.timeline(..., {key}=...): {key}= is for a "
+                        "tf.data.Dataset; with tensors the whole argument is one batch"
+                    )
+            call = arguments.classify(args, kwargs)
+        engine = self._engine()
         return timeline_lib.record(
-            self.get_concrete_function(*args, **kwargs),
-            call.tensors,
+            engine.trace(call),
+            [*call.tensors, *engine.feeds()],
             devices=self.devices,
-            rows=None if call.rows is None else self.plan(call.rows),
+            rows=None if call.rows is None else engine.plan(call.rows),
             name=self.__name__,
         )
 
