@@ -219,15 +219,24 @@ def test_a_shard_out_of_memory_is_named_with_its_rows_and_the_remedies():
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     for max_rows, at_once in (
-        ("None", "pass max_rows=N to run each shard's function on at most N rows at a time"),
-        ("2", f"it ran in chunks of at most 2 rows: pass a smaller max_rows= for {CPUS[1]}"),
+        (
+            "None",
+            "Pass max_rows=N to run each shard's function on at most N rows at a time (on its "
+            "device, results as one run's; a list gives one limit per device)",
+        ),
+        ("2", f"It ran in chunks of at most 2 rows: pass a smaller max_rows= for {CPUS[1]}"),
     ):
         case = found[max_rows]
         assert case["exhausted"] and case["after"] == [0.0]
-        message = case["message"]
-        assert message.startswith(f"greedy: shard 1 on {CPUS[1]} (rows [3:6) of 9) failed: ")
-        assert f"Shard 1 ran out of memory on {CPUS[1]}: {at_once}" in message
-        assert f"or weights= to give {CPUS[1]} fewer rows" in message
+        first, second = case["message"].splitlines()[:2]
+        assert first == (
+            f"greedy: shard 1 on {CPUS[1]} (rows [3:6) of 9) failed: it ran out of memory. "
+            f"{at_once}, or weights= to give {CPUS[1]} fewer rows (weights='auto' measures "
+            "speeds, not memory). Nothing else changed: the call returned nothing, and the "
+            "next call runs as usual"
+        )
+        assert second == "TensorFlow's error: Graph execution error:"
+        assert "OOM when allocating tensor" in case["message"]
 
 
 @pytest.mark.parametrize("shard", [1, 2])

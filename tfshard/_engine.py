@@ -408,13 +408,16 @@ class Engine:
         k = failing_shard(error.message)
         wrapped = error
         if k is not None:
-            wrapped = shard_error(
-                error,
-                f"{self.name}: shard {k} on {self.devices[k]} ({self.rows_of(k, rows, weights)}) "
-                f"failed: {user_frames(error.message)}",
-            )
+            where = self.rows_of(k, rows, weights)
+            shard = f"{self.name}: shard {k} on {self.devices[k]} ({where})"
+            text = f"failed: {user_frames(error.message)}"
             if isinstance(error, tf.errors.ResourceExhaustedError):
-                hint = self.memory_hint(k)
+                # The remedy first: TensorFlow's text runs to dozens of lines.
+                text = (
+                    f"failed: it ran out of memory. {self.memory_hint(k)}\n"
+                    f"TensorFlow's error: {user_frames(error.message)}"
+                )
+            wrapped = shard_error(error, f"{shard} {text}")
         pfor_stack = pfor_stack_failure(error.message)
         per_sample, ragged = self.options.per_sample, self.options.ragged
         if hint is None and per_sample and not ragged and pfor_stack:
@@ -433,15 +436,15 @@ class Engine:
         limits = self.options.limits(len(self.devices))
         limit = None if limits is None else limits[k]
         at_once = (
-            f"it ran in chunks of at most {limit} rows: pass a smaller max_rows= for {device}"
+            f"It ran in chunks of at most {limit} rows: pass a smaller max_rows= for {device}"
             if limit is not None
-            else "pass max_rows=N to run each shard's function on at most N rows at a time "
+            else "Pass max_rows=N to run each shard's function on at most N rows at a time "
             "(on its device, results as one run's; a list gives one limit per device)"
         )
         return (
-            f"Shard {k} ran out of memory on {device}: {at_once}, or weights= to give "
-            f"{device} fewer rows (weights='auto' measures speeds, not memory). Nothing "
-            "else was changed: the call returned nothing, and the next call runs as usual"
+            f"{at_once}, or weights= to give {device} fewer rows (weights='auto' measures "
+            "speeds, not memory). Nothing else changed: the call returned nothing, and the "
+            "next call runs as usual"
         )
 
     def rows_of(self, k: int, rows: int | None, weights: tuple[int, ...] | None = None) -> str:
