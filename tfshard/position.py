@@ -70,7 +70,7 @@ class _Seen(NamedTuple):
     """
 
     index: tf.Tensor
-    first: tf.Tensor
+    first: tf.Tensor | None  # None: a sample whose row was not mapped (`row_index` says)
     count: tf.Tensor | None
 
 
@@ -146,6 +146,12 @@ def row_index() -> tf.Tensor:
       TfshardError: called outside a function run by `tfshard.parallelize`.
     """
     seen_now = _innermost("row_index")
+    if seen_now.first is None:  # `tfshard._shards.vectorized` mapped no rows
+        raise TfshardError(
+            "tfshard.row_index() was called in a trace of the function on one sample, but "
+            "not in the trace tfshard made first to learn its outputs, so no sample's row "
+            "was mapped with it; read it in every trace (not behind a Python condition)"
+        )
     if seen_now.count is None:
         return seen_now.first
     return Position(seen_now.index, seen_now.first).rows(seen_now.count)
