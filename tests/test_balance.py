@@ -139,7 +139,12 @@ def test_explain_shows_the_weights_in_use(measured):
     shown = ", ".join(f"{w:g}" for w in f.weights)
     assert line.startswith(f"  weights [{shown}] (weights='auto', from ")
     fresh = tfshard.parallelize(unequal, devices=CPUS[:2], per_sample=False, weights="auto")
-    assert "weights even (weights='auto': 0 measurements so far" in fresh.explain(x)
+    assert "weights even (weights='auto': 0 measurements, not every device yet)" in (
+        fresh.explain(x)
+    )
+    cheap = tfshard.parallelize(tf.identity, devices=CPUS[:2], per_sample=False, weights="auto")
+    cheap._engine().balance.observe([50, 50], [0.001, 0.0011], warm_up=False)
+    assert "weights even (weights='auto', from 1 measurement: no other split" in cheap.explain(x)
 
 
 def test_a_stream_measures_as_it_runs():

@@ -107,6 +107,8 @@ class ShardedFunction:
     def plan(self, n: int) -> list[int]:
         """The shard sizes for a batch of `n` rows, one per device, summing to `n`.
 
+        With ``weights="auto"``, the plan of the weights in use now (`weights`).
+
         >>> f = tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1", "cpu:2"])
         >>> f.plan(8)
         [3, 3, 2]
