@@ -358,3 +358,39 @@ def test_write_script_measures_each_way_in_its_own_process(tmp_path):
     assert report["summary"][1]["x_recipe"] == 1.0
     assert "  write          300" in proc.stdout and "x recipe" in proc.stdout
     assert sorted(os.listdir(tmp_path)) == ["write.json"]  # each way's files removed
+
+
+def test_unequal_compares_even_the_best_static_weights_and_auto(bench, two_devices):
+    """benchmarks/unequal.py on tiny sizes: every split computes the same, the table prints."""
+    del bench  # benchmarks/ on the path
+    unequal = importlib.import_module("unequal")
+    result = unequal.measure(
+        tf,
+        tfshard,
+        two_devices,
+        [1, 3],
+        batch=64,
+        width=8,
+        depth=1,
+        stream_batches=3,
+        repeats=2,
+        sweep_repeats=1,
+        auto_calls=3,
+        points=[(1.0, 1.0), (3.0, 1.0)],
+    )
+    assert result["devices"] == two_devices and result["ideal_weights"] == [3.0, 1.0]
+    assert result["best_weights"] in ([1.0, 1.0], [3.0, 1.0])
+    assert set(result["calls"]) == {"even", "best", "auto", "alone"}
+    assert set(result["stream"]) == {"even", "best", "auto"} and result["stream_rows"] == 192
+    for where in ("calls", "stream"):
+        assert result[where]["best"]["this_over_best"] == pytest.approx(1.0)
+        assert all(row["median_ms"] > 0 for row in result[where].values())
+    assert [t["name"] for t in result["targets"]] == [
+        "calls: auto over best",
+        "calls: even over auto",
+        "stream: auto over best",
+        "stream: even over auto",
+    ]
+    table = unequal.format_result(result, 64)
+    assert "ideal weights [3, 1]" in table and "(sweep)" in table and "(measured)" in table
+    json.dumps(result)

@@ -346,6 +346,25 @@ CLIENT = textwrap.dedent(
                         "here": bool(np.array_equal(here(ds)["row"].numpy(), x))})
     say(event="datasets", streams=streams)
 
+    # Where each shard is, and weights="auto", across workers (issue 30).
+    ones = tf.ones([6, 256])
+
+    def where(block):  # each row's shard and global row, after work enough to time
+        work = tf.reduce_sum(tf.tanh(tf.matmul(block, ones)), axis=1)
+        shard = tf.cast(tf.fill(tf.shape(work), tfshard.shard_index()), tf.float32)
+        return tf.stack([shard + 0.0 * work, tf.cast(tfshard.row_index(), tf.float32)], 1)
+
+    auto = tfshard.parallelize(where, devices=devices, per_sample=False, weights="auto",
+                               output_device="cpu:0")
+    x = np.ones((3000, 6), np.float32)
+    plans, placed = [], True
+    for _ in range(6):
+        plan, got = auto.plan(3000), auto(x).numpy()
+        plans.append(plan)
+        want = np.stack([np.repeat(np.arange(3), plan), np.arange(3000)], 1)
+        placed = placed and bool(np.array_equal(got, want))
+    say(event="auto", weights=auto.weights, plans=plans, placed=placed)
+
     say(event="kill_worker", task=1)
     wait_for_go()
     start = time.monotonic()
@@ -511,6 +530,11 @@ def test_parallelize_across_two_workers_survives_a_worker_restart(two_workers):
 
         streams = _event(client, "datasets")["streams"]
         assert all(s["on_worker"] and s["here"] for s in streams), streams
+        auto = _event(client, "auto")
+        # Each row knew its shard and global row under every plan, and the shards on the
+        # workers were timed on their own clocks: the weights are measured (not None).
+        assert auto["placed"] and auto["plans"][0] == [1000, 1000, 1000], auto
+        assert auto["weights"] is not None and len(auto["weights"]) == 3, auto
 
         _event(client, "kill_worker")
         two_workers.kill(1)

@@ -627,14 +627,14 @@ def test_a_call_of_the_loop_grows_at_most_twofold(monkeypatch):
     limits = []
     original = datasets._Loop.run
 
-    def run(self, batches, broadcast, meter, interrupted):
+    def run(self, batches, broadcast, meter, interrupted, *rest):
         chunk = self._chunk
-        self._chunk = lambda it, cur, i, limit, *rest: (
+        self._chunk = lambda it, cur, i, limit, *more: (
             limits.append(int(limit)),
-            chunk(it, cur, i, limit, *rest),
+            chunk(it, cur, i, limit, *more),
         )[1]
         try:
-            return original(self, batches, broadcast, meter, interrupted)
+            return original(self, batches, broadcast, meter, interrupted, *rest)
         finally:
             self._chunk = chunk
 

@@ -7,6 +7,12 @@ running the check itself. Where a parser shows through a public call, the call
 is tested too.
 """
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -167,6 +173,70 @@ def test_a_failing_shard_is_named_with_its_device_and_rows(shard):
     assert str(raised.value).startswith(
         f"<lambda>: shard {shard} on {devices[shard]} (rows [{start}:{start + 3}) of 9) failed: "
     )
+
+
+# A real out-of-memory, run in a process of its own: with oneDNN's CPU allocator (this
+# process's), a refused allocation is retried for 10 s before it fails; TensorFlow's plain
+# one (TF_ENABLE_ONEDNN_OPTS=0) fails at once, with the same error.
+_OUT_OF_MEMORY = """
+import json, numpy as np, tensorflow as tf, tfshard
+tfshard.virtual_devices(3)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+
+def greedy(block):
+    # Shard 1 asks for 2**40 floats per row: the allocator really refuses (4 TiB a row).
+    per_row = tf.where(tfshard.shard_index() == 1, tf.constant(2**40, tf.int64), 1)
+    scratch = tf.zeros(tf.reshape(tf.shape(block, out_type=tf.int64)[0] * per_row, [1]))
+    return block + tf.reduce_sum(scratch[:1])
+
+found = {}
+for max_rows in (None, 2):
+    f = tfshard.parallelize(greedy, devices=["cpu:0", "cpu:1", "cpu:2"], per_sample=False,
+                            max_rows=max_rows)
+    x = np.arange(9, dtype=np.float32)
+    try:
+        f(x)
+    except tfshard.ShardError as error:
+        found[str(max_rows)] = {
+            "message": str(error),
+            "exhausted": isinstance(error, tf.errors.ResourceExhaustedError),
+            "after": f(x[:1]).numpy().tolist(),  # shard 1 gets no rows: runs as usual
+        }
+print(json.dumps(found))
+"""
+
+
+def test_a_shard_out_of_memory_is_named_with_its_rows_and_the_remedies():
+    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_MEMORY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=pathlib.Path(__file__).parent.parent,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for max_rows, at_once in (
+        (
+            "None",
+            "Pass max_rows=N to run each shard's function on at most N rows at a time (on its "
+            "device, results as one run's; a list gives one limit per device)",
+        ),
+        ("2", f"It ran in chunks of at most 2 rows: pass a smaller max_rows= for {CPUS[1]}"),
+    ):
+        case = found[max_rows]
+        assert case["exhausted"] and case["after"] == [0.0]
+        first, second = case["message"].splitlines()[:2]
+        assert first == (
+            f"greedy: shard 1 on {CPUS[1]} (rows [3:6) of 9) failed: it ran out of memory. "
+            f"{at_once}, or weights= to give {CPUS[1]} fewer rows (weights='auto' measures "
+            "speeds, not memory). Nothing else changed: the call returned nothing, and the "
+            "next call runs as usual"
+        )
+        assert second == "TensorFlow's error: Graph execution error:"
+        assert "OOM when allocating tensor" in case["message"]
 
 
 @pytest.mark.parametrize("shard", [1, 2])

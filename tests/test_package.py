@@ -51,6 +51,9 @@ CONTRACT = {
     # A long job's outputs on disk (issue 31): what f.write(ds, path) wrote, and its error.
     "load",
     "WriteError",
+    # Where a shard is, inside the function (issue 30).
+    "shard_index",
+    "row_index",
 }
 
 

@@ -118,6 +118,29 @@ def test_the_python_plan_is_the_graphs(n, weights):
     assert _plan.plan_rows(n, count, weights) == in_graph
 
 
+_FED_PLANS = {}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    n=st.integers(0, 10_000),
+    weights=st.lists(st.floats(0.0, 60.0), min_size=1, max_size=6).filter(any),
+)
+def test_weights_fed_at_run_time_plan_as_the_same_weights_traced(n, weights):
+    """weights="auto" feeds its weights to the traced graph: the plan is the one of constants."""
+    integer = _plan.integer_weights(weights)
+    count = len(weights)
+    plan = _FED_PLANS.get(count)
+    if plan is None:  # one trace per device count: the weights are an input
+        plan = _FED_PLANS[count] = tf.function(
+            lambda n, w: _plan.plan_sizes(n, count, w), autograph=False
+        ).get_concrete_function(tf.TensorSpec([], tf.int64), tf.TensorSpec([count], tf.int64))
+    fed = plan(tf.constant(n, tf.int64), tf.constant(integer, tf.int64))
+    assert fed.numpy().tolist() == _plan.plan_rows(n, count, integer)
+    even = plan(tf.constant(n, tf.int64), tf.ones([count], tf.int64))
+    assert even.numpy().tolist() == _plan.plan_rows(n, count, None)  # equal weights: even
+
+
 def test_plan_and_explain_work_inside_a_tf_function():
     f = tfshard.parallelize(tf.identity, devices=CPUS[:3], weights=[2, 1, 1])
     seen = []

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfshard import _sharding
 from tfshard._sharding import How
+from tfshard.position import Position
 
 CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
 HOST = CPUS[0]
@@ -59,13 +60,13 @@ def test_a_shared_trace_that_writes_runs_in_place():
 def test_a_trace_returns_its_structure_and_whether_it_writes_as_values():
     counter = tf.Variable(0.0)
 
-    def guarded(rows_in, rows):
+    def guarded(rows_in, rows, position):
         (x,) = rows_in
-        return {"y": x * 2.0, "n": rows}
+        return {"y": x * 2.0, "n": rows, "first": position.first}
 
-    def writing(rows_in, rows):
+    def writing(rows_in, rows, position):
         counter.assign_add(1.0)
-        return guarded(rows_in, rows)
+        return guarded(rows_in, rows, position)
 
     @tf.function(autograph=False)
     def body(x):
@@ -74,8 +75,9 @@ def test_a_trace_returns_its_structure_and_whether_it_writes_as_values():
         assert not pure.writes and writes.writes
         assert pure.structure == writes.structure
         token = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="t")
-        return pure([x], tf.constant(3), token)
+        position = Position(tf.constant(1), tf.constant(5, tf.int64))
+        return pure([x], tf.constant(3), position, token)
 
     out = body(tf.constant(np.arange(3, dtype=np.float32)))
-    assert set(out) == {"y", "n"}
+    assert set(out) == {"y", "n", "first"} and int(out["first"]) == 5
     np.testing.assert_array_equal(out["y"].numpy(), [0.0, 2.0, 4.0])

@@ -245,10 +245,79 @@ def test_compiled_shards_count_their_one_kernel_as_busy():
         assert s.ops >= 1 and s.busy_ms > 0.5, s
 
 
-def test_a_dataset_is_refused_with_the_remedy(pure_four):
-    dataset = tf.data.Dataset.from_tensor_slices(_rows(4)).batch(2)
-    with pytest.raises(tfshard.ArgumentError, match=r"pass one batch of the dataset"):
-        pure_four.timeline(dataset)
+def test_a_dataset_records_one_batch_the_first_or_the_one_asked_for():
+    f = tfshard.parallelize(tf.sin, devices=FOUR)
+    dataset = tf.data.Dataset.from_tensor_slices(_rows(10)).batch(4)
+    assert [s.rows for s in f.timeline(dataset).shards] == [1, 1, 1, 1]
+    last = f.timeline(dataset, batch_index=2)  # the last batch: 2 rows
+    assert [s.rows for s in last.shards] == [1, 1, 0, 0]
+    samples = tf.data.Dataset.from_tensor_slices(_rows(10))
+    assert [s.rows for s in f.timeline(samples, batch_size=8).shards] == [2, 2, 2, 2]
+    with pytest.raises(tfshard.ArgumentError, match=r"has no batch 3 \(it has fewer than 4\)"):
+        f.timeline(dataset, batch_index=3)
+    with pytest.raises(tfshard.ArgumentError, match=r"batch_size= is for a tf.data.Dataset"):
+        f.timeline(_rows(4), batch_size=2)
+
+
+def test_a_keras_models_dataset_of_x_and_y_records_x():
+    model = tf.keras.Sequential([tf.keras.Input([8]), tf.keras.layers.Dense(4)])
+    f = tfshard.parallelize(model, devices=FOUR[:2])
+    pairs = (np.ones([6, 8], np.float32), np.zeros([6]))
+    dataset = tf.data.Dataset.from_tensor_slices(pairs).batch(6)
+    assert [s.rows for s in f.timeline(dataset).shards] == [3, 3]
+
+
+def test_lookup_tables_and_critical_sections_are_copied_and_left_as_they_were():
+    """A function that captures resources other than variables is recorded (issue 30)."""
+    keys = tf.constant(["a", "b", "c"])
+    table = tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(keys, tf.constant([1.0, 2.0, 3.0])), -1.0
+    )
+    mutable = tf.lookup.experimental.MutableHashTable(tf.string, tf.int64, default_value=-1)
+    mutable.insert(keys, tf.constant([7, 8, 9], tf.int64))
+    vocabulary = tf.keras.layers.StringLookup(vocabulary=["a", "c"])
+    counted = tf.Variable(0.0)
+    section = tf.CriticalSection()
+
+    def look(words):
+        found = table.lookup(words) + tf.cast(mutable.lookup(words) + vocabulary(words), tf.float32)
+        mutable.insert(words, tf.zeros_like(mutable.lookup(words)))  # writes go to the copy
+        section.execute(lambda: counted.assign_add(tf.reduce_sum(found)))
+        return found
+
+    f = tfshard.parallelize(look, devices=FOUR[:3], per_sample=False)
+    timeline = f.timeline(tf.constant(["a", "b", "z", "c", "a", "b"]))
+    assert [s.rows for s in timeline.shards] == [2, 2, 2]
+    assert all(s.ops > 0 for s in timeline.shards)
+    assert mutable.lookup(keys).numpy().tolist() == [7, 8, 9] and counted.numpy() == 0.0
+    # The copies hold what the tables held: the recorded run finds what a call finds.
+    read = tfshard.parallelize(
+        lambda w: table.lookup(w) + tf.cast(mutable.lookup(w) + vocabulary(w), tf.float32),
+        devices=FOUR[:3],
+        per_sample=False,
+    )
+    words = tf.constant(["a", "b", "z", "c"])
+    concrete = read.get_concrete_function(words)
+    graph, feeds, setup = timeline_lib._replay(concrete, [words], "read")
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(setup.ops, setup.feeds)
+        got = session.run(graph.get_tensor_by_name(concrete.outputs[0].name), feeds)
+    np.testing.assert_array_equal(got, read(words).numpy())
+    np.testing.assert_array_equal(got, [9.0, 10.0, -2.0, 14.0])
+
+
+def test_a_resource_it_cannot_copy_is_refused_naming_its_ops():
+    queue = tf.queue.FIFOQueue(4, tf.float32, shapes=[[]])
+    f = tfshard.parallelize(
+        lambda x: x * tf.cast(queue.size(), x.dtype), devices=FOUR[:2], per_sample=False
+    )
+    with pytest.raises(tfshard.ArgumentError, match=r"used by QueueSizeV2.*a queue, iterator"):
+        f.timeline(np.ones([4], np.float32))
+
+
+def test_auto_weights_are_recorded_with_the_plan_in_use():
+    f = tfshard.parallelize(tf.identity, devices=FOUR[:2], weights="auto")
+    assert [s.rows for s in f.timeline(np.ones([6], np.float32)).shards] == [3, 3]
 
 
 def test_parallelism_is_busy_over_span():

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from tfshard.pinning import try_gpu as try_gpu
     from tfshard.pinning import use_contexts as use_contexts
     from tfshard.pinning import virtual_devices as virtual_devices
+    from tfshard.position import row_index as row_index
+    from tfshard.position import shard_index as shard_index
     from tfshard.timeline import Timeline as Timeline
     from tfshard.writing import load as load
 
@@ -72,6 +74,8 @@ _LAZY = {
     "try_gpu": "tfshard.pinning",
     "use_contexts": "tfshard.pinning",
     "virtual_devices": "tfshard.pinning",
+    "row_index": "tfshard.position",
+    "shard_index": "tfshard.position",
     "Timeline": "tfshard.timeline",
     "load": "tfshard.writing",
     "processes": None,
@@ -105,7 +109,9 @@ __all__ = (
     "processes",
     "replicas",
     "resolve_device",
+    "row_index",
     "set_contexts",
+    "shard_index",
     "to_device",
     "try_all_gpus",
     "try_gpu",

@@ -2,10 +2,17 @@
 
 `Engine` holds what a `ShardedFunction` resolved (devices, options) and, per
 trace key, the `tfshard._step.Step` of that call and the graphs traced from it
-(a call's, `per_shard`'s). It runs a traced graph (`execute`) and turns a
-TensorFlow error into a `ShardError` that names the shard, its device and rows,
-and the remedy (`call_error`). A dataset stream (`tfshard.datasets`) asks it
-for a step (`step`) and runs its own graphs through `execute`.
+(a call's, `per_shard`'s, a stream batch's). It runs a traced graph (`execute`)
+and turns a TensorFlow error into a `ShardError` that names the shard, its
+device and rows, and the remedy (`call_error`). A dataset stream
+(`tfshard.datasets`) asks it for a step (`step`) and runs its own graphs
+through `execute`.
+
+Beside the call's tensors, a graph may take inputs of the step's own
+(`Feed`): the global row of the batch's first row (a stream's batch run by
+itself: its rows before), and with ``weights="auto"`` the plan's weights,
+which the engine's `tfshard._balance.Balance` sets from the shards' timings
+that such a graph returns (`observe`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tfshard import _arguments, _trees, cluster, pinning
+from tfshard import _arguments, _balance, _trees, cluster, pinning
 from tfshard._autograph import autographed
 from tfshard._options import Options
 from tfshard._plan import host_cpu, plan_rows
@@ -35,6 +42,34 @@ from tfshard.errors import (
 from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
 
 
+class Feed(NamedTuple):
+    """The inputs a graph takes after the call's tensors, in this order.
+
+    Attributes:
+      offset: an int64 scalar, the global row of the batch's first row (a
+        stream's batch run by itself, whose rows before it `row_index` counts).
+      weights: an int64 ``[K]``, the plan's weights (``weights="auto"``).
+    """
+
+    offset: bool
+    weights: bool
+
+    def specs(self, count: int) -> list[tf.TensorSpec]:
+        """The specs of these inputs, for `count` devices."""
+        specs = [tf.TensorSpec([], tf.int64)] if self.offset else []
+        return specs + ([tf.TensorSpec([count], tf.int64)] if self.weights else [])
+
+    def split(self, flat: tuple[Any, ...], inputs: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A traced graph's inputs as the call's tensors and the step's keywords."""
+        tensors, rest = flat[:inputs], list(flat[inputs:])
+        extra = {}
+        if self.offset:
+            extra["offset"] = rest.pop(0)
+        if self.weights:
+            extra["weights"] = rest.pop(0)
+        return tensors, extra
+
+
 class Traced(NamedTuple):
     """A graph traced for one trace key, and the structure of its outputs.
 
@@ -43,10 +78,14 @@ class Traced(NamedTuple):
       structure: its outputs' structure (a `_trees` key) where TensorFlow would not
         give them back as the function returned them (a defaultdict, which it
         makes a dict), else None.
+      feed: the step's inputs it takes after the call's tensors.
+      timed: it returns ``(outputs, timing)`` (``weights="auto"``).
     """
 
     graph: Any
     structure: Hashable | None
+    feed: Feed
+    timed: bool
 
     def rebuilt(self, result: Any) -> Any:
         """The graph's result in the structure the function returned."""
@@ -90,6 +129,9 @@ class Engine:
         # and the generation of replicas that was (`refresh`).
         self._replicas: Replicas | None = None
         self._generation = -1
+        # weights="auto": the measured weights, and the graphs that ran once (warmed up).
+        self.balance = _balance.Balance(len(devices)) if options.balanced else None
+        self._warm: set[int] = set()
 
     @property
     def generation(self) -> int:
@@ -103,9 +145,28 @@ class Engine:
         """Graphs this engine traced for calls (and `per_shard`)."""
         return len(self._graphs)
 
-    def plan(self, n: int) -> list[int]:
-        """The shard sizes for `n` rows, in Python (the graph's `plan_sizes`, exactly)."""
-        return plan_rows(int(n), len(self.devices), self.options.weights)
+    @property
+    def weights(self) -> tuple[float, ...] | None:
+        """The weights in use: as given, measured (``weights="auto"``), or None for even."""
+        if self.balance is not None:
+            return self.balance.weights
+        return self.options.given_weights
+
+    def plan_weights(self) -> tuple[int, ...] | None:
+        """The integer weights a plan uses now (`_plan.integer_weights`), or None for even."""
+        if self.balance is not None:
+            return self.balance.integer()
+        return self.options.weights
+
+    def plan(self, n: int, weights: tuple[int, ...] | None = None) -> list[int]:
+        """The shard sizes for `n` rows, in Python (the graph's `plan_sizes`, exactly).
+
+        Args:
+          n: the rows.
+          weights: the integer weights of that plan, or None for those in use now.
+        """
+        weights = self.plan_weights() if weights is None else weights
+        return plan_rows(int(n), len(self.devices), weights)
 
     # ------------------------------------------------------------ steps
 
@@ -137,6 +198,8 @@ class Engine:
             template=call.template,
             split_devices=tuple(call.key.split_devices),
             beside_transfers=beside_transfers,
+            balanced=options.balanced,
+            max_rows=options.limits(len(self.devices)),
         )
 
     def refresh(self) -> None:
@@ -169,26 +232,82 @@ class Engine:
     # ------------------------------------------------------------ calls
 
     def trace(self, call: _arguments.Call) -> Any:
-        """The concrete function a call with this trace key runs, traced on first use."""
-        return self._traced(call, "call").graph
+        """The concrete function a call with this trace key runs, traced on first use.
 
-    def call(self, call: _arguments.Call) -> Any:
-        """Runs one call; results land on the output device."""
-        traced = self._traced(call, "call")
-        return traced.rebuilt(self.execute(traced.graph, call.tensors, call.rows))
+        It takes the call's tensors, then with ``weights="auto"`` the plan's
+        weights (`feeds`), and then returns ``(outputs, timing)``.
+        """
+        return self._traced(call, "call", offset=False).graph
+
+    def feeds(self, offset: int | None = None) -> list[tf.Tensor]:
+        """The step's inputs a call's graph takes after its tensors (`Feed`), now.
+
+        Args:
+          offset: the batch's first row in its stream, for a graph that takes it.
+        """
+        if offset is None and self.balance is None:
+            return []  # a plain call's graph takes none (a device scope costs ~5 us a call)
+        with tf.device(self.host):  # where the plan reads them
+            values = [] if offset is None else [tf.constant(offset, tf.int64)]
+            if self.balance is not None:
+                values.append(tf.constant(self.balance.integer(), tf.int64))
+        return values
+
+    def call(self, call: _arguments.Call, offset: int | None = None) -> Any:
+        """Runs one call; results land on the output device.
+
+        Args:
+          call: the classified call.
+          offset: the global row of its first row, for a batch of a stream
+            (`tfshard.row_index` counts it); None for a call of its own (0).
+        """
+        return self._run(call, "call", offset)
+
+    def totals(self, call: _arguments.Call, offset: int | None = None) -> Any:
+        """Runs one batch of a stream under a reduction: its undivided totals (`Step.totals`)."""
+        return self._run(call, "totals", offset)
 
     def per_shard(self, call: _arguments.Call) -> tuple[Any, ...]:
         """Runs one call; each shard's outputs as they are, on the shard's device."""
-        traced = self._traced(call, "per_shard")
-        results = traced.rebuilt(self.execute(traced.graph, call.tensors, call.rows))
+        results = self._run(call, "per_shard", None)
         # A function's outputs come back on its caller's device (the output device);
         # each shard's go back to its own, a no-op for the output device's shard.
         return tuple(pinning.to_device(r, d) for r, d in zip(results, self.devices))
 
-    def _traced(self, call: _arguments.Call, body: str) -> Traced:
-        """The graph of a step's traced `body` ("call" or "per_shard") for this call's key."""
+    def _run(self, call: _arguments.Call, body: str, offset: int | None) -> Any:
+        """Runs a step's traced `body` on this call; with ``weights="auto"``, measured."""
+        traced = self._traced(call, body, offset=offset is not None)
+        weights = self.plan_weights()
+        feeds = self.feeds(offset)
+        result = self.execute(traced.graph, [*call.tensors, *feeds], call.rows, weights)
+        result = traced.rebuilt(result)
+        if not traced.timed:
+            return result
+        result, timing = result
+        self.observe(timing, id(traced.graph))
+        return result
+
+    def observe(self, timing: Any, graph: int) -> None:
+        """Gives the shards' timing of a run of a graph to `balance` (eager values only).
+
+        Args:
+          timing: a `_balance.Timing` of eager tensors (inside a user's
+            tf.function there is nothing to read: it is left alone).
+          graph: which graph ran (its first run warms up, `Balance.observe`).
+        """
+        if self.balance is None or not tf.executing_eagerly():
+            return
+        warm_up = graph not in self._warm
+        self._warm.add(graph)
+        rows, seconds = timing.rows.numpy().tolist(), timing.seconds.numpy().tolist()
+        self.balance.observe(rows, seconds, warm_up)
+
+    def _traced(self, call: _arguments.Call, body: str, *, offset: bool) -> Traced:
+        """The graph of a step's traced `body` ("call", "per_shard", "totals") for this
+        call's key, taking a row offset or not."""
         self.refresh()
-        key = (call.key, body)
+        feed = Feed(offset=offset, weights=self.balance is not None)
+        key = (call.key, body, feed)
         traced = self._graphs.get(key)
         if traced is not None:
             return traced
@@ -196,13 +315,23 @@ class Engine:
             traced = self._graphs.get(key)
             if traced is None:
                 run = getattr(self.step(call), body)
-                graph = tf.function(run, autograph=False).get_concrete_function(*call.specs())
+                count = len(call.tensors)
+
+                def traced_body(*flat: Any) -> Any:
+                    tensors, extra = feed.split(flat, count)
+                    return run(tensors, **extra)
+
+                specs = [*call.specs(), *feed.specs(len(self.devices))]
+                graph = tf.function(traced_body, autograph=False).get_concrete_function(*specs)
                 structure = _trees.flatten(graph.structured_outputs)[1]
                 kept = structure if _trees.has_defaultdict(structure) else None
-                traced = self._graphs[key] = Traced(self.checked(graph), kept)
+                timed = self.balance is not None and body != "per_shard"
+                traced = self._graphs[key] = Traced(self.checked(graph), kept, feed, timed)
             return traced
 
-    def execute(self, graph: Any, tensors: Any, rows: int | None) -> Any:
+    def execute(
+        self, graph: Any, tensors: Any, rows: int | None, weights: tuple[int, ...] | None = None
+    ) -> Any:
         """Runs a traced graph on these tensors; a failure as `call_error` says.
 
         A call whose output device is on another server returns before its
@@ -215,6 +344,7 @@ class Engine:
           graph: a concrete function traced from this engine's steps.
           tensors: its inputs.
           rows: the batch's rows when known (to name a failing shard's rows).
+          weights: the integer weights its plan was fed (None: those in use).
         """
         eager = tf.executing_eagerly()
         # (Inside the user's tf.function, the outer call raises: nothing to wait for.)
@@ -222,7 +352,7 @@ class Engine:
         if eager and cluster.any_down():
             # A call that needs a worker found down fails before it runs, with the
             # error the call that found it raised (`cluster._Connection` says why).
-            lost = self.lost_error(rows)
+            lost = self.lost_error(rows, weights)
             if lost is not None:
                 raise lost
         try:
@@ -232,7 +362,7 @@ class Engine:
             if remote:
                 self._wait(result)
         except tf.errors.OpError as error:
-            wrapped = self.call_error(error, rows)
+            wrapped = self.call_error(error, rows, weights)
             # Clearing waits, without a deadline, for every worker to answer, and a
             # dead one never does (the call hung for good): only when all answer.
             if remote and cluster.all_answer():
@@ -254,29 +384,42 @@ class Engine:
         with tf.device(self.output):
             tf.size(leaves[0]).numpy()
 
-    def call_error(self, error: tf.errors.OpError, rows: int | None) -> Exception:
+    def call_error(
+        self, error: tf.errors.OpError, rows: int | None, weights: tuple[int, ...] | None = None
+    ) -> Exception:
         """A failed call's error, naming the shard and, for a dead worker, the remedy.
 
         Shards on a worker found down come first, then the remedy, then TF's
-        own text without gRPC's repetitions (`trimmed_remote`).
+        own text without gRPC's repetitions (`trimmed_remote`). A shard out of
+        memory gets the remedies that give it fewer rows at once.
+
+        Args:
+          error: what TensorFlow raised.
+          rows: the call's rows when known (None: a batch of a stream).
+          weights: the integer weights its plan used (None: those in use).
         """
         if ROWS_DIFFER in error.message:
             return rows_error(self.name, self.devices, error.message)
         if INPUTS_DIFFER in error.message:
             return inputs_error(self.name, error.message)
         hint = cluster.explain_remote_error(error)  # None unless a worker is down
-        lost = self.lost_shards(rows, "failed") if hint is not None else None
+        lost = self.lost_shards(rows, "failed", weights) if hint is not None else None
         if lost is not None:
             trimmed = trimmed_remote(error.message)
             return shard_error(error, f"{lost}\n{hint}\nTensorFlow's error: {trimmed}")
         k = failing_shard(error.message)
         wrapped = error
         if k is not None:
-            wrapped = shard_error(
-                error,
-                f"{self.name}: shard {k} on {self.devices[k]} ({self.rows_of(k, rows)}) failed: "
-                f"{user_frames(error.message)}",
-            )
+            where = self.rows_of(k, rows, weights)
+            shard = f"{self.name}: shard {k} on {self.devices[k]} ({where})"
+            text = f"failed: {user_frames(error.message)}"
+            if isinstance(error, tf.errors.ResourceExhaustedError):
+                # The remedy first: TensorFlow's text runs to dozens of lines.
+                text = (
+                    f"failed: it ran out of memory. {self.memory_hint(k)}\n"
+                    f"TensorFlow's error: {user_frames(error.message)}"
+                )
+            wrapped = shard_error(error, f"{shard} {text}")
         pfor_stack = pfor_stack_failure(error.message)
         per_sample, ragged = self.options.per_sample, self.options.ragged
         if hint is None and per_sample and not ragged and pfor_stack:
@@ -289,18 +432,46 @@ class Engine:
             wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
         return wrapped
 
-    def rows_of(self, k: int, rows: int | None) -> str:
-        """Shard k's rows of a call of `rows` rows, in words (None: a batch of a stream)."""
+    def memory_hint(self, k: int) -> str:
+        """What to do about shard k running out of memory: fewer rows at once, or fewer rows."""
+        device = self.devices[k]
+        limits = self.options.limits(len(self.devices))
+        limit = None if limits is None else limits[k]
+        at_once = (
+            f"It ran in chunks of at most {limit} rows: pass a smaller max_rows= for {device}"
+            if limit is not None
+            else "Pass max_rows=N to run each shard's function on at most N rows at a time "
+            "(on its device, results as one run's; a list gives one limit per device)"
+        )
+        return (
+            f"{at_once}, or weights= to give {device} fewer rows (weights='auto' measures "
+            "speeds, not memory). Nothing else changed: the call returned nothing, and the "
+            "next call runs as usual"
+        )
+
+    def rows_of(self, k: int, rows: int | None, weights: tuple[int, ...] | None = None) -> str:
+        """Shard k's rows of a call of `rows` rows, in words (None: a batch of a stream).
+
+        Args:
+          k: the shard.
+          rows: the call's rows, or None.
+          weights: the integer weights of the call's plan (None: those in use now).
+        """
         if rows is None:
             return "its slice of the batch"
-        sizes = self.plan(rows)
+        sizes = self.plan(rows, weights)
         start = sum(sizes[:k])
         return f"rows [{start}:{start + sizes[k]}) of {rows}"
 
-    def lost_shards(self, rows: int | None, verb: str) -> str | None:
+    def lost_shards(
+        self, rows: int | None, verb: str, weights: tuple[int, ...] | None = None
+    ) -> str | None:
         """The shards, and the output, on workers found down, as one line; None for none."""
         lost = [
-            (f"shard {k} on {device} ({self.rows_of(k, rows)})", cluster.down_task(device))
+            (
+                f"shard {k} on {device} ({self.rows_of(k, rows, weights)})",
+                cluster.down_task(device),
+            )
             for k, device in enumerate(self.devices)
         ]
         lost.append((f"the output device {self.output}", cluster.down_task(self.output)))
@@ -315,9 +486,11 @@ class Engine:
             where = "the workers they run on are"
         return f"{self.name}: {' and '.join(what for what, _ in lost)} {verb}: {where} down"
 
-    def lost_error(self, rows: int | None) -> Exception | None:
+    def lost_error(
+        self, rows: int | None, weights: tuple[int, ...] | None = None
+    ) -> Exception | None:
         """The error of a call that needs a worker found down, raised before it runs."""
-        lost = self.lost_shards(rows, "did not run")
+        lost = self.lost_shards(rows, "did not run", weights)
         if lost is None:
             return None
         message = f"{lost}\n{cluster.down_hint()}"

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from tfshard import _plan, collect, pinning
 from tfshard.errors import ArgumentError
 
@@ -22,7 +24,12 @@ class Options:
     Attributes:
       devices: the device specs as given, or None for every GPU (else CPU);
         resolved when the function first runs.
-      weights: integer weights (`_plan.integer_weights`), or None.
+      weights: integer weights (`_plan.integer_weights`), or None (an even
+        split, or ``weights="auto"``'s until measured).
+      given_weights: the weights as given (what `ShardedFunction.weights`
+        shows), or None.
+      balanced: ``weights="auto"``: weights measured on the function
+        (`tfshard._balance`).
       per_sample: vectorise over rows, or call on each shard.
       reduce: the reduction record, or None to gather.
       output_device: the output device's spec as given, or None (the first device).
@@ -31,10 +38,14 @@ class Options:
       ragged: stack per-sample outputs as ragged tensors.
       jit_compile: compile each shard with XLA.
       allow_duplicate_devices: let two shards share a device.
+      max_rows: the most rows a shard's function takes at once: one int for
+        every device, one per device (None: no limit there), or None.
     """
 
     devices: tuple[pinning.DeviceSpecLike, ...] | None = None
     weights: tuple[int, ...] | None = None
+    given_weights: tuple[float, ...] | None = None
+    balanced: bool = False
     per_sample: bool = True
     reduce: collect.Reduction | None = None
     output_device: pinning.DeviceSpecLike | None = None
@@ -42,13 +53,14 @@ class Options:
     ragged: bool = False
     jit_compile: bool = False
     allow_duplicate_devices: bool = False
+    max_rows: int | tuple[int | None, ...] | None = None
 
     @classmethod
     def validated(
         cls,
         *,
         devices: Any,
-        weights: Sequence[float] | None,
+        weights: Sequence[float] | str | None,
         per_sample: bool,
         reduce: str | None,
         output_device: pinning.DeviceSpecLike | None,
@@ -56,6 +68,7 @@ class Options:
         ragged: bool,
         jit_compile: bool,
         allow_duplicate_devices: bool,
+        max_rows: int | Sequence[int | None] | None = None,
     ) -> Options:
         """`parallelize`'s arguments checked, as one value; ArgumentError names a bad one."""
         op = collect.reduction(reduce)
@@ -70,15 +83,30 @@ class Options:
                 "returns its shard's rows itself (return a tf.RaggedTensor to get one)"
             )
         specs = _device_specs(devices)
-        integer = _plan.integer_weights(weights)
+        balanced = isinstance(weights, str) and weights == "auto"
+        if isinstance(weights, str) and not balanced:
+            raise ArgumentError(
+                f"weights={weights!r}: pass one number per device (relative speeds, e.g. "
+                "[3, 1]), or weights='auto' to measure them on the function"
+            )
+        integer = None if balanced else _plan.integer_weights(weights)
         if specs is not None and integer is not None and len(specs) != len(integer):
             raise ArgumentError(
                 f"weights has {len(integer)} entries but devices has {len(specs)}; "
                 "give one weight per device"
             )
+        limits = _max_rows(max_rows)
+        if specs is not None and isinstance(limits, tuple) and len(specs) != len(limits):
+            raise ArgumentError(
+                f"max_rows has {len(limits)} entries but devices has {len(specs)}; give "
+                "one per device (None for no limit there), or one int for every device"
+            )
         return cls(
             devices=specs,
             weights=integer,
+            given_weights=None if integer is None else tuple(_number(w) for w in weights),
+            balanced=balanced,
+            max_rows=limits,
             per_sample=bool(per_sample),
             reduce=op,
             output_device=output_device,
@@ -112,8 +140,22 @@ class Options:
                 f"weights has {len(self.weights)} entries but there are {len(devices)} "
                 f"devices ({', '.join(devices)}); give one weight per device"
             )
+        if isinstance(self.max_rows, tuple) and len(self.max_rows) != len(devices):
+            raise ArgumentError(
+                f"max_rows has {len(self.max_rows)} entries but there are {len(devices)} "
+                f"devices ({', '.join(devices)}); give one per device (None for no limit "
+                "there), or one int for every device"
+            )
         output = pinning.resolve_device(self.output_device) if self.output_device else devices[0]
         return devices, output
+
+    def limits(self, count: int) -> tuple[int | None, ...] | None:
+        """`max_rows` as one entry per device (None: no limit there), or None for none."""
+        if self.max_rows is None:
+            return None
+        if isinstance(self.max_rows, int):
+            return (self.max_rows,) * count
+        return self.max_rows if any(m is not None for m in self.max_rows) else None
 
 
 def _device_specs(devices: Any) -> tuple[Any, ...] | None:
@@ -127,3 +169,32 @@ def _device_specs(devices: Any) -> tuple[Any, ...] | None:
             "GPU (else every CPU device)"
         )
     return tuple(devices)
+
+
+def _max_rows(max_rows: Any) -> int | tuple[int | None, ...] | None:
+    """`max_rows` validated: None, an int >= 1, or one int >= 1 (or None) per device."""
+    if max_rows is None:
+        return None
+    if _is_count(max_rows):
+        return int(max_rows)
+    if isinstance(max_rows, str | bytes) or not isinstance(max_rows, Sequence):
+        raise ArgumentError(
+            f"max_rows={max_rows!r}: the most rows a shard's function takes at once, an "
+            "int >= 1, or one per device (None for no limit there)"
+        )
+    for i, limit in enumerate(max_rows):
+        if limit is not None and not _is_count(limit):
+            raise ArgumentError(
+                f"max_rows[{i}]={limit!r}: each entry is an int >= 1, or None for no limit "
+                "on that device"
+            )
+    return tuple(None if m is None else int(m) for m in max_rows)
+
+
+def _number(value: Any) -> float:
+    """A weight as a Python number (a NumPy scalar's value), as `f.weights` shows it."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 1

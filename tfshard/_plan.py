@@ -60,20 +60,34 @@ def integer_weights(weights: Sequence[float] | None) -> tuple[int, ...] | None:
     return tuple(round(float(w) / top / total * WEIGHT_SCALE) for w in values)
 
 
-def plan_sizes(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) -> tf.Tensor:
+def plan_sizes(
+    n: tf.Tensor, count: int, weights: tuple[int, ...] | tf.Tensor | None
+) -> tf.Tensor:
     """Shard sizes for `n` rows on `count` devices, as an int64 vector summing to n.
 
     Unweighted, sizes differ by at most one and the first ``n % count`` shards
     get the extra row. Weighted, each shard gets the floor of its quota
     ``n * w_k / sum(w)`` and the rows left over go one each to the largest
-    remainders (ties to the lower index): largest-remainder rounding.
+    remainders (ties to the lower index): largest-remainder rounding. Equal
+    weights give the unweighted plan.
+
+    Args:
+      n: the rows, a scalar tensor.
+      count: the number of shards.
+      weights: `integer_weights` as constants of the graph, or as an int64
+        ``[count]`` tensor fed at run time (``weights="auto"``, whose weights
+        change without a new trace), or None for an even split.
     """
     n = tf.cast(n, tf.int64)
     index = tf.range(count, dtype=tf.int64)
     if weights is None:
         return n // count + tf.cast(index < n % count, tf.int64)
-    w = tf.constant(weights, tf.int64)
-    total = sum(weights)
+    if isinstance(weights, tf.Tensor):
+        w = tf.reshape(tf.cast(weights, tf.int64), [count])
+        total = tf.reduce_sum(w)
+    else:
+        w = tf.constant(weights, tf.int64)
+        total = sum(weights)
     quota = n * w  # Exact: n < 2**31 and total <= 2**24 + count.
     base = quota // total
     remainder = quota % total
@@ -153,7 +167,7 @@ def plan_and_split(
     split_devices: Sequence[str],
     paths: Sequence[str],
     count: int,
-    weights: tuple[int, ...] | None,
+    weights: tuple[int, ...] | tf.Tensor | None,
     host: str,
 ) -> Planned:
     """The rows and shard sizes on the host, then every split argument cut where it lives.
@@ -169,7 +183,8 @@ def plan_and_split(
       split_devices: where each lives ("" where it came from a graph).
       paths: their names, for the check's message.
       count: the number of shards.
-      weights: `integer_weights`, or None for an even split.
+      weights: `integer_weights`, as constants or an int64 tensor fed at run
+        time (`plan_sizes`), or None for an even split.
       host: the CPU the arithmetic runs on.
     """
     counts = [row_count(t, d or None, host) for t, d in zip(inputs, split_devices)]

@@ -25,7 +25,9 @@ gather's, the row checks') can then report their cancellation first, so the
 error itself would be lost (measured: 3 to 14 of 20 failures of shard 0 came
 back as a bare CancelledError). In place, the failing op is the first the step
 sees. No sharing: with replicas (each shard captures its own device's copies),
-beside other transfers (a stream feeding its next batch ahead), across workers
+beside other transfers (a stream feeding its next batch ahead), in chunks
+(``max_rows``: a failing chunk's error was lost to the cancelled receives of
+the loops beside it in 2 of 3 calls on 3 devices, 1 of 3 on 4), across workers
 (a failing call loses its error to the cancelled receives from other tasks: 7 of
 18 failures came back as a bare CancelledError), or where one shard alone would
 call the trace (a trace called once saves no tracing, and the call's
@@ -50,11 +52,13 @@ import tensorflow as tf
 
 from tfshard import _arguments, _trees, pinning
 from tfshard._graph import writes_resources
+from tfshard.position import Position
 
-# A shard's computation: its rows and their number (int32) in, its outputs out.
-ShardFn = Callable[[Sequence[Any], tf.Tensor], Any]
+# A shard's computation: its rows, their number (int32) and its position in, its
+# outputs out. The position is an input, not a constant, so that shards can share it.
+ShardFn = Callable[[Sequence[Any], tf.Tensor, Position], Any]
 # The same, also taking a resource handle it never reads (`unordered`).
-TokenShardFn = Callable[[Sequence[Any], tf.Tensor, tf.Tensor], Any]
+TokenShardFn = Callable[[Sequence[Any], tf.Tensor, Position, tf.Tensor], Any]
 
 
 class How(enum.Enum):
@@ -74,6 +78,7 @@ def choose(
     replicas: bool,
     jit_compile: bool,
     beside_transfers: bool,
+    chunked: bool = False,
 ) -> list[How]:
     """How each shard runs, from where the shards are and what is asked (pure).
 
@@ -84,12 +89,14 @@ def choose(
       jit_compile: compile each shard with XLA.
       beside_transfers: other copies are pending beside the shards (a stream
         feeding its next batch ahead).
+      chunked: shards run in chunks (``max_rows``), in a loop that would call a
+        shared trace once per chunk.
     """
     if jit_compile:
         return [How.COMPILED_PER_DEVICE if replicas else How.COMPILED] * len(devices)
     here = [pinning.same_device(d, output) or pinning.same_device(d, host) for d in devices]
     remote = any(pinning.is_remote(d) for d in (*devices, output))
-    if beside_transfers or replicas or remote or here.count(False) < 2:
+    if beside_transfers or replicas or remote or chunked or here.count(False) < 2:
         return [How.IN_PLACE] * len(devices)
     return [How.IN_PLACE if at_home else How.SHARED for at_home in here]
 
@@ -104,8 +111,9 @@ def settle(how: Sequence[How], writes: bool) -> list[How]:
 class Trace:
     """One trace of a shard's computation that shards call, and what it learned.
 
-    Traced with any number of rows, from its rows, their number and a token
-    (`unordered`). A `tf.function` would trace again under each device scope
+    Traced with any number of rows, from its rows, their number, the shard's
+    position (`tfshard.position.Position`, an input: each caller passes its own)
+    and a token (`unordered`). A `tf.function` would trace again under each device scope
     (its cache keys on the scope), so calls go to this one concrete function.
 
     Attributes:
@@ -123,19 +131,23 @@ class Trace:
     def of(cls, guarded: ShardFn, rows_in: Sequence[Any], **options: Any) -> Trace:
         """`guarded` traced once for rows like `rows_in`; options go to `tf.function`."""
 
-        def traced(rows_in: Sequence[Any], rows: tf.Tensor, token: tf.Tensor) -> Any:
+        def traced(
+            rows_in: Sequence[Any], rows: tf.Tensor, position: Position, token: tf.Tensor
+        ) -> Any:
             del token  # its handle alone keeps a call out of the stateful chain
-            return guarded(rows_in, rows)
+            return guarded(rows_in, rows, position)
 
         specs = [_arguments.type_spec(r, split=True) for r in rows_in]
         concrete = tf.function(traced, autograph=False, **options).get_concrete_function(
-            specs, tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.resource)
+            specs, tf.TensorSpec([], tf.int32), Position.specs(), tf.TensorSpec([], tf.resource)
         )
         structure = _trees.flatten(concrete.structured_outputs, "outputs")[1]
         return cls(concrete, structure, writes_resources(concrete))
 
-    def __call__(self, rows_in: Sequence[Any], rows: tf.Tensor, token: tf.Tensor) -> Any:
-        result = self.concrete(list(rows_in), rows, token)
+    def __call__(
+        self, rows_in: Sequence[Any], rows: tf.Tensor, position: Position, token: tf.Tensor
+    ) -> Any:
+        result = self.concrete(list(rows_in), rows, position, token)
         return _trees.build(self.structure, iter(_trees.flatten(result)[0]))
 
 
@@ -146,8 +158,8 @@ def build(
 
     Args:
       how: `choose`'s choice, one per shard.
-      guarded: a shard's computation, from its rows and their number (its empty
-        shard handled, `tfshard._shards.skip_if_empty`).
+      guarded: a shard's computation, from its rows, their number and its
+        position (its empty shard handled, `tfshard._shards.skip_if_empty`).
       rows_in: one shard's rows, for the traces' signatures (any number of rows).
       devices: the shards' devices.
     """
@@ -194,28 +206,38 @@ def unordered(function: TokenShardFn, devices: Sequence[str]) -> list[ShardFn]:
       devices: the device of each call, in shard order.
 
     Returns:
-      One computation per device, from its rows and their number.
+      One computation per device, from its rows, their number and its position.
     """
-    tokens = []
-    for device in devices:
-        with tf.device(device):
-            tokens.append(
-                tf.raw_ops.VarHandleOp(
-                    dtype=tf.float32, shape=[], shared_name="tfshard_unordered_token"
-                )
-            )
-    return [functools.partial(_with_token, function, token) for token in tokens]
+    tokens = [token(device) for device in devices]
+    return [functools.partial(_with_token, function, t) for t in tokens]
+
+
+def token(device: str) -> tf.Tensor:
+    """A resource handle on `device` that nothing reads or writes (see `unordered`).
+
+    An op that takes one is ordered only against other users of that handle:
+    a call, a chunk loop or a timestamp of one shard stays out of the chain
+    TensorFlow makes of the stateful ops of every shard.
+    """
+    with tf.device(device):
+        return tf.raw_ops.VarHandleOp(
+            dtype=tf.float32, shape=[], shared_name="tfshard_unordered_token"
+        )
 
 
 def _with_token(
-    function: TokenShardFn, token: tf.Tensor, rows_in: Sequence[Any], rows: tf.Tensor
+    function: TokenShardFn,
+    handle: tf.Tensor,
+    rows_in: Sequence[Any],
+    rows: tf.Tensor,
+    position: Position,
 ) -> Any:
-    return function(rows_in, rows, token)
+    return function(rows_in, rows, position, handle)
 
 
 def _taking_token(guarded: ShardFn) -> TokenShardFn:
-    def run(rows_in: Sequence[Any], rows: tf.Tensor, token: tf.Tensor) -> Any:
-        del token  # see `unordered`
-        return guarded(rows_in, rows)
+    def run(rows_in: Sequence[Any], rows: tf.Tensor, position: Position, handle: tf.Tensor) -> Any:
+        del handle  # see `unordered`
+        return guarded(rows_in, rows, position)
 
     return run

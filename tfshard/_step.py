@@ -11,11 +11,19 @@ parts, in one traced graph::
     a stream:      plan -> onto_devices (ahead) -> run -> collect or check, batch after batch
 
     [N, ...] --plan (host)--> sizes --split--> K x [n_k, ...]
-      --run: tf.device(d_k): vectorized_map(fn) or fn(shard)--> K outputs
+      --run: tf.device(d_k): vectorized_map(fn) or fn(shard), in chunks of max_rows--> K outputs
       --collect (tf.device(output))--> [N, ...], or totals --finish--> the reduction
 
+Each shard runs at its `tfshard.position.Position`: its index and the global
+row of its first row (the call's or stream's row offset, fed at run time,
+plus the rows of the shards before it), inputs of its computation, which
+`tfshard.shard_index` and `tfshard.row_index` read while it is traced. With
+``weights="auto"`` the plan's weights are an input too, and every shard is
+timed (`tfshard._balance`): the step's bodies then return a `Timing` beside
+their results.
+
 What a trace learns comes back as values: `run` returns the shards' outputs
-with their structure (`ShardOutputs`), and a shared trace its structure and
+with their structure and timing (`ShardOutputs`), and a shared trace its structure and
 whether it writes a resource (`tfshard._sharding.Trace`). This module alone
 names the scopes a call's ops live in: ``tfshard_shard_k/`` for shard k
 (`errors.SHARD_SCOPE`, which errors and `tfshard._graph` read back) and
@@ -26,12 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from tfshard import _arguments, _sharding, _trees, collect
+from tfshard import _arguments, _balance, _chunks, _sharding, _trees, collect
 from tfshard._plan import Planned, onto_devices, plan_and_split
 from tfshard._shards import (
     ShardOutputs,
@@ -42,6 +51,7 @@ from tfshard._shards import (
     skip_if_empty,
 )
 from tfshard.errors import SHARD_SCOPE
+from tfshard.position import Position
 from tfshard.replicas import Replicas
 
 # The name scope of the gather or reduction's ops.
@@ -58,7 +68,8 @@ class Step:
       per_sample: map it over rows, or call it on whole shards.
       ragged: stack per-sample outputs as ragged tensors.
       reduce: the reduction record, or None to gather.
-      weights: integer weights for the plan, or None for an even split.
+      weights: integer weights for the plan, or None for an even split (or,
+        `balanced`, until the call feeds its own).
       jit_compile: compile each shard with XLA.
       devices: the shards' devices; `output` where results land, `host` the CPU
         where the plan and checks run.
@@ -67,6 +78,10 @@ class Step:
       split_devices: where each split tensor lives ("" when not known).
       beside_transfers: the shards run while the next batch is copied beside
         them (a stream's), which `tfshard._sharding.choose` takes into account.
+      balanced: ``weights="auto"``: each call feeds the plan's weights, and
+        every shard is timed (`tfshard._balance.timed`).
+      max_rows: the most rows each shard's function takes at once (None: all
+        of them), one per device, or None for no limit anywhere.
     """
 
     fn: Callable[..., Any]
@@ -83,16 +98,27 @@ class Step:
     template: _arguments.Template
     split_devices: tuple[str, ...]
     beside_transfers: bool = False
+    balanced: bool = False
+    max_rows: tuple[int | None, ...] | None = None
 
     # ------------------------------------------------------------ the parts
 
-    def plan(self, tensors: Sequence[Any]) -> tuple[Planned, list[Any]]:
-        """The call's tensors planned and split (`_plan.plan_and_split`), and its broadcast ones."""
+    def plan(
+        self, tensors: Sequence[Any], weights: tf.Tensor | None = None
+    ) -> tuple[Planned, list[Any]]:
+        """The call's tensors planned and split (`_plan.plan_and_split`), and its broadcast ones.
+
+        Args:
+          tensors: the call's split tensors, then its broadcast ones.
+          weights: the plan's integer weights fed at run time (int64 ``[K]``,
+            ``weights="auto"``), or None for the step's own.
+        """
         count = self.template.split_count
         inputs, shared = tensors[:count], list(tensors[count:])
         paths = self.template.split_paths()
+        plan_weights = self.weights if weights is None else weights
         planned = plan_and_split(
-            inputs, self.split_devices, paths, len(self.devices), self.weights, self.host
+            inputs, self.split_devices, paths, len(self.devices), plan_weights, self.host
         )
         return planned, shared
 
@@ -100,18 +126,29 @@ class Step:
         """Each shard's rows copied to its device now, ahead of its run (a stream's feed)."""
         return onto_devices(planned, self.devices)
 
-    def run(self, planned: Planned, shared: Sequence[Any]) -> ShardOutputs:
+    def run(
+        self, planned: Planned, shared: Sequence[Any], offset: tf.Tensor | None = None
+    ) -> ShardOutputs:
         """Each shard under its device scope; their outputs, checked alike.
 
         Args:
           planned: the split, ``planned.pieces[i][k]`` argument i's rows for shard k.
           shared: the broadcast tensors, whole to every shard.
+          offset: the global row of the batch's first row (int64: a stream's
+            rows before it), or None for 0.
         """
         count = len(self.devices)
         with tf.device(self.host):
             # Each shard's rows as it takes them (`skip_if_empty`): an int32 scalar,
             # which a function on a GPU takes in host memory.
             rows = [tf.cast(n, tf.int32) for n in tf.unstack(planned.sizes, num=count)]
+            firsts = tf.cumsum(planned.sizes, exclusive=True)  # [K] int64
+            if offset is not None:
+                firsts += tf.cast(offset, tf.int64)
+            positions = [
+                Position(tf.constant(k, tf.int32), first)
+                for k, first in enumerate(tf.unstack(firsts, num=count))
+            ]
         example = [p[0] for p in planned.pieces]
         shard = shard_of(
             self.fn,
@@ -123,8 +160,8 @@ class Step:
             ragged=self.ragged,
         )
 
-        def guarded(rows_in: Sequence[Any], n: tf.Tensor) -> Any:
-            return skip_if_empty(shard, rows_in, n > 0)
+        def guarded(rows_in: Sequence[Any], n: tf.Tensor, position: Position) -> Any:
+            return skip_if_empty(shard, rows_in, position, n > 0)
 
         how = _sharding.choose(
             self.devices,
@@ -133,15 +170,56 @@ class Step:
             replicas=self.replicas is not None,
             jit_compile=self.jit_compile,
             beside_transfers=self.beside_transfers,
+            chunked=self.max_rows is not None,
         )
         runs = _sharding.build(how, guarded, example, self.devices)
-        outputs = []
+        clock = _balance.stamp() if self.balanced else None
+        outputs, seconds = [], []
         for k, (device, run) in enumerate(zip(self.devices, runs)):
             # With replicas, the shard reads the copy of each variable on its device.
             replica = self.replicas.shard(device) if self.replicas else contextlib.nullcontext()
+            pieces = [p[k] for p in planned.pieces]
+            compute = functools.partial(
+                self._shard, run, pieces, rows[k], positions[k], device, self._limit(k)
+            )
             with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device), replica:
-                outputs.append(run([p[k] for p in planned.pieces], rows[k]))
-        return ShardOutputs(*check_outputs(outputs, self.devices))
+                if clock is None:
+                    outputs.append(compute())
+                else:
+                    result, took = _balance.timed(compute, pieces, device, clock)
+                    outputs.append(result)
+                    seconds.append(took)
+        timing = None
+        if clock is not None:
+            with tf.device(self.host):
+                timing = _balance.Timing(planned.sizes, tf.stack(seconds))
+        return ShardOutputs(*check_outputs(outputs, self.devices), timing)
+
+    def _limit(self, k: int) -> int | None:
+        return None if self.max_rows is None else self.max_rows[k]
+
+    def _shard(
+        self,
+        run: _sharding.ShardFn,
+        pieces: list[Any],
+        rows: tf.Tensor,
+        position: Position,
+        device: str,
+        limit: int | None,
+    ) -> Any:
+        """One shard's outputs: `run` on all its rows, or in chunks of `limit` (`_chunks`)."""
+        if limit is None:
+            return run(pieces, rows, position)
+        return _chunks.in_chunks(
+            run,
+            pieces,
+            rows,
+            position,
+            limit,
+            reduce=self.reduce,
+            per_sample=self.per_sample,
+            device=device,
+        )
 
     def collect(self, outputs: ShardOutputs, planned: Planned) -> list[Any]:
         """The outputs gathered in input order, or the reduction's running totals.
@@ -188,15 +266,49 @@ class Step:
 
     # ------------------------------------------------------ traced bodies
 
-    def call(self, *tensors: Any) -> Any:
-        """The traced body of a call: plan, run, collect, finish; outputs as returned."""
-        planned, shared = self.plan(tensors)
-        outputs = self.run(planned, shared)
-        results = self.finish(self.collect(outputs, planned), planned.total)
-        return _trees.build(outputs.structure, iter(results))
+    def call(
+        self,
+        tensors: Sequence[Any],
+        offset: tf.Tensor | None = None,
+        weights: tf.Tensor | None = None,
+    ) -> Any:
+        """The traced body of a call: plan, run, collect, finish; outputs as returned.
 
-    def per_shard(self, *tensors: Any) -> list[Any]:
+        Args:
+          tensors: the call's tensors (split, then broadcast).
+          offset: the global row of its first row (a stream's batch), or None for 0.
+          weights: the plan's weights, fed (``weights="auto"``), or None.
+
+        Returns:
+          The outputs; with `balanced`, ``(outputs, timing)``.
+        """
+        planned, shared = self.plan(tensors, weights)
+        outputs = self.run(planned, shared, offset)
+        results = self.finish(self.collect(outputs, planned), planned.total)
+        built = _trees.build(outputs.structure, iter(results))
+        return built if outputs.timing is None else (built, outputs.timing)
+
+    def totals(
+        self,
+        tensors: Sequence[Any],
+        offset: tf.Tensor | None = None,
+        weights: tf.Tensor | None = None,
+    ) -> Any:
+        """The traced body of a stream's batch under a reduction: `collect`'s totals,
+        undivided (a stream adds batches up), in the outputs' structure; with
+        `balanced`, ``(totals, timing)``."""
+        planned, shared = self.plan(tensors, weights)
+        outputs = self.run(planned, shared, offset)
+        built = _trees.build(outputs.structure, iter(self.collect(outputs, planned)))
+        return built if outputs.timing is None else (built, outputs.timing)
+
+    def per_shard(
+        self,
+        tensors: Sequence[Any],
+        offset: tf.Tensor | None = None,
+        weights: tf.Tensor | None = None,
+    ) -> list[Any]:
         """The traced body of `per_shard`: plan, run; each shard's outputs as they are."""
-        planned, shared = self.plan(tensors)
-        outputs = self.run(planned, shared)
+        planned, shared = self.plan(tensors, weights)
+        outputs = self.run(planned, shared, offset)
         return [_trees.build(outputs.structure, iter(leaves)) for leaves in outputs.flat]

@@ -366,6 +366,24 @@ def shard_partial(value: tf.Tensor, size: tf.Tensor, op: Reduction, per_sample: 
     return Total(tf.where(size > 0, value, neutral), dtype)
 
 
+def shard_value(total: Total, size: tf.Tensor, op: Reduction) -> tf.Tensor:
+    """A whole shard's value of fixed shape, from the `shard_partial`s of its chunks.
+
+    With ``max_rows=`` a shard runs in chunks (`tfshard._chunks`), each giving
+    its own value; their partials, accumulated with `op`, are the shard's
+    partial, and this is the value whose partial that is: what one run over
+    all `size` rows gives (a mean: the chunks' means weighted by their rows,
+    divided once), in the outputs' dtype. `shard_partial` of it weights it as
+    it weights any shard.
+    """
+    value = total.value
+    if not op.divides:
+        return _narrowed(value, total.output_dtype, op)
+    # An integer total divides as a float (truediv), cast back as the run's value would be.
+    mean = tf.math.truediv(value, tf.cast(tf.maximum(size, 1), value.dtype))
+    return tf.cast(mean, total.output_dtype)
+
+
 def combine(partials: Sequence[Total], op: Reduction) -> Total:
     """The shards' partials combined into one `Total` over all their samples.
 

@@ -45,12 +45,13 @@ import inspect
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, NamedTuple, TextIO
+from typing import Any, TextIO
 
 import tensorflow as tf
 
 from tfshard import _autograph, _kinds, _stream, _trees, collect, pinning
 from tfshard._arguments import Arguments, Call, type_spec
+from tfshard._balance import Timing
 from tfshard._engine import Engine
 from tfshard._plan import Planned, host_cpu, rows
 from tfshard._shards import ShardOutputs
@@ -249,11 +250,12 @@ def _check_specs(arguments: Arguments, dataset: tf.data.Dataset, args: tuple, kw
 
 
 class Runner:
-    """A parallelized function's streams: its traced loops and per-batch graphs.
+    """A parallelized function's streams: its traced loops, and the Python loop.
 
     One per `ShardedFunction`, over its engine, whose steps it composes; the
-    caches live here, and go when the engine's replicas change (its
-    `generation`), as the engine's own graphs do.
+    loops' cache lives here, and goes when the engine's replicas change (its
+    `generation`), as the engine's own graphs do (the Python loop's per-batch
+    graphs are the engine's: `Engine.call`, `Engine.totals`).
 
     Args:
       engine: the function's engine.
@@ -263,13 +265,12 @@ class Runner:
         self.engine = engine
         self._lock = threading.RLock()
         self.loops: dict[Any, _Loop] = {}  # traced loops, by element spec and trace key
-        self._totals: dict[Any, Any] = {}  # per-batch graphs of running totals, by trace key
         self._generation = engine.generation
 
     @property
     def trace_count(self) -> int:
-        """Graphs traced for streams: loops, and per-batch graphs of reductions."""
-        return len(self.loops) + len(self._totals)
+        """Graphs traced for streams' traced loops (the Python loop's are the engine's)."""
+        return len(self.loops)
 
     def _current(self) -> None:
         """Drops what was traced with replicas that have changed since."""
@@ -277,7 +278,6 @@ class Runner:
         if self._generation != generation:
             with self._lock:
                 self.loops.clear()
-                self._totals.clear()
                 self._generation = generation
 
     def iterate(
@@ -375,6 +375,40 @@ class Runner:
             return self.no_rows(arguments, spec, args, kwargs)
         return result
 
+    def one_batch(
+        self,
+        arguments: Arguments,
+        dataset: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        batch_index: int,
+        batch_size: int | None,
+        batched: bool | None,
+    ) -> Call:
+        """Batch `batch_index` of the dataset as a call would take it (`f.timeline(dataset)`).
+
+        The dataset is read as a call on it reads it (a Keras model's ``x``,
+        `batch_size`, `batched`); the batch is then one call of its own.
+
+        Raises:
+          ArgumentError: `batch_index` is not an int >= 0, or the dataset has
+            no batch of that index.
+        """
+        name = self.engine.name
+        if isinstance(batch_index, bool) or not isinstance(batch_index, int) or batch_index < 0:
+            raise ArgumentError(f"batch_index={batch_index!r}: the batch to record, an int >= 0")
+        dataset = model_inputs(dataset, self.engine.fn)
+        _check_specs(arguments, dataset, args, kwargs)
+        batches = prepare(dataset, batch_size, batched)
+        with tf.device(HOST):
+            element = next(iter(batches.skip(batch_index).take(1)), None)
+        if element is None:
+            raise ArgumentError(
+                f"{name}.timeline(dataset, batch_index={batch_index}): the dataset has no batch "
+                f"{batch_index} (it has fewer than {batch_index + 1}); pick an earlier one"
+            )
+        return arguments.classify((*_split_element(element), *args), kwargs)
+
     def _graph_loop(
         self,
         arguments: Arguments,
@@ -423,7 +457,7 @@ class Runner:
                 loop = self.loops[key] = _Loop(step, relaxed, shared_specs)
         meter = _stream.meter(engine.name, batches, progress)
         try:
-            result, total = loop.run(batches, call.tensors[count:], meter, interrupted)
+            result, total = loop.run(batches, call.tensors[count:], meter, interrupted, engine)
         except tf.errors.OpError as error:
             if meter:
                 meter.stopped(error)
@@ -451,10 +485,11 @@ class Runner:
         op = engine.options.reduce
         total = 0
         accumulated: list[Any] | None = None
+        structure: Hashable = None
         pieces: list[Any] = []
         # A reduction's batches run as `collect.Total`s (a mean undivided, in the
         # accumulator dtype), finished once at the end.
-        run = engine.call if op is None else self._batch_totals
+        run = engine.call if op is None else engine.totals
         meter = _stream.meter(engine.name, batches, progress)
         stream = _reported(_batches(run, arguments, batches, args, kwargs, meter), meter)
         for result, batch_rows in stream:
@@ -462,7 +497,7 @@ class Runner:
             if op is None:
                 pieces.append(_trees.flatten(result))
                 continue
-            totals, leaves = result
+            leaves, structure = _trees.flatten(result)
             with tf.device(engine.output):
                 if accumulated is None:
                     accumulated = leaves
@@ -476,45 +511,26 @@ class Runner:
                 columns = zip(*(leaves for leaves, _ in pieces))
                 gathered = [tf.concat(list(parts), axis=0) for parts in columns]
             return _trees.build(pieces[0][1], iter(gathered)), total
-        results = totals.step.finish(accumulated, total)
-        return _trees.build(totals.structure, iter(results)), total
-
-    def _batch_totals(self, call: Call) -> tuple[_Totals, list[Any]]:
-        """One batch's reduction totals (a mean undivided, `Step.collect`), flat."""
-        totals = self._totals.get(call.key)
-        if totals is None:
-            step = self.engine.step(call)
-
-            def body(*tensors: Any) -> Any:
-                planned, shared = step.plan(tensors)
-                outputs = step.run(planned, shared)
-                return _trees.build(outputs.structure, iter(step.collect(outputs, planned)))
-
-            graph = tf.function(body, autograph=False).get_concrete_function(*call.specs())
-            structure = _trees.flatten(graph.structured_outputs)[1]
-            totals = self._totals[call.key] = _Totals(step, graph, structure)
-        result = self.engine.execute(totals.graph, call.tensors, call.rows)
-        return totals, _trees.flatten(result)[0]
-
-
-class _Totals(NamedTuple):
-    """A per-batch graph of a reduction's totals, its step, and its outputs' structure."""
-
-    step: Step
-    graph: Any
-    structure: Hashable
+        with tf.device(engine.output):
+            results = [collect.finished(t, total, op) for t in accumulated]
+        return _trees.build(structure, iter(results)), total
 
 
 def _batches(
-    run: Callable[[Call], Any],
+    run: Callable[[Call, int], Any],
     arguments: Arguments,
     batches: tf.data.Dataset,
     args: tuple,
     kwargs: dict,
     meter: _stream.Progress | None,
 ) -> Iterator[tuple[Any, int]]:
-    """The Python loop: `run` once per batch, checking per-sample shapes."""
+    """The Python loop: `run` once per batch, checking per-sample shapes.
+
+    `run` takes the batch's call and the rows of the batches before it (its
+    first row's global index, which `tfshard.row_index` counts).
+    """
     first: list[Any] | None = None
+    before = 0
     for element in batches:
         leaves, structure = _trees.flatten(element)
         shapes = [_kinds.of(t).sample_shape(t) for t in leaves]
@@ -522,17 +538,18 @@ def _batches(
             first = shapes
         elif shapes != first:  # paths only now, for the message
             paths = _trees.paths("element", structure)
-            for where, now, before in zip(paths, shapes, first):
-                if now != before:
+            for where, now, was in zip(paths, shapes, first):
+                if now != was:
                     raise ArgumentError(
                         f"{where} has per-sample shape {list(now)} in this batch but "
-                        f"{list(before)} in the first; every batch must keep its per-sample "
+                        f"{list(was)} in the first; every batch must keep its per-sample "
                         "shapes (pad to one length, or use ragged tensors)"
                     )
         call = arguments.classify((*_split_element(element), *args), kwargs)
-        result = run(call)
+        result = run(call, before)
         # An eager batch's rows are static; the call has them already.
         batch_rows = call.rows if call.rows is not None else int(rows(leaves[0]))
+        before += batch_rows
         if meter:
             meter.update(batch_rows)
         yield result, batch_rows
@@ -607,10 +624,17 @@ class _Loop:
     running sum (or max, or min) is carried from batch to batch as a `collect.Total`, in
     its accumulator dtype (float32 for float16 outputs, int64 for int32's) between calls
     too, and finished once after the last batch.
+
+    Each call takes the rows of the stream before it (the global row of its first
+    batch's first row, which `tfshard.row_index` counts on from) and, with
+    ``weights="auto"``, the plan's weights: the loop carries each shard's rows and
+    seconds over its batches, which the engine's balance reads after the call (one
+    measurement per call), and the next call plans by what it decided.
     """
 
     def __init__(self, step: Step, spec: Any, shared_specs: Sequence[tf.TypeSpec]) -> None:
         self._step = step
+        self._count = len(step.devices)
         self._op = step.reduce
         self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
         element_specs = _trees.flatten(spec)[0]
@@ -634,11 +658,16 @@ class _Loop:
             if self._op is None
             else [collect.running_spec(self._op, leaf.output_dtype) for leaf in self._leaves]
         )
+        # The rows before the call; with weights="auto", the plan's weights (`Engine.feeds`).
+        feed_specs = [tf.TensorSpec([], tf.int64)]
+        if step.balanced:
+            feed_specs.append(tf.TensorSpec([self._count], tf.int64))
         self._chunk = tf.function(self._run_chunk, autograph=False).get_concrete_function(
             tf.data.IteratorSpec(spec),
             tf.OptionalSpec(spec),
             tf.TensorSpec([], tf.int32),
             tf.TensorSpec([], tf.int32),
+            feed_specs,
             self._state_specs,
             list(shared_specs),
         )
@@ -667,7 +696,9 @@ class _Loop:
             return outputs.flat
         return [self._step.collect(outputs, planned)]
 
-    def _feed(self, batch: Any, wanted: tf.Tensor, shared: Sequence[Any]) -> Planned:
+    def _feed(
+        self, batch: Any, wanted: tf.Tensor, shared: Sequence[Any], weights: tf.Tensor | None
+    ) -> Planned:
         """The batch in the optional `batch`, planned, split and on its devices.
 
         Runs ahead of the batch's shards (`_run_chunk`): the plan (which checks
@@ -684,11 +715,19 @@ class _Loop:
                     lambda: _trees.flatten(batch.get_value())[0],
                     lambda: _trees.flatten(_zeros(batch.element_spec))[0],
                 )
-                planned, _ = self._step.plan([*tensors, *shared])  # [B, ...] -> K x [B_k, ...]
+                # [B, ...] -> K x [B_k, ...]
+                planned, _ = self._step.plan([*tensors, *shared], weights)
             return self._step.onto_devices(planned)
 
     def _run_chunk(
-        self, iterator: Any, current: Any, i: tf.Tensor, limit: tf.Tensor, state: list, shared: list
+        self,
+        iterator: Any,
+        current: Any,
+        i: tf.Tensor,
+        limit: tf.Tensor,
+        feeds: list,
+        state: list,
+        shared: list,
     ) -> tuple:
         """Up to `limit` batches; `state` holds the TensorList flows or the running totals.
 
@@ -696,35 +735,47 @@ class _Loop:
         optional, on the host, and as its pieces already on the devices
         (`_feed`). Between calls only the optional crosses (a function's
         outputs land on its caller's device), and each call feeds its first
-        batch before the loop.
+        batch before the loop. `feeds` holds the rows before this call and,
+        with ``weights="auto"``, the plan's weights; then each shard's rows
+        and seconds over the call's batches come back too (zeros otherwise).
         """
         op, output = self._op, self._step.output
+        before, weights = feeds[0], (feeds[1] if len(feeds) > 1 else None)
 
-        def body(i, n, total, current, fed, state):  # noqa: ANN001, ANN202
+        def body(i, n, total, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
             with tf.device(HOST):
                 following = iterator.get_next_as_optional()  # prepared while this one runs
             # The next batch onto the devices while this one runs (none past this call's last).
-            fed_next = self._feed(following, n + 1 < limit, shared)
-            per_batch = self._per_batch(self._step.run(fed, shared), fed)
+            fed_next = self._feed(following, n + 1 < limit, shared, weights)
+            outputs = self._step.run(fed, shared, before + total)
+            per_batch = self._per_batch(outputs, fed)
             with tf.device(output):
                 if op is None:
                     state = collect.write_shards(state, self._leaves, i * self._slots, per_batch)
                 else:
                     state = collect.accumulate(state, per_batch[0], op)
-            return i + 1, n + 1, total + fed.total, following, fed_next, state
+            if outputs.timing is not None:
+                with tf.device(HOST):
+                    rows = rows + outputs.timing.rows
+                    seconds = seconds + outputs.timing.seconds
+            return i + 1, n + 1, total + fed.total, following, fed_next, state, rows, seconds
 
         with tf.device(HOST):
             # The caller's device holds `current` between calls; in the loop it is the host's.
             current = tf.nest.map_structure(tf.identity, current, expand_composites=True)
-        fed = self._feed(current, tf.constant(True), shared)
+            rows = tf.zeros([self._count], tf.int64)
+            seconds = tf.zeros([self._count], tf.float64)
+        fed = self._feed(current, tf.constant(True), shared, weights)
         # The accumulators come in with unknown shapes: nothing to hold invariant.
-        i, n, total, current, _, state = tf.while_loop(
-            lambda i, n, total, current, fed, state: tf.logical_and(n < limit, current.has_value()),
+        i, n, total, current, _, state, rows, seconds = tf.while_loop(
+            lambda i, n, total, current, fed, state, rows, seconds: tf.logical_and(
+                n < limit, current.has_value()
+            ),
             body,
-            (i, tf.constant(0), tf.constant(0, tf.int64), current, fed, list(state)),
+            (i, tf.constant(0), tf.constant(0, tf.int64), current, fed, list(state), rows, seconds),
             parallel_iterations=_PARALLEL_ITERATIONS,
         )
-        return current, i, n, total, state
+        return current, i, n, total, state, rows, seconds
 
     def run(
         self,
@@ -732,11 +783,13 @@ class _Loop:
         broadcast: list[Any],
         meter: _stream.Progress | None,
         interrupted: Callable[[], bool],
+        engine: Engine,
     ) -> tuple[Any, int]:
         """All of `batches` through the loop: the result, and how many rows.
 
         `interrupted` says whether Ctrl-C was pressed (`_stream.ctrl_c`); it is read
-        before each call of the loop.
+        before each call of the loop. `engine` gives each call its feeds
+        (`Engine.feeds`) and takes its shards' timing (`Engine.observe`).
         """
         with tf.device(HOST):
             iterator = iter(batches)
@@ -754,11 +807,14 @@ class _Loop:
             if interrupted():  # pressed while Python could not raise it (`_stream.ctrl_c`)
                 raise KeyboardInterrupt
             began = time.perf_counter()
+            feeds = engine.feeds(total)
             with tf.device(self._step.output):
-                current, i, n, batch_rows, state = self._chunk(
-                    iterator, current, i, tf.constant(limit), state, broadcast
+                current, i, n, batch_rows, state, rows, seconds = self._chunk(
+                    iterator, current, i, tf.constant(limit), feeds, state, broadcast
                 )
             n, batch_rows = int(n), int(batch_rows)
+            if self._step.balanced and n:
+                engine.observe(Timing(rows, seconds), id(self))
             total += batch_rows
             if meter and n:
                 meter.update(batch_rows, n)

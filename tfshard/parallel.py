@@ -58,6 +58,7 @@ class ShardedFunction:
 
     Attributes:
       devices: the canonical device names, one shard each, in shard order.
+      weights: the weights the plan uses now (None: an even split).
       trace_count: how many graphs have been traced (one per distinct argument
         signature; the batch size is not part of it).
     """
@@ -83,6 +84,22 @@ class ShardedFunction:
         return self._engine().output
 
     @property
+    def weights(self) -> tuple[float, ...] | None:
+        """The weights the plan uses now: as given, measured, or None for an even split.
+
+        With ``weights="auto"`` they are each device's measured speed, the
+        slowest device with rows at 1 (``(2.95, 1.0)``), None until every device
+        has been measured; pass them as ``weights=`` to plan the same way
+        without measuring. Static weights read back as given.
+
+        >>> tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1"], weights=[3, 1]).weights
+        (3, 1)
+        >>> print(tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1"]).weights)
+        None
+        """
+        return self._engine().weights
+
+    @property
     def trace_count(self) -> int:
         """How many graphs have been traced so far (loops over datasets included)."""
         streams = 0 if self._shared.runner is None else self._shared.runner.trace_count
@@ -91,6 +108,8 @@ class ShardedFunction:
     @_not_converted
     def plan(self, n: int) -> list[int]:
         """The shard sizes for a batch of `n` rows, one per device, summing to `n`.
+
+        With ``weights="auto"``, the plan of the weights in use now (`weights`).
 
         >>> f = tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1", "cpu:2"])
         >>> f.plan(8)
@@ -230,7 +249,10 @@ class ShardedFunction:
         more shards are off the output device and the host CPU, each of them
         calls one trace they share: it shows one call op on its device
         (``tfshard_shard_k/StatefulPartitionedCall``), whose ops are in
-        ``.graph.as_graph_def().library``, placed by the call.
+        ``.graph.as_graph_def().library``, placed by the call. With
+        ``weights="auto"`` it takes the plan's weights after the call's tensors
+        (int64, one per device) and returns ``(outputs, timing)``, each shard's
+        rows and seconds.
 
         >>> f = tfshard.parallelize(tf.sin, devices=["cpu:0", "cpu:1"])
         >>> graph = f.get_concrete_function(np.zeros([4], np.float32)).graph
@@ -437,19 +459,31 @@ class ShardedFunction:
     # ------------------------------------------------------------ timeline
 
     @_not_converted
-    def timeline(self, *args: Any, **kwargs: Any) -> timeline_lib.Timeline:
+    def timeline(
+        self,
+        *args: Any,
+        batch_index: int = 0,
+        batch_size: int | None = None,
+        batched: bool | None = None,
+        **kwargs: Any,
+    ) -> timeline_lib.Timeline:
         """Runs one call with these arguments and returns what ran where and when.
 
         The record is TensorFlow's own (the step stats of the call's graph, run
         in a session of its own with a full trace; see `tfshard.timeline`), so
         it answers "did my devices run at once, and where did the time go?"
         without TensorBoard. The call's results are not returned, and writes
-        to variables go to copies: the function's variables are left as they
-        were.
+        to variables and lookup tables go to copies: the function's own are
+        left as they were.
 
         Args:
-          *args: the arguments you would call the function with (tensors, not
-            a `tf.data.Dataset`: pass one batch of it).
+          *args: the arguments you would call the function with; a
+            `tf.data.Dataset` first records one of its batches, run as a call.
+          batch_index: with a dataset, which batch (0, the first, by default).
+          batch_size: with a dataset of single samples, the batch size, as
+            for a call on it.
+          batched: with a dataset, whether its elements are batches, as for a
+            call on it.
           **kwargs: likewise.
 
         Returns:
@@ -458,8 +492,9 @@ class ShardedFunction:
           ``print`` it for a table, ``.plot(path)`` for a PNG.
 
         Raises:
-          ArgumentError: a dataset, a device on another machine, or a captured
-            resource that is not a variable.
+          ArgumentError: a device on another machine, a dataset with fewer
+            batches than `batch_index`, or a captured resource that is neither
+            a variable, a lookup table nor a critical section.
 
         >>> f = tfshard.parallelize(tf.sin, devices=["cpu:0", "cpu:1"])
         >>> print(f.timeline(np.zeros([6], np.float32)))  # doctest: +ELLIPSIS
@@ -468,17 +503,25 @@ class ShardedFunction:
           0       /device:CPU:0     3  ...
           1       /device:CPU:1     3  ...
         """
+        arguments = self._shared.arguments
         if args and isinstance(args[0], tf.data.Dataset):
-            raise ArgumentError(
-                f"{self.__name__}.timeline() records one call on tensors; pass one batch "
-                "of the dataset, e.g. next(iter(dataset))"
+            call = self._runner().one_batch(
+                arguments, args[0], args[1:], kwargs, batch_index, batch_size, batched
             )
-        call = self._shared.arguments.classify(args, kwargs)
+        else:
+            for key, value in (("batch_size", batch_size), ("batched", batched)):
+                if value is not None:
+                    raise ArgumentError(
+                        f"{self.__name__}.timeline(..., {key}=...): {key}= is for a "
+                        "tf.data.Dataset; with tensors the whole argument is one batch"
+                    )
+            call = arguments.classify(args, kwargs)
+        engine = self._engine()
         return timeline_lib.record(
-            self.get_concrete_function(*args, **kwargs),
-            call.tensors,
+            engine.trace(call),
+            [*call.tensors, *engine.feeds()],
             devices=self.devices,
-            rows=None if call.rows is None else self.plan(call.rows),
+            rows=None if call.rows is None else engine.plan(call.rows),
             name=self.__name__,
         )
 
@@ -566,7 +609,7 @@ def parallelize(
     fn: Callable[..., Any] | None = None,
     *,
     devices: Sequence[pinning.DeviceSpecLike] | None = None,
-    weights: Sequence[float] | None = None,
+    weights: Sequence[float] | str | None = None,
     per_sample: bool | None = None,
     reduce: str | None = None,
     output_device: pinning.DeviceSpecLike | None = None,
@@ -574,6 +617,7 @@ def parallelize(
     ragged: bool = False,
     jit_compile: bool = False,
     allow_duplicate_devices: bool = False,
+    max_rows: int | Sequence[int | None] | None = None,
 ) -> Any:
     """Runs a function on every device at once, splitting its batch between them.
 
@@ -610,8 +654,15 @@ def parallelize(
       devices: where to run, one shard each (anything `resolve_device` takes).
         Default: every GPU, else every logical CPU device.
       weights: relative speeds, one per device; shard sizes follow them with
-        largest-remainder rounding (``[3, 1]`` splits 10 rows 8:2). Default: even
-        split, sizes differing by at most one, extra rows to the first shards.
+        largest-remainder rounding (``[3, 1]`` splits 10 rows 8:2). ``"auto"``:
+        measure them on the function itself: each shard of every call (and
+        of a stream's batches) is timed in the graph, and each device's
+        weight is its speed from the median of its last 9 times per row; the
+        plan starts even and changes only when that is predicted to end a
+        call at least 5 % sooner, and a device keeps rows unless it is over
+        50x slower per row than the fastest (`ShardedFunction.weights` shows
+        them; `tfshard._balance` has the rules). Default: even split, sizes
+        differing by at most one, extra rows to the first shards.
       per_sample: True to vectorise `fn` over the rows with `tf.vectorized_map`
         (falling back to a `tf.while_loop` where an op has no vectorised form);
         False to call `fn` on each shard as a batch. Default: False for a Keras
@@ -650,6 +701,16 @@ def parallelize(
         ragged tensors, most data-dependent shapes) fail on the first call.
       allow_duplicate_devices: let two shards share a device (as when a context
         map aliases two names to one card). Otherwise that is an error.
+      max_rows: the most rows the function takes at once on a device, for a
+        batch larger than a device's memory: an int for every device, or one
+        per device (None: no limit there). A shard with more rows runs the
+        function on consecutive chunks of at most that many, in a loop on its
+        device, and its outputs are gathered or reduced exactly as if it had
+        run once (a whole-shard mean stays the batch's mean).
+
+    Inside the function, `tfshard.shard_index` is the shard's index and
+    `tfshard.row_index` the global row of the sample (or of each row of the
+    shard), counted over the whole input (`tfshard.position`).
 
     Returns:
       A `ShardedFunction`; calling it returns the function's outputs for all
@@ -660,7 +721,8 @@ def parallelize(
         resolved); bad arguments at a call, before anything runs.
       DeviceError: a device does not exist.
       ShardError: a shard failed while running; the message names its device
-        and rows. It is also the TensorFlow error type the shard raised.
+        and rows (and, out of memory, the remedies: ``max_rows=``,
+        ``weights=``). It is also the TensorFlow error type the shard raised.
 
     >>> @tfshard.parallelize(devices=["cpu:0", "cpu:1"])
     ... def double(sample):
@@ -678,6 +740,7 @@ def parallelize(
         ragged=ragged,
         jit_compile=jit_compile,
         allow_duplicate_devices=allow_duplicate_devices,
+        max_rows=max_rows,
     )
     if fn is None:
         return functools.partial(parallelize, **given)

@@ -14,10 +14,11 @@ How it records: the call's traced graph (`ShardedFunction.get_concrete_function`
 runs in a TF1 session of its own (`tf.compat.v1.Session`) with
 ``RunOptions(trace_level=FULL_TRACE)``, and the run's step stats give each op's
 device, start and end after placement. The session gets this process's
-devices and thread settings; the variables the function captures are copied
-into it (their values now), so the record's run reads the same weights and
-writes none of the user's. The graph runs once to warm up (kernels, memory),
-then once recorded.
+devices and thread settings; the resources the function captures are copied
+into it as they are now (a variable's value, a lookup table's contents, a
+critical section's mutex), so the record's run reads the same weights and
+tables and writes none of the user's. The graph runs once to warm up
+(kernels, memory), then once recorded.
 
 How ops are attributed to shards: an op traced in place carries its shard's
 name scope (``tfshard_shard_k/``). Shards off the output device call one shared
@@ -280,7 +281,8 @@ def record(
 
     Raises:
       ArgumentError: a device is on another machine, or the function captures
-        a resource that is not a variable (a lookup table, a queue).
+        a resource that is neither a variable, a lookup table nor a critical
+        section (a queue, an iterator).
     """
     remote = [d for d in devices if pinning.is_remote(d)]
     if remote:
@@ -288,26 +290,42 @@ def record(
             f"{name}.timeline(): {remote[0]} is on another machine; a timeline records "
             "this process's devices only (run it on the devices of one process)"
         )
-    graph, feeds, initial = _replay(concrete, tensors, name)
+    graph, feeds, setup = _replay(concrete, tensors, name)
     fetches = [graph.get_tensor_by_name(t.name) for t in concrete.outputs]
     options = tf.compat.v1.RunOptions(
         trace_level=tf.compat.v1.RunOptions.FULL_TRACE, output_partition_graphs=True
     )
     metadata = tf.compat.v1.RunMetadata()
     with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
-        if initial:
-            session.run([v.initializer for v in initial], dict(initial.values()))
+        if setup.ops:
+            session.run(setup.ops, setup.feeds)
         session.run(fetches, feeds)  # warm-up: kernels made, memory allocated
         session.run(fetches, feeds, options, metadata)
     fed = {tensor: int(np.asarray(value).nbytes) for tensor, value in feeds.items()}
     return _read(metadata, fed, devices, rows, name)
 
 
-def _replay(concrete: Any, tensors: Sequence[Any], name: str) -> tuple[Any, dict, dict]:
+@dataclasses.dataclass
+class _Setup:
+    """What a session runs once before the call: its copies of the captured resources.
+
+    Attributes:
+      ops: the copies' initializers (a variable's value, a table's contents).
+      feeds: the values they are initialized from.
+    """
+
+    ops: list[Any] = dataclasses.field(default_factory=list)
+    feeds: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
+def _replay(concrete: Any, tensors: Sequence[Any], name: str) -> tuple[Any, dict, _Setup]:
     """A graph to run the call in a session: the traced graph, its captures made local.
 
-    Returns the graph, the feeds (inputs and captured tensors), and the
-    session's copies of captured variables with their initial values.
+    A session has resources of its own, so each resource the function
+    captures gets a copy there, made from the original's state now: a
+    variable's value, a lookup table's contents (`_table_copy`), a critical
+    section's mutex (it holds no state). Returns the graph, the feeds (inputs
+    and captured tensors), and what makes the copies.
     """
     captured = list(concrete.captured_inputs)
     explicit = concrete.inputs[: len(concrete.inputs) - len(captured)]
@@ -321,29 +339,157 @@ def _replay(concrete: Any, tensors: Sequence[Any], name: str) -> tuple[Any, dict
     variables = {id(v.handle): v for v in concrete.variables}
     start_values = {id(v): v.numpy() for v in concrete.variables}
     graph_def = concrete.graph.as_graph_def()
+    # A table's contents are read now, eagerly, before the session's graph is the default.
+    tables = {
+        placeholder.name: _table_contents(value, uses)
+        for placeholder, value in zip(placeholders, captured)
+        if value.dtype == tf.resource and id(value) not in variables
+        and (uses := _uses(graph_def, placeholder.op.name))
+        and all(use.op in _TABLE_OPS for use in uses)
+    }
     graph = tf.Graph()
-    input_map, feeds, initial = {}, {}, {}
+    input_map, feeds, setup = {}, {}, _Setup()
     with graph.as_default():
         for placeholder, value in zip(placeholders, captured):
             if value.dtype != tf.resource:
                 feeds[placeholder.name] = _to_numpy(value)
                 continue
             variable = variables.get(id(value))
-            if variable is None:
+            copy_name = f"tfshard_timeline_{len(input_map)}"
+            if variable is not None:
+                init = tf.compat.v1.placeholder(variable.dtype, variable.shape)
+                with tf.device(variable.device):
+                    copy = tf.Variable(init, name=copy_name)
+                setup.ops.append(copy.initializer)
+                setup.feeds[init] = start_values[id(variable)]
+                input_map[placeholder.name] = copy.handle
+                continue
+            uses = _uses(graph_def, placeholder.op.name)
+            if placeholder.name in tables:
+                contents = tables[placeholder.name]
+                input_map[placeholder.name] = _table_copy(value, contents, copy_name, setup)
+            elif uses and {use.op for use in uses} <= _MUTEX_OPS:
+                with tf.device(value.device):
+                    input_map[placeholder.name] = tf.raw_ops.MutexV2(shared_name=copy_name)
+            else:
+                ops = sorted({use.op for use in uses}) or ["nothing"]
                 raise ArgumentError(
-                    f"{name}.timeline(): the function captures a resource that is not a "
-                    f"variable ({placeholder.name}: a lookup table, queue or iterator); a "
-                    "timeline can copy only variables into its session"
+                    f"{name}.timeline(): the function captures a resource that is neither "
+                    f"a variable, a lookup table nor a critical section ({placeholder.name}, "
+                    f"used by {', '.join(ops)}: a queue, iterator or the like); a timeline "
+                    "copies those three into its session only"
                 )
-            init = tf.compat.v1.placeholder(variable.dtype, variable.shape)
-            with tf.device(variable.device):
-                copy = tf.Variable(init, name=f"tfshard_timeline_{len(input_map)}")
-            initial[copy] = (init, start_values[id(variable)])
-            input_map[placeholder.name] = copy.handle
         tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="")
     for placeholder, value in zip(explicit, values):
         feeds[placeholder.name] = value
-    return graph, feeds, initial
+    return graph, feeds, setup
+
+
+# Ops that use a lookup table, and the attributes naming its key and value dtypes (None:
+# none). Any table answers them as a mutable hash table with its contents does.
+_TABLE_OPS: dict[str, tuple[str, str] | None] = {
+    "LookupTableFindV2": ("Tin", "Tout"),
+    "LookupTableInsertV2": ("Tin", "Tout"),
+    "LookupTableImportV2": ("Tin", "Tout"),
+    "LookupTableExportV2": ("Tkeys", "Tvalues"),
+    "LookupTableRemoveV2": None,
+    "LookupTableSizeV2": None,
+}
+_MUTEX_OPS = frozenset({"MutexLock"})
+# Function-calling ops: the attributes holding the functions, and how many of the
+# op's first inputs are not the functions' arguments (an If's predicate, a Case's index).
+_CALLS = {
+    "PartitionedCall": (("f",), 0),
+    "StatefulPartitionedCall": (("f",), 0),
+    "If": (("then_branch", "else_branch"), 1),
+    "StatelessIf": (("then_branch", "else_branch"), 1),
+    "While": (("cond", "body"), 0),
+    "StatelessWhile": (("cond", "body"), 0),
+    "Case": (("branches",), 1),
+    "StatelessCase": (("branches",), 1),
+}
+
+
+def _uses(graph_def: Any, name: str) -> list[Any]:
+    """The nodes that use the tensor `name` of the graph, followed into the functions that
+    take it (a shared trace's call, a cond's branches, a loop's body): the ops at the end."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    found: list[Any] = []
+    seen: set[tuple[str, str]] = set()
+
+    def follow(nodes: Sequence[Any], source: str, where: str) -> None:
+        if (where, source) in seen:
+            return
+        seen.add((where, source))
+        for node in nodes:
+            inputs = [i for i in node.input if not i.startswith("^")]
+            for index, given in enumerate(inputs):
+                if given != source and given.split(":")[0] != source:
+                    continue
+                calls = _CALLS.get(node.op)
+                if calls is None:
+                    found.append(node)
+                    continue
+                attrs, skipped = calls
+                for attr in attrs:
+                    value = node.attr[attr]
+                    functions = [f.name for f in value.list.func] or [value.func.name]
+                    for function in functions:
+                        body = library.get(function)
+                        if body is not None and index >= skipped:
+                            arg = body.signature.input_arg[index - skipped].name
+                            follow(body.node_def, arg, function)
+
+    follow(graph_def.node, name, "")
+    return found
+
+
+def _table_contents(handle: Any, uses: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
+    """A captured lookup table's key and value dtypes, keys and values, now (eagerly).
+
+    The dtypes are those the function's table ops name; the contents are read
+    with `LookupTableExportV2`, which every kind of table answers.
+    """
+    typed = [use for use in uses if _TABLE_OPS[use.op] is not None]
+    if not typed:  # only its size is asked: any contents of that size do
+        with tf.device(handle.device):
+            size = int(tf.raw_ops.LookupTableSizeV2(table_handle=handle))
+        return tf.int64, tf.int64, np.arange(size, dtype=np.int64), np.zeros([size], np.int64)
+    key_attr, value_attr = _TABLE_OPS[typed[0].op]
+    key_dtype = tf.as_dtype(typed[0].attr[key_attr].type)
+    value_dtype = tf.as_dtype(typed[0].attr[value_attr].type)
+    with tf.device(handle.device):
+        keys, values = tf.raw_ops.LookupTableExportV2(
+            table_handle=handle, Tkeys=key_dtype, Tvalues=value_dtype
+        )
+    return key_dtype, value_dtype, keys.numpy(), values.numpy()
+
+
+def _table_copy(handle: Any, contents: tuple[Any, ...], name: str, setup: _Setup) -> Any:
+    """A mutable hash table in the session's graph, set up with a captured table's contents
+    (`_table_contents`): the function finds what it would find, and what it inserts goes to
+    the copy."""
+    key_dtype, value_dtype, keys, values = contents
+    with tf.device(handle.device):
+        if values.ndim > 1:
+            table = tf.raw_ops.MutableHashTableOfTensorsV2(
+                key_dtype=key_dtype,
+                value_dtype=value_dtype,
+                value_shape=values.shape[1:],
+                shared_name=name,
+            )
+        else:
+            table = tf.raw_ops.MutableHashTableV2(
+                key_dtype=key_dtype, value_dtype=value_dtype, shared_name=name
+            )
+        key_feed = tf.compat.v1.placeholder(key_dtype, keys.shape)
+        value_feed = tf.compat.v1.placeholder(value_dtype, values.shape)
+        setup.ops.append(
+            tf.raw_ops.LookupTableImportV2(table_handle=table, keys=key_feed, values=value_feed)
+        )
+    setup.feeds[key_feed] = keys
+    setup.feeds[value_feed] = values
+    return table
 
 
 def _to_numpy(value: Any) -> Any:

@@ -1,0 +1,183 @@
+"""_balance: weights="auto" measures each device on the function and plans by it.
+
+The rules (median window, dead band, the useless device, warm-up) are checked on
+`Balance` with given timings; the measurement on the CPU bed, with an unequal pair made
+honestly: shard 1 does three times the work per row (`tfshard.shard_index`), so its
+device is three times slower per row, and the best weights are 3:1.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfshard
+from tfshard import ArgumentError, _balance
+from tfshard._balance import Balance
+
+CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
+
+
+def _measured(balance, rows, seconds, times=5):
+    for _ in range(times):
+        balance.observe(rows, seconds, warm_up=False)
+    return balance.weights
+
+
+# ----------------------------------------------------------------- the rules
+
+
+def test_weights_are_the_devices_speeds_with_the_slowest_at_one():
+    assert _measured(Balance(2), [50, 50], [0.05, 0.15]) == (3.0, 1.0)
+    assert _measured(Balance(3), [40, 40, 40], [0.02, 0.08, 0.04]) == (4.0, 1.0, 2.0)
+
+
+def test_a_first_run_warms_up_and_a_device_not_yet_measured_keeps_the_plan():
+    balance = Balance(2)
+    balance.observe([50, 50], [0.05, 0.5], warm_up=True)
+    assert balance.weights is None and balance.measured == 0
+    balance.observe([1, 0], [0.05, 0.0], warm_up=False)  # device 1 got no rows
+    assert balance.weights is None and balance.measured == 1
+
+
+def test_noise_inside_the_band_never_moves_the_plan():
+    balance = Balance(2)
+    # Device 1 is 4 % slower, give or take: even is predicted within 5 % of the best.
+    for slower in [1.04, 1.0, 1.08, 1.02, 1.06, 0.98, 1.04]:
+        balance.observe([100, 100], [0.01, 0.01 * slower], warm_up=False)
+        assert balance.weights is None
+
+
+def test_one_slow_call_of_a_shared_machine_does_not_swing_the_plan():
+    balance = Balance(2)
+    weights = _measured(balance, [75, 25], [0.075, 0.075], times=6)  # 3:1, balanced
+    assert weights == (3.0, 1.0)
+    balance.observe([75, 25], [0.75, 0.075], warm_up=False)  # another job took device 0
+    balance.observe([75, 25], [0.075, 0.6], warm_up=False)  # then device 1
+    assert balance.weights == (3.0, 1.0)
+
+
+def test_a_change_that_saves_under_a_quarter_millisecond_is_not_made():
+    # 3:1 per row, but the whole call takes tens of microseconds: nothing worth a new plan.
+    assert _measured(Balance(2), [10, 10], [1e-4, 3e-4]) is None
+    # A shard timed in microseconds times the clock: not counted at all.
+    short = Balance(2)
+    short.observe([10, 10], [1e-4, 5e-6], warm_up=False)
+    assert short.per_row() == [1e-5, None]
+
+
+def test_a_device_keeps_rows_unless_over_fifty_times_slower():
+    assert _measured(Balance(2), [50, 50], [0.01, 0.4]) == (40.0, 1.0)
+    slow = Balance(2)
+    assert _measured(slow, [50, 50], [0.01, 0.6], times=2) == (60.0, 1.0)  # 2 measurements
+    assert _measured(slow, [50, 50], [0.01, 0.6], times=1) == (1.0, 0.0)  # 3: useless
+    assert slow.integer() == (1, 0)
+
+
+def test_the_plan_follows_a_device_that_changes_speed():
+    balance = Balance(2)
+    assert _measured(balance, [50, 50], [0.05, 0.15], times=9) == (3.0, 1.0)
+    # Device 1 gets as fast as device 0: after half the window, the plan follows.
+    assert _measured(balance, [75, 25], [0.075, 0.025], times=5) == (1.0, 1.0)
+
+
+# ------------------------------------------------- measured on the CPU bed
+
+# Two devices whose speeds are their own: a shard waits 10 us per row on device 0 and
+# three times that on device 1 (`tfshard.shard_index`), as a device computing apart
+# from the host's cores would, so other jobs on this machine's two cores move the
+# measurement little. (benchmarks/unequal.py measures shards that compute on the cores.)
+PER_ROW_S = (10e-6, 30e-6)
+
+
+def _wait(block, per_row):
+    time.sleep(len(block) * float(per_row))
+    return block
+
+
+def unequal(block):
+    """Shard 1 takes three times as long per row as shard 0; every shard returns its rows."""
+    per_row = tf.gather(tf.constant(PER_ROW_S, tf.float64), tfshard.shard_index())
+    # Stateless: a stateful op would be chained after the other shard's and run in turn.
+    out = tf.numpy_function(_wait, [block, per_row], tf.float32, stateful=False)
+    return tf.ensure_shape(out, block.shape)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """`unequal` with weights="auto" on two devices, after calls enough to measure it."""
+    f = tfshard.parallelize(unequal, devices=CPUS[:2], per_sample=False, weights="auto")
+    x = np.random.default_rng(1).normal(size=[1024, 4]).astype(np.float32)
+    before = f.plan(1024)
+    for _ in range(8):
+        out = f(x)
+    return f, x, out, before
+
+
+def test_auto_weights_find_the_slower_device_from_the_first_calls(measured):
+    f, x, out, before = measured
+    assert before == [512, 512]  # even until measured
+    fast, slow = f.weights
+    # Three times the work per row; the bound is loose for a machine others share.
+    assert slow == 1.0 and 1.8 < fast < 5.0, f.weights
+    assert 0.6 < f.plan(1024)[0] / 1024 < 0.85
+    # The plan changed; the results did not.
+    np.testing.assert_array_equal(out.numpy(), x)
+
+
+def test_measured_weights_can_be_passed_again(measured):
+    f, *_ = measured
+    again = tfshard.parallelize(unequal, devices=CPUS[:2], per_sample=False, weights=f.weights)
+    assert again.weights == f.weights
+    assert again.plan(1000) == f.plan(1000)
+
+
+def test_explain_shows_the_weights_in_use(measured):
+    f, x, *_ = measured
+    line = f.explain(x).splitlines()[1]
+    shown = ", ".join(f"{w:g}" for w in f.weights)
+    assert line.startswith(f"  weights [{shown}] (weights='auto', from ")
+    fresh = tfshard.parallelize(unequal, devices=CPUS[:2], per_sample=False, weights="auto")
+    assert "weights even (weights='auto': 0 measurements, not every device yet)" in (
+        fresh.explain(x)
+    )
+    cheap = tfshard.parallelize(tf.identity, devices=CPUS[:2], per_sample=False, weights="auto")
+    cheap._engine().balance.observe([50, 50], [0.001, 0.0011], warm_up=False)
+    assert "weights even (weights='auto', from 1 measurement: no other split" in cheap.explain(x)
+
+
+def test_a_stream_measures_as_it_runs():
+    f = tfshard.parallelize(unequal, devices=CPUS[:2], per_sample=False, weights="auto")
+    x = np.random.default_rng(2).normal(size=[12 * 512, 4]).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(512)
+    np.testing.assert_array_equal(f(ds).numpy(), x)
+    fast, slow = f.weights  # measured within the stream: its loop's calls after the first
+    assert slow == 1.0 and 1.8 < fast < 5.0, f.weights
+
+
+def test_results_are_the_functions_whatever_the_weights():
+    w = tf.constant(np.random.default_rng(3).normal(size=[4, 4]).astype(np.float32))
+    same = tfshard.parallelize(lambda s: tf.tanh(tf.linalg.matvec(w, s)), weights="auto")
+    x = np.random.default_rng(4).normal(size=[37, 4]).astype(np.float32)
+    for _ in range(3):
+        np.testing.assert_allclose(same(x).numpy(), np.tanh(x @ w.numpy().T), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_weights_string_names_auto():
+    with pytest.raises(ArgumentError, match=r"weights='fast': .*or weights='auto'"):
+        tfshard.parallelize(tf.identity, weights="fast")
+
+
+def test_timing_is_four_ops_per_shard_and_keeps_the_shards_unchained():
+    """The timestamps are calls taking each shard's token: nothing chains the shards."""
+    f = tfshard.parallelize(tf.identity, devices=CPUS[:2], weights="auto")
+    graph = f.get_concrete_function(np.zeros([4], np.float32)).graph
+    stamps = [op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"]
+    assert len(stamps) == 4  # a start and an end per shard
+    for op in stamps:
+        assert op.inputs[-1].op.type == "VarHandleOp"  # the shard's token
+        shard = op.name.split("/")[0]
+        chained = {c.name.split("/")[0] for c in op.control_inputs} - {shard}
+        assert not {c for c in chained if c.startswith("tfshard_shard_")}, (op.name, chained)
+    assert _balance.WINDOW == 9 and _balance.BAND == 0.05 and _balance.USELESS == 50.0

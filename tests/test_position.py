@@ -1,0 +1,174 @@
+"""position: each shard knows its index and its rows' global indices, in every kind of call.
+
+The reference is the plan itself (`f.plan(n)`, checked against exact fractions in
+tests/test_plan.py) and NumPy: row i of the input is in the shard whose block of the
+plan holds it, and its global index is i plus the rows of the stream before its batch.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tfshard
+from tfshard import TfshardError
+
+CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
+
+
+def where_sample(sample):
+    """[shard, global row] of one sample (int64)."""
+    del sample
+    return tf.stack([tf.cast(tfshard.shard_index(), tf.int64), tfshard.row_index()])
+
+
+def where_shard(block):
+    """[n, 2]: [shard, global row] of each row of the shard."""
+    rows = tfshard.row_index()
+    shard = tf.fill(tf.shape(rows), tf.cast(tfshard.shard_index(), tf.int64))
+    return tf.stack([shard, rows], axis=1) + 0 * tf.cast(tf.shape(block)[:1], tf.int64)
+
+
+def expected(sizes, offset=0):
+    """[shard, global row] of each row, from a plan (NumPy)."""
+    shards = np.repeat(np.arange(len(sizes)), sizes)
+    return np.stack([shards, offset + np.arange(sum(sizes))], axis=1)
+
+
+def _uses_the_shared_trace(f, x):
+    graph = f.get_concrete_function(x).graph
+    calls = {op.name.split("/")[0] for op in graph.get_operations() if op.type.endswith("Call")}
+    return {"tfshard_shard_1", "tfshard_shard_2", "tfshard_shard_3"} <= calls
+
+
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per_sample", "whole_shard"])
+def test_four_devices_three_of_them_calling_one_shared_trace(per_sample):
+    # Output on device 0: shards 1 to 3 call one trace, so position is an input of it.
+    fn = where_sample if per_sample else where_shard
+    f = tfshard.parallelize(fn, devices=CPUS, per_sample=per_sample)
+    x = np.zeros([11, 3], np.float32)
+    assert _uses_the_shared_trace(f, x)
+    for n in (11, 3, 0):  # uneven shards, fewer rows than devices, none
+        np.testing.assert_array_equal(f(x[:n]).numpy().reshape(-1, 2), expected(f.plan(n)))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(0, 40),
+    weights=st.lists(st.integers(0, 5), min_size=1, max_size=3).filter(any),
+)
+def test_any_size_and_weights_index_every_row_once_in_order(n, weights):
+    f = tfshard.parallelize(where_shard, devices=CPUS[: len(weights)], weights=weights,
+                            per_sample=False)  # fmt: skip
+    got = f(np.zeros([n, 1], np.float32)).numpy().reshape(-1, 2)
+    np.testing.assert_array_equal(got, expected(f.plan(n)))
+
+
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per_sample", "whole_shard"])
+def test_compiled_with_xla(per_sample):
+    fn = where_sample if per_sample else where_shard
+    f = tfshard.parallelize(fn, devices=CPUS[:3], per_sample=per_sample, jit_compile=True)
+    got = f(np.zeros([7, 2], np.float32)).numpy().reshape(-1, 2)
+    np.testing.assert_array_equal(got, expected(f.plan(7)))
+
+
+def test_with_replicas_each_shard_reads_its_copy_and_knows_its_place():
+    f = tfshard.parallelize(
+        lambda s: where_sample(s) * scale, devices=CPUS[:3], per_sample=True
+    )
+    with f.replicas():
+        scale = tf.Variable(tf.constant(1, tf.int64))
+    np.testing.assert_array_equal(f(np.zeros([5])).numpy(), expected(f.plan(5)))
+
+
+def test_ragged_outputs_map_each_samples_row_with_it():
+    # ragged=True maps with tf.map_fn, which takes the rows' positions along.
+    f = tfshard.parallelize(
+        lambda s: tf.fill([tfshard.row_index() % 3], tfshard.row_index()),
+        devices=CPUS[:2],
+        ragged=True,
+    )
+    got = f(np.zeros([5])).to_list()
+    assert got == [[i] * (i % 3) for i in range(5)]
+
+
+def test_per_shard_results_hold_each_shards_own_rows():
+    f = tfshard.parallelize(where_shard, devices=CPUS[:2], per_sample=False, weights=[2, 1])
+    parts = [p.numpy() for p in f.per_shard(np.zeros([6, 1]))]
+    np.testing.assert_array_equal(np.concatenate(parts), expected([4, 2]))
+
+
+# ------------------------------------------------------------------ streams
+
+
+@pytest.fixture(scope="module")
+def by_sample():
+    return tfshard.parallelize(where_sample, devices=CPUS[:3])
+
+
+def test_a_stream_counts_rows_over_every_batch_traced_loop(by_sample):
+    ds = tf.data.Dataset.from_tensor_slices(np.zeros([23, 2], np.float32)).batch(5)
+    got = by_sample(ds).numpy()
+    # Each batch of 5 (the last of 3) is planned on its own; its rows follow the ones before.
+    sizes = [5, 5, 5, 5, 3]
+    want = np.concatenate([expected(by_sample.plan(m), 5 * i) for i, m in enumerate(sizes)])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_stream_counts_rows_in_the_python_loop_and_iterate(by_sample):
+    # padded_batch may change the per-sample shape (unknown in the spec), so f(ds) takes
+    # the Python loop; these samples keep one length, as that loop asks.
+    ds = tf.data.Dataset.from_generator(
+        lambda: (np.ones([2], np.float32) for _ in range(7)),
+        output_signature=tf.TensorSpec([None], tf.float32),
+    ).padded_batch(3)
+    sizes = [3, 3, 1]
+    want = np.concatenate(
+        [expected(by_sample.plan(m), offset=3 * i) for i, m in enumerate(sizes)]
+    )
+    np.testing.assert_array_equal(by_sample(ds).numpy(), want)
+    parts = [r.numpy() for r in by_sample.iterate(ds)]
+    np.testing.assert_array_equal(np.concatenate(parts), want)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["traced_loop", "python_loop"])
+def test_a_reduced_stream_sums_the_global_rows(padded):
+    f = tfshard.parallelize(lambda s: tfshard.row_index(), devices=CPUS[:2], reduce="sum")
+    samples = tf.data.Dataset.from_generator(
+        lambda: (np.zeros([2], np.float32) for _ in range(17)),
+        output_signature=tf.TensorSpec([None] if padded else [2], tf.float32),
+    )
+    ds = samples.padded_batch(4) if padded else samples.batch(4)
+    assert int(f(ds)) == sum(range(17))
+
+
+# ------------------------------------------------------------------ uses
+
+
+def test_a_row_keyed_random_stream_is_the_same_whatever_the_devices():
+    """README's recipe: a stateless op seeded by the row gives every row its own numbers."""
+
+    def noisy(sample):
+        seed = tf.stack([tf.constant(7, tf.int64), tfshard.row_index()])
+        return sample + tf.random.stateless_normal([3], seed=seed)
+
+    x = np.zeros([9, 3], np.float32)
+    one = tfshard.parallelize(noisy, devices=CPUS[:1])(x).numpy()
+    assert len({tuple(row) for row in one.round(5)}) == 9  # every row its own numbers
+    for devices, weights in ((CPUS[:2], None), (CPUS[:3], [1, 3, 2])):
+        got = tfshard.parallelize(noisy, devices=devices, weights=weights)(x).numpy()
+        np.testing.assert_array_equal(got, one)
+
+
+@pytest.mark.parametrize("name", ["shard_index", "row_index"])
+def test_outside_a_parallelized_function_it_says_where_to_call_it(name):
+    with pytest.raises(TfshardError, match=rf"tfshard.{name}\(\) was called outside"):
+        getattr(tfshard, name)()
+
+    @tf.function
+    def plain(x):
+        return x + tf.cast(getattr(tfshard, name)(), x.dtype)
+
+    with pytest.raises(TfshardError, match="inside a function given to tfshard.parallelize"):
+        plain(tf.constant(1.0))

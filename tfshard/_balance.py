@@ -1,0 +1,228 @@
+"""``weights="auto"``: each device's time per row, measured on the user's own function.
+
+**Measuring.** With ``weights="auto"`` every shard of every call (and of
+every batch of a stream) is timed inside the graph, by two timestamps on its
+device (`timed`): one when its rows are ready, before any of its ops runs,
+one when its outputs are. The
+step returns each shard's rows and seconds beside its results (`Timing`):
+four ops and two calls of a tiny function per shard, two ``[K]`` vectors per
+call, a few microseconds. Nothing runs apart from the user's own calls, at the
+split they use, beside whatever else runs then, so what is measured is what a
+plan will meet. A timestamp is a stateful op, which TensorFlow would chain
+with every other stateful op of the call (the shards would run in turn), so
+each is a call that takes its shard's token (`tfshard._sharding.token`). On a
+GPU an op counts as done once its kernels are queued, so there the second
+timestamp waits for one element of each output to reach the host: the end of
+the kernels, not of their launch. Across workers, both timestamps of a shard
+are taken on its own machine's clock, and its seconds include sending it
+its rows.
+
+**Deciding** (`Balance`, pure Python, on the engine):
+
+- A device's time per row is the median of its last `WINDOW` measurements
+  (seconds over rows of one call, or of one call of a stream's loop), so a
+  call slowed by another job on a shared machine moves it little.
+- Its weight is its speed, the fastest's time per row over its own,
+  shown with the slowest device at 1 and rounded to 2 decimals (``[2.95,
+  1.0]``): `ShardedFunction.weights` gives what the plan uses, to read or to
+  pass again as ``weights=``.
+- The plan changes only when the best weights are predicted to finish a
+  call at least `BAND` (5 %) and `MIN_GAIN` (0.25 ms) sooner than the
+  weights in use, both predicted from the same medians for the last call's
+  rows: noise inside the band never moves the plan, and a function so cheap
+  that its shards' fixed costs (and the machine's jitter) outweigh their
+  rows keeps its plan.
+- A device keeps a weight, and so rows, unless it is measured useless: more
+  than `USELESS` (50) times slower per row than the fastest, over at least
+  `MIN_SAMPLES` measurements. A useless device gets no rows from then on
+  (and is not measured again: make a new function to measure it again).
+- The first run of each traced graph warms up (kernels made, memory
+  allocated) and is not counted, nor is a shard that took under `SHORTEST`
+  (20 us), which times the clock more than the device. Until every device
+  has been measured, the split stays even (or as it was).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+from tfshard import _plan, _sharding
+
+# Measurements per device whose median is its time per row.
+WINDOW = 9
+# The plan changes when the best weights are predicted this much faster than those in use,
+BAND = 0.05
+# and by at least this many seconds a call.
+MIN_GAIN = 0.25e-3
+# A device this many times slower per row than the fastest is useless: it gets no rows.
+USELESS = 50.0
+# Measurements of a device needed before it can be found useless.
+MIN_SAMPLES = 3
+# A shard timed under this many seconds tells nothing of its device's speed (the
+# timestamps' resolution is a microsecond, a thread's wake-up ten): not counted.
+SHORTEST = 20e-6
+
+
+class Timing(NamedTuple):
+    """What the timed shards of one call (or of a stream's batches) took.
+
+    Attributes:
+      rows: each shard's rows, int64 ``[K]``.
+      seconds: each shard's seconds from its rows ready to its outputs ready,
+        float64 ``[K]``.
+    """
+
+    rows: tf.Tensor
+    seconds: tf.Tensor
+
+
+def stamp() -> Any:
+    """The timestamp of `timed`: a traced function of a token, called once per stamp."""
+
+    def now(handle: tf.Tensor) -> tf.Tensor:
+        # The handle keeps the call out of the stateful chain (`timed`); depending on it
+        # keeps the stamp after the call's control inputs once TensorFlow inlines the
+        # call (they then wait for its inputs only: a stamp on nothing ran at the start).
+        with tf.control_dependencies([handle]):
+            return tf.timestamp()
+
+    return tf.function(now, autograph=False).get_concrete_function(
+        tf.TensorSpec([], tf.resource)
+    )
+
+
+def timed(
+    run: Callable[[], Any], inputs: Sequence[Any], device: str, clock: Any
+) -> tuple[Any, tf.Tensor]:
+    """`run()`'s outputs, and the seconds from `inputs` ready to them ready, on `device`.
+
+    Args:
+      run: the shard's computation, traced here (under the caller's scopes).
+      inputs: the shard's rows: the first timestamp waits for them.
+      device: the shard's device, where both timestamps run.
+      clock: `stamp()`, shared by the shards of one call.
+    """
+    handle = _sharding.token(device)
+    with tf.device(device), tf.control_dependencies(_ops(inputs)):
+        start = clock(handle)
+    # The shard's ops wait for the first stamp: ready beside them, it could otherwise
+    # run after them (the executor runs ready ops in no promised order).
+    with tf.control_dependencies([start]):
+        outputs = run()
+    with tf.device(device), tf.control_dependencies(_finished(outputs, device)):
+        end = clock(handle)
+    return outputs, end - start
+
+
+def _ops(values: Any) -> list[tf.Tensor]:
+    return [t for t in tf.nest.flatten(values, expand_composites=True) if isinstance(t, tf.Tensor)]
+
+
+def _finished(outputs: Any, device: str) -> list[tf.Tensor]:
+    """What the second timestamp waits for: the outputs, or on a GPU one element of each
+    read on the host (a GPU op is done, for a control edge, when its kernels are queued)."""
+    leaves = _ops(outputs)
+    if tf.DeviceSpec.from_string(device).device_type != "GPU":
+        return leaves
+    touched = []
+    for leaf in leaves:
+        if leaf.dtype in (tf.resource, tf.variant, tf.string):
+            touched.append(leaf)
+            continue
+        with tf.device(device):
+            first = tf.reshape(leaf, [-1])[:1]  # [0] or [1] elements: nothing to copy back
+        with tf.device(_plan.host_cpu(device)):
+            touched.append(tf.identity(first))
+    return touched
+
+
+class Balance:
+    """The weights of ``weights="auto"`` for K devices, from their measured time per row.
+
+    The rules are in the module docstring. Thread-safe: calls from several
+    threads observe in turn.
+
+    Args:
+      count: the number of devices.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._lock = threading.Lock()
+        self._per_row: list[collections.deque[float]] = [
+            collections.deque(maxlen=WINDOW) for _ in range(count)
+        ]
+        self._weights: tuple[float, ...] | None = None
+        self._rows = 0  # the last measured call's rows
+        self.measured = 0  # measurements counted so far
+
+    @property
+    def weights(self) -> tuple[float, ...] | None:
+        """The weights in use (the slowest device with rows at 1), or None: even so far."""
+        return self._weights
+
+    def integer(self) -> tuple[int, ...]:
+        """The weights in use as the plan takes them (`_plan.integer_weights`); even: all 1."""
+        weights = self._weights
+        if weights is None:
+            return (1,) * self._count
+        return _plan.integer_weights(weights)
+
+    def per_row(self) -> list[float | None]:
+        """Each device's time per row now (the median of its window), None if not measured."""
+        with self._lock:
+            return [statistics.median(s) if s else None for s in self._per_row]
+
+    def observe(self, rows: Sequence[int], seconds: Sequence[float], warm_up: bool) -> None:
+        """Counts one measurement: each shard's rows and seconds in one call (or loop call).
+
+        Args:
+          rows: each shard's rows.
+          seconds: each shard's seconds, from its rows ready to its outputs ready.
+          warm_up: the graph ran for the first time, so its times include making
+            kernels and memory: not counted.
+        """
+        if warm_up:
+            return
+        with self._lock:
+            for samples, n, s in zip(self._per_row, rows, seconds):
+                if n > 0 and s >= SHORTEST:
+                    samples.append(float(s) / int(n))
+            self._rows = sum(int(n) for n in rows)
+            self.measured += 1
+            self._decide()
+
+    def _decide(self) -> None:
+        medians = [statistics.median(s) if s else None for s in self._per_row]
+        if any(m is None for m in medians):
+            return  # a device not measured yet: keep the plan until it is
+        fastest = min(medians)
+        best = [
+            0.0 if m > USELESS * fastest and len(s) >= MIN_SAMPLES else fastest / m
+            for m, s in zip(medians, self._per_row)
+        ]
+        now = self._weights or (1.0,) * self._count
+        kept, moved = _finish(now, medians), _finish(best, medians)
+        # A device found useless leaves the plan whatever it would save: its few rows
+        # (under 2 %) are within the noise, and its copies and fixed costs are not.
+        useless = [w == 0 for w in best] != [w == 0 for w in now]
+        if useless or (kept > (1.0 + BAND) * moved and (kept - moved) * self._rows >= MIN_GAIN):
+            self._weights = _shown(best)
+
+
+def _finish(weights: Sequence[float], per_row: Sequence[float]) -> float:
+    """When a call would end, in seconds per row of the batch: the slowest shard's share."""
+    total = sum(weights)
+    return max(w / total * s for w, s in zip(weights, per_row))
+
+
+def _shown(weights: Sequence[float]) -> tuple[float, ...]:
+    """Weights as shown and used: the slowest device with rows at 1, two decimals."""
+    slowest = min(w for w in weights if w > 0)
+    return tuple(round(w / slowest, 2) for w in weights)
