@@ -11,6 +11,7 @@ import tensorflow as tf
 from fake_nvidia_smi import fake
 
 from tfshard import pinning
+from tfshard.replicas import Replicas
 
 
 def _gpu_or_skip(count: int = 1) -> None:
@@ -60,6 +61,19 @@ def float32_tolerance() -> Callable[..., dict[str, float]]:
     Usage: ``np.testing.assert_allclose(got, want, **float32_tolerance(f.devices))``.
     """
     return _float32_tolerance
+
+
+@pytest.fixture(autouse=True)
+def no_replicas_outside(monkeypatch):
+    """Each test starts and leaves without replicas.
+
+    Replicas belong to the process (`Replicas.of` keeps one per set of devices), so
+    one test's copies (an example run with 4 logical devices, say) would make every
+    later function on those devices trace its shards in replica contexts.
+    """
+    monkeypatch.setattr(Replicas, "_registry", {})
+    yield
+    Replicas.generation += 1  # functions traced with this test's replicas retrace
 
 
 @pytest.fixture

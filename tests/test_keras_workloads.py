@@ -17,19 +17,11 @@ import pytest
 import tensorflow as tf
 
 import tfshard
-from tfshard.replicas import Replicas, apply_gradients
+from tfshard.replicas import apply_gradients
 
 keras = pytest.importorskip("keras")
 
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
-
-
-@pytest.fixture(autouse=True)
-def no_replicas_outside(monkeypatch):
-    """Replicas are per process; each test starts and leaves without any."""
-    monkeypatch.setattr(Replicas, "_registry", {})
-    yield
-    Replicas.generation += 1
 
 
 @pytest.fixture(autouse=True)

@@ -25,14 +25,6 @@ DEVICES = ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
 
 
 @pytest.fixture(autouse=True)
-def no_replicas_outside(monkeypatch):
-    """Replicas are per process; each test starts and leaves without any."""
-    monkeypatch.setattr(Replicas, "_registry", {})
-    yield
-    Replicas.generation += 1  # functions traced with this test's replicas retrace
-
-
-@pytest.fixture(autouse=True)
 def built_on_the_cpu_bed():
     """Eager variables and references live on DEVICES[0], by name.
 
