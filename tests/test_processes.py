@@ -138,9 +138,9 @@ def test_workers_past_the_timeout_are_stopped(worker_pids):
 
 def test_processes_a_worker_started_end_with_it_on_timeout(worker_pids, tmp_path, process_gone):
     # The worker needs a few seconds to import TensorFlow before it starts its child.
-    with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=20 s"):
+    with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=12 s"):
         processes.run_per_device(
-            _start_grandchild, ["hang"], shared={"pid_dir": tmp_path}, devices=["cpu"], timeout=20
+            _start_grandchild, ["hang"], shared={"pid_dir": tmp_path}, devices=["cpu"], timeout=12
         )
     [pid_file] = tmp_path.glob("grandchild-*")
     assert process_gone(int(pid_file.read_text()))

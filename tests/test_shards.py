@@ -95,3 +95,42 @@ def test_a_per_sample_failure_says_what_the_function_saw_and_both_remedies():
     assert "ran on one sample at a time" in message and "shapes [3]" in message
     assert "pass per_sample=False" in message and "x[None]" in message
     assert "broadcast" not in message  # one argument: nothing to broadcast
+
+
+# ------------------------------------------------- what pfor gets wrong, per sample
+
+
+def test_a_one_row_shard_keeps_its_batch_dimension():
+    # pfor squeezed a one-row shard's [1] to [] (tf.norm per sample), and the gather failed.
+    x = np.arange(21, dtype=np.float32).reshape(7, 3)  # 2, 2, 2, 1 rows on 4 devices
+    f = tfshard.parallelize(lambda s: tf.norm(s), devices=CPUS)
+    np.testing.assert_allclose(f(x).numpy(), np.linalg.norm(x, axis=1), rtol=1e-6)
+    assert [tuple(o.shape) for o in f.per_shard(x)] == [(2,), (2,), (2,), (1,)]
+
+
+def test_a_per_sample_function_that_writes_a_variable_runs_sample_by_sample():
+    # vectorized_map refused assign_add (a TF stack trace) and applied a Keras metric's
+    # update once for all samples (2.0 where one device gives 2.5).
+    total = tf.Variable(0.0)
+    f = tfshard.parallelize(lambda s: total.assign_add(s) * 0.0 + s, devices=CPUS[:2])
+    x = np.arange(6, dtype=np.float32)
+    np.testing.assert_array_equal(f(x).numpy(), x)
+    assert total.numpy() == x.sum()
+    mean = keras.metrics.Mean()
+    g = tfshard.parallelize(lambda s: (mean.update_state(s), s)[1], devices=CPUS[:2])
+    g(np.array([1.0, 2.0, 3.0, 4.0], np.float32))
+    assert mean.result().numpy() == 2.5
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 4])
+def test_a_per_sample_assertion_holds_for_every_sample_whatever_the_device_count(devices):
+    # vectorized_map checked a tf.debugging.assert_* on a shard's first row only: 8 rows
+    # passed on 3 or 4 devices and failed on 1 or 2.
+    def bounded(s):
+        tf.debugging.assert_less(s, 6.0, message="too big")
+        return s * 2.0
+
+    f = tfshard.parallelize(bounded, devices=CPUS[:devices])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="too big"):
+        f(np.arange(8, dtype=np.float32))
+    np.testing.assert_array_equal(f(np.arange(6, dtype=np.float32)).numpy(), np.arange(6) * 2.0)

@@ -21,14 +21,17 @@ from tfshard.errors import SHARD_SCOPE
 
 _SHARD_OP = re.compile(r"^" + SHARD_SCOPE + r"(\d+)/")
 
-# Op types (prefixes) that write a resource they are given: variables, and a
-# tf.random.Generator's state.
-WRITES = (
+# Op types (prefixes) that write a variable they are given.
+VARIABLE_WRITES = (
     "Assign",
     "ResourceApply",
     "ResourceScatter",
     "ResourceSparseApply",
     "ResourceStridedSliceAssign",
+)
+# ... and every resource they are given: variables, and a tf.random.Generator's state.
+WRITES = (
+    *VARIABLE_WRITES,
     "RngReadAndSkip",
     "RngSkip",
     "StatefulRandomBinomial",
@@ -43,9 +46,23 @@ _ARGUMENT_OFFSET = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1}
 
 def writes_resources(concrete: Any) -> bool:
     """Whether a traced function, or one it calls, writes a resource (`WRITES`)."""
+    return any(node.op.startswith(WRITES) for node in _nodes(concrete))
+
+
+def writes_variables(concrete: Any) -> bool:
+    """Whether a traced function, or one it calls, writes a variable (`VARIABLE_WRITES`)."""
+    return any(node.op.startswith(VARIABLE_WRITES) for node in _nodes(concrete))
+
+
+def asserts(concrete: Any) -> bool:
+    """Whether a traced function, or one it calls, holds an Assert (a tf.debugging.assert_*)."""
+    return any(node.op == "Assert" for node in _nodes(concrete))
+
+
+def _nodes(concrete: Any) -> list[Any]:
+    """The nodes of a traced function and of every function in its library."""
     graph = concrete.graph.as_graph_def()
-    nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
-    return any(node.op.startswith(WRITES) for node in nodes)
+    return [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
 
 
 def shard_ops(concrete: Any) -> Iterator[tuple[int, Any]]:

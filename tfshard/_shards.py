@@ -9,13 +9,14 @@ whole-shard outputs are checked to have one row per row (`check_rows`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _kinds, _trees, collect
+from tfshard import _arguments, _graph, _kinds, _trees, collect
 from tfshard._autograph import is_keras_layer
 from tfshard._plan import host_assert, row_count, rows
 from tfshard.errors import ROWS_DIFFER, ArgumentError, TfshardError, creates_variables
@@ -257,22 +258,32 @@ def vectorized(
 
     Each sample's global row is mapped with it (`Position.rows`), so
     `tfshard.row_index` is a scalar per sample, where the function reads it
-    (its trace on one sample says, `sample_signature`): mapping the rows costs
+    (its trace on one sample says, `sample_trace`): mapping the rows costs
     a call ~20 small ops, 7 % of a per-sample call of 8 rows on 2 CPU devices.
     The shard's index is the same for every sample.
 
     An empty shard returns empty outputs of the per-sample signature:
     vectorized_map over nothing gives outputs of the wrong inner shape (a
     per-sample matmul's [0, 2, 1] for [0, 2, 3]), and some conversions fail
-    on it outright (pfor's tf.print reads row 0). A reshape to the per-sample
-    shape would fix the shapes for free, but not the failures, which nothing
-    in the graph announces.
+    on it outright (pfor's tf.print reads row 0). A shard of one row is
+    reshaped to ``[1, *sample]``: pfor can squeeze its batch dimension away
+    (``tf.norm`` per sample gave a scalar).
+
+    Some functions cannot be vectorised right, and run sample by sample
+    (`tf.map_fn`, as ``ragged=True`` does): one that writes a variable (a
+    Keras metric's ``update_state``, ``v.assign_add``), which pfor refuses or
+    applies once for all samples, and one that asserts (``tf.debugging.assert_*``),
+    whose check pfor drops for all rows but the first where the condition
+    varies by sample. A tf.random.Generator's draws vectorise (pfor advances
+    it sample by sample itself).
     """
-    signature, reads_rows = sample_signature(call, example, ragged_outputs)
+    sample = sample_trace(call, example, ragged_outputs)
+    signature, reads_rows = sample.signature, sample.reads_rows
     leaves, _ = _trees.flatten(signature)
     # Rows of different lengths in or out: vectorize cannot stack them.
-    ragged = (
+    one_by_one = (
         ragged_outputs
+        or sample.sequential
         or not all(_kinds.of(t).VECTORIZES for t in example)
         or not all(_kinds.of(s).VECTORIZES for s in leaves)
     )
@@ -300,11 +311,20 @@ def vectorized(
             return tf.nest.map_structure(tf.identity, outputs, expand_composites=True)
 
         elements = (*entering, *positions)
-        if ragged:
+        if one_by_one:
             return tf.map_fn(one, elements, fn_output_signature=signature, name="per_sample")
-        return tf.vectorized_map(one, elements, fallback_to_while_loop=True)
+        stacked = tf.vectorized_map(one, elements, fallback_to_while_loop=True)
+        n = rows(rows_in[0])
+        return tf.nest.map_structure(functools.partial(_with_rows, n), stacked, signature)
 
     return Shard(each, lambda outputs: collect.empty(signature))
+
+
+def _with_rows(n: tf.Tensor, stacked: tf.Tensor, spec: tf.TypeSpec) -> tf.Tensor:
+    """A vectorised output as ``[n, *sample]``, where the sample's shape is fixed."""
+    if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
+        return stacked
+    return tf.reshape(stacked, tf.concat([tf.reshape(n, [1]), spec.shape.as_list()], 0))
 
 
 def whole_shard(call: Callable[[Sequence[Any], Position, tf.Tensor | None], Any]) -> Shard:
@@ -354,11 +374,23 @@ def per_row(value: Any) -> bool:
     return value.shape.rank is not None and value.shape.rank >= 1 and value.shape[0] is None
 
 
-def sample_signature(
-    call: Callable[..., Any], example: Sequence[Any], ragged: bool
-) -> tuple[Any, bool]:
-    """Output specs of the function on one sample (ragged where shapes vary), and
-    whether it reads its sample's global row (`tfshard.row_index`).
+class SampleTrace(NamedTuple):
+    """What the function's trace on one sample says.
+
+    Attributes:
+      signature: its output specs (ragged where shapes vary).
+      reads_rows: whether it reads its sample's global row (`tfshard.row_index`).
+      sequential: whether it must run sample by sample: it writes a variable
+        or asserts, which `tf.vectorized_map` gets wrong (`vectorized`).
+    """
+
+    signature: Any
+    reads_rows: bool
+    sequential: bool
+
+
+def sample_trace(call: Callable[..., Any], example: Sequence[Any], ragged: bool) -> SampleTrace:
+    """The function traced on one sample, and what that trace says (`SampleTrace`).
 
     The sample traced here sees a position, an input of the probe: the row is
     read where that input has a user in the probe's graph.
@@ -371,13 +403,14 @@ def sample_signature(
     probe = tf.function(one, autograph=False).get_concrete_function(Position.specs(), *specs)
     outputs = probe.structured_outputs
     reads_rows = bool(probe.inputs[1].consumers())  # Position(index, first): first's users
+    sequential = _graph.writes_variables(probe) or _graph.asserts(probe)
 
     def to_spec(value: Any, path: str) -> tf.TypeSpec:
         return _kinds.of(value).sample_output(value, ragged, path)
 
     leaves, key = _trees.flatten(outputs, "outputs")
     specs = [to_spec(leaf, _trees.path("outputs", key, i)) for i, leaf in enumerate(leaves)]
-    return _trees.build(key, iter(specs)), reads_rows
+    return SampleTrace(_trees.build(key, iter(specs)), reads_rows, sequential)
 
 
 def check_outputs(outputs: list[Any], devices: Sequence[str]) -> tuple[Hashable, list[list[Any]]]:
