@@ -1372,3 +1372,18 @@ def test_a_stream_keyword_on_a_tensor_says_it_is_for_datasets():
     # A function that takes the keyword itself gets it.
     g = tfshard.parallelize(lambda s, batch_size: s * batch_size, devices=CPUS[:2])
     np.testing.assert_array_equal(g(x, batch_size=3).numpy(), 3 * x)
+
+
+def test_per_shard_names_a_failing_shard_on_four_devices():
+    # Every shard's outputs cross to the output device beside the shards: through the
+    # shared trace a failure came back as a bare CancelledError, 20 times in 20.
+    def bounded(block):
+        tf.debugging.assert_less(tf.reduce_max(block), 10.0, message="too big")
+        return block * 2.0
+
+    f = tfshard.parallelize(bounded, devices=CPUS, per_sample=False)
+    x = np.zeros([8], np.float32)
+    x[7] = 30.0  # shard 3's rows
+    for _ in range(5):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)^bounded: shard 3 on .*too big"):
+            f.per_shard(x)

@@ -123,22 +123,25 @@ class Engine:
         self.host = host_cpu(output)
         self.remote_output = pinning.is_remote(output)
         self._graphs: dict[Hashable, Traced] = {}
+        self._steps: dict[Hashable, Step] = {}  # by trace key, and beside transfers or not
         self._lock = threading.RLock()
         self._converted: Callable[..., Any] | None = None
         # Replicas of this engine's devices, as they were when its graphs were traced,
         # and the generation of replicas that was (`refresh`).
         self._replicas: Replicas | None = None
-        self._generation = -1
+        self._generation = -1  # `Replicas.generation` when the replicas were last looked up
+        self._epoch = 0  # how many times this engine dropped what it traced
         # weights="auto": the measured weights, and the graphs that ran once (warmed up).
         self.balance = _balance.Balance(len(devices)) if options.balanced else None
         self._warm: set[int] = set()
 
     @property
     def generation(self) -> int:
-        """Which replicas this engine's steps read: it changes when they do, and what
-        was traced from an older step (a stream's loop) must be traced again."""
+        """Which replicas this engine's steps read: it changes when they do (only
+        then), and what was traced from an older step (a stream's loop) must be
+        traced again."""
         self.refresh()
-        return self._generation
+        return self._epoch
 
     @property
     def trace_count(self) -> int:
@@ -171,19 +174,24 @@ class Engine:
     # ------------------------------------------------------------ steps
 
     def step(self, call: _arguments.Call, *, beside_transfers: bool = False) -> Step:
-        """The step of a call with this trace key (see `tfshard._step.Step`).
+        """The step of a call with this trace key (see `tfshard._step.Step`), built once.
 
-        With `beside_transfers` (a stream's, whose loop nests the shards where
-        `checked` cannot read them), the call's own graph is traced and
-        checked first.
+        Args:
+          call: the classified call (its trace key and template).
+          beside_transfers: the step's shards run while other copies are pending
+            beside them (a stream feeding its next batch ahead, or `per_shard`,
+            every shard's outputs crossing to the output device): each runs in
+            place (`tfshard._sharding.choose`), so a failure keeps its error.
         """
         self.refresh()
-        if beside_transfers and (self.options.jit_compile or self._replicas is not None):
-            self.trace(call)
+        key = (call.key, beside_transfers)
+        step = self._steps.get(key)
+        if step is not None:
+            return step
         if self._converted is None:
             self._converted = autographed(self.fn)
         options = self.options
-        return Step(
+        step = Step(
             fn=self._converted,
             name=self.name,
             per_sample=options.per_sample,
@@ -201,6 +209,19 @@ class Engine:
             balanced=options.balanced,
             max_rows=options.limits(len(self.devices)),
         )
+        self._steps[key] = step
+        return step
+
+    def check(self, call: _arguments.Call) -> None:
+        """Runs `checked` on the call's own graph, where a check applies (XLA, replicas).
+
+        For a graph that nests the step's shards where the checks cannot read
+        them (a stream's traced loop): the call's graph has the same shards at
+        its top level.
+        """
+        self.refresh()
+        if self.options.jit_compile or self._replicas is not None:
+            self.trace(call)
 
     def refresh(self) -> None:
         """Picks up replicas, or replicated variables, made since the last trace.
@@ -218,6 +239,8 @@ class Engine:
             if found is not None or self._replicas is not None:
                 self._replicas = found
                 self._graphs.clear()
+                self._steps.clear()
+                self._epoch += 1
             self._generation = generation
 
     def checked(self, graph: Any) -> Any:
@@ -314,7 +337,9 @@ class Engine:
         with self._lock:
             traced = self._graphs.get(key)
             if traced is None:
-                run = getattr(self.step(call), body)
+                # per_shard returns every shard's outputs: each crosses beside the shards.
+                step = self.step(call, beside_transfers=body == "per_shard")
+                run = getattr(step, body)
                 count = len(call.tensors)
 
                 def traced_body(*flat: Any) -> Any:

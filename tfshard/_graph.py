@@ -1,25 +1,23 @@
 """Reading a traced call's graph: each shard's ops, and the resources they read and write.
 
 A call's graph names shard k's ops ``tfshard_shard_k/...`` (`errors.SHARD_SCOPE`,
-written by `tfshard._step`). What a shard does to a variable is read from the ops
-that take its handle, and, for ops that call functions (a conditional, a loop, a
-shared or compiled trace), from inside those functions, argument by argument
-(`written_arguments`). `tfshard.replicas` asks which copies a shard reads and
-whether it writes one; `tfshard._sharding` asks whether a trace writes any
-resource at all.
+written by `tfshard._step`, read by `errors.shard_in`). What a shard does to a
+variable is read from the ops that take its handle, and, for ops that call
+functions (a conditional, a loop, a shared or compiled trace), from inside
+those functions, argument by argument (`written_arguments`). `tfshard.replicas`
+asks which copies a shard reads and whether it writes one; `tfshard._sharding`
+asks whether a trace writes any resource at all, and `tfshard._shards` whether
+a sample's trace writes a variable or asserts.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
 
-from tfshard.errors import SHARD_SCOPE
-
-_SHARD_OP = re.compile(r"^" + SHARD_SCOPE + r"(\d+)/")
+from tfshard.errors import shard_in
 
 # Op types (prefixes) that write a variable they are given.
 VARIABLE_WRITES = (
@@ -68,9 +66,9 @@ def _nodes(concrete: Any) -> list[Any]:
 def shard_ops(concrete: Any) -> Iterator[tuple[int, Any]]:
     """``(k, op)`` for each op of shard k in a traced call."""
     for op in concrete.graph.get_operations():
-        match = _SHARD_OP.match(op.name)
-        if match is not None:
-            yield int(match.group(1)), op
+        k = shard_in(op.name)
+        if k is not None:
+            yield k, op
 
 
 def shard_accesses(concrete: Any) -> Iterator[tuple[int, Any, tf.Variable]]:

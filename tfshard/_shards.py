@@ -209,8 +209,9 @@ class Shard(NamedTuple):
     """What one shard computes.
 
     Attributes:
-      run: its outputs, from its rows and its `Position` (as `_sharding.choose`
-        decides).
+      run: its outputs, from its rows and its `Position` (guarded against an
+        empty shard by `skip_if_empty`, and run in place or through a shared
+        trace as `_sharding.choose` decides).
       empty: the outputs of a shard with no rows instead, from what `run`
         returned when traced (None if not known), or None to run it after all
         (`skip_if_empty`).

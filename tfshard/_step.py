@@ -24,10 +24,12 @@ their results.
 
 What a trace learns comes back as values: `run` returns the shards' outputs
 with their structure and timing (`ShardOutputs`), and a shared trace its structure and
-whether it writes a resource (`tfshard._sharding.Trace`). This module alone
-names the scopes a call's ops live in: ``tfshard_shard_k/`` for shard k
-(`errors.SHARD_SCOPE`, which errors and `tfshard._graph` read back) and
-``tfshard_collect/`` for the gather or reduction.
+whether it writes a resource (`tfshard._sharding.Trace`). One exception, in
+`tfshard._shards.skip_if_empty`: a whole shard's empty outputs copy what the
+branch with rows returned, which `tf.cond` traces first (with a fallback if it
+did not). This module alone writes the two scopes a call's ops are read by:
+``tfshard_shard_k/`` for shard k (`errors.SHARD_SCOPE`, read back by
+`errors.shard_in`) and ``tfshard_collect/`` for the gather or reduction.
 """
 
 from __future__ import annotations

@@ -452,6 +452,7 @@ class Runner:
         with self._lock:  # concurrent first calls trace one loop
             loop = self.loops.get(key)
             if loop is None:
+                engine.check(call)  # the loop nests its shards where the checks cannot read
                 step = engine.step(call, beside_transfers=True)
                 shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
                 loop = self.loops[key] = _Loop(step, relaxed, shared_specs)

@@ -26,8 +26,8 @@ from typing import Any
 # Frames in this folder are tfshard's own: a shard's error leaves them out.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
-# The name scope of shard k's ops (``tfshard_shard_k/...``): the engine writes it,
-# `failing_shard` reads it back from an error.
+# The name scope of shard k's ops (``tfshard_shard_k/...``): `tfshard._step` writes
+# it, and `shard_in` reads it back from a node's name (an error's, a graph's, a timeline's).
 SHARD_SCOPE = "tfshard_shard_"
 # Marks the in-graph check that a whole-shard function returned one row per row.
 ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
@@ -223,6 +223,21 @@ def failing_shard(message: str) -> int | None:
     return None
 
 
+def shard_in(name: str) -> int | None:
+    """The shard whose scope (`SHARD_SCOPE`) a node's name lies in, or None.
+
+    The outermost scope counts: a parallelized function called inside a shard
+    names its own shards inside it.
+
+    >>> shard_in("tfshard_shard_2/cond/tfshard_shard_0/Sin")
+    2
+    >>> shard_in("tfshard_collect/TensorListConcatV2") is None
+    True
+    """
+    found = _IN_SHARD_RE.search(name)
+    return None if found is None else int(found.group(1))
+
+
 def _shard_of_root(block: str) -> int | None:
     """The shard one root error's failing node lies in; None for no node or no shard."""
     names = [(failing, failing or call) for failing, call in _ERROR_NODE_RE.findall(block)]
@@ -234,9 +249,9 @@ def _shard_of_root(block: str) -> int | None:
     for i, (failing, name) in enumerate(names):
         if i and failing:
             break  # the next node's report: the failing node's calls ended
-        shard = _IN_SHARD_RE.search(name)
+        shard = shard_in(name)
         if shard is not None and not _RECEIVE_RE.fullmatch(name):
-            found = int(shard.group(1))  # the outermost call wins (nested tfshard)
+            found = shard  # the outermost call wins (nested tfshard)
     return found
 
 

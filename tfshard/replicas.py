@@ -479,7 +479,7 @@ def check_no_writes(concrete: Any, replicas: Replicas, name: str) -> None:
     A shard that assigns a replicated variable (a Keras layer called with
     ``training=True`` updating its moving averages, ``v.assign_add``) writes
     only the copy on its device: the copies would drift apart silently. The
-    writes are found in the graph (`_shard_writes`), so the message names the
+    writes are found in the graph (`_graph.shard_writes`), so the message names the
     variables written, not merely ones the writing op was given.
     """
     written: dict[int, list[str]] = {}

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -51,11 +50,10 @@ import tensorflow as tf
 from tfshard import pinning
 from tfshard._explain import format_bytes
 from tfshard._step import COLLECT_SCOPE
-from tfshard.errors import SHARD_SCOPE, ArgumentError, TfshardError
+from tfshard.errors import ArgumentError, TfshardError, shard_in
 
 __all__ = ("Copies", "Shard", "Span", "Timeline", "record")
 
-_IN_SHARD_RE = re.compile(r"(?:^|/)" + SHARD_SCOPE + r"(\d+)/")
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # The executor's plumbing, which computes nothing: markers, arguments, constants,
 # forwarding, control flow, and the rendezvous (a receive waits for its sender).
@@ -596,11 +594,6 @@ def _tensor_bytes(description: Any) -> int:
     return int(description.allocation_description.requested_bytes)
 
 
-def _shard_of(name: str) -> int | None:
-    found = _IN_SHARD_RE.search(name)
-    return None if found is None else int(found.group(1))
-
-
 def _attribute(
     ops: list[_Op], count: int, outer: frozenset[str] = frozenset()
 ) -> tuple[list[list[_Op]], list[_Op], list[_Op]]:
@@ -613,9 +606,9 @@ def _attribute(
     """
     shards: list[list[_Op]] = [[] for _ in range(count)]
     gather, other = [], []
-    calls = [(k, o) for o in ops if o.op in _CALL_OPS and (k := _shard_of(o.name)) is not None]
+    calls = [(k, o) for o in ops if o.op in _CALL_OPS and (k := shard_in(o.name)) is not None]
     for o in ops:
-        k = _shard_of(o.name)
+        k = shard_in(o.name)
         if k is None and o.name.startswith(f"{COLLECT_SCOPE}/"):
             gather.append(o)
             continue
