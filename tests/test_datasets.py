@@ -964,3 +964,38 @@ def test_a_keras_model_refuses_an_element_keras_cannot_unpack_and_a_function_spr
     f = tfshard.parallelize(lambda a, b: a - b, devices=CPUS[:2])
     pairs = tf.data.Dataset.from_tensor_slices((x + 1, x)).batch(2)
     np.testing.assert_array_equal(f(pairs).numpy(), np.ones([4, 2], np.float32))
+
+
+def test_a_two_input_model_given_a_pair_per_element_is_told_how_keras_reads_it():
+    keras = pytest.importorskip("keras")
+    a, b = keras.Input((2,)), keras.Input((2,))
+    model = keras.Model([a, b], keras.layers.Add()([a, b]))
+    x = np.ones([4, 2], np.float32)
+    pairs = tf.data.Dataset.from_tensor_slices((x, 2 * x)).batch(2)
+    f = tfshard.parallelize(model, devices=CPUS[:2])
+    fix = r"takes 2 inputs.*\(\(x1, x2\),\) or \(\(x1, x2\), y\)"
+    with pytest.raises(ArgumentError, match=fix):
+        f(pairs)
+    inputs_first = tf.data.Dataset.from_tensor_slices(((x, 2 * x),)).batch(2)
+    np.testing.assert_array_equal(f(inputs_first).numpy(), 3 * x)
+
+
+def test_a_function_wrapping_a_model_given_labelled_elements_is_told_the_two_ways():
+    keras = pytest.importorskip("keras")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    x, y = np.ones([4, 2], np.float32), np.ones([4], np.float32)
+    labelled = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)
+    with pytest.raises(ArgumentError, match=r"parallelize the model itself.*lambda x, \*labels"):
+        tfshard.parallelize(lambda x: model(x), devices=CPUS[:2])(labelled)
+
+
+def test_rows_that_differ_between_fields_name_the_dataset_fix_in_the_python_loop_too():
+    f = tfshard.parallelize(lambda a, b: a + tf.reduce_sum(b), devices=CPUS[:2])
+    ds = tf.data.Dataset.zip(
+        (
+            tf.data.Dataset.range(6).map(lambda i: tf.ones([i % 2 + 1])).padded_batch(3),
+            tf.data.Dataset.range(8).map(lambda i: tf.cast(i, tf.float32)).batch(4),
+        )
+    )
+    with pytest.raises(ArgumentError, match=r"fields of one dataset element.*batch zipped"):
+        f(ds)

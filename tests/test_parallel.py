@@ -1385,5 +1385,6 @@ def test_per_shard_names_a_failing_shard_on_four_devices():
     x = np.zeros([8], np.float32)
     x[7] = 30.0  # shard 3's rows
     for _ in range(5):
-        with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)^bounded: shard 3 on .*too big"):
+        named = r"(?s)^bounded: shard 3 on .*too big"
+        with pytest.raises(tf.errors.InvalidArgumentError, match=named):
             f.per_shard(x)

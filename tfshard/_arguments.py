@@ -305,9 +305,7 @@ class Arguments:
             found.shared.append(tensor)
             found.keys.append(LeafKey("broadcast", spec_key(tensor, split=False)))
             return "broadcast"
-        sparse = _kinds.sparse(tensor)
-        if sparse is not None:
-            sparse.check_split(_trees.path(name, structure, i), _entry(name))
+        _kinds.of(tensor).check_split(_trees.path(name, structure, i), _entry(name))
         if tensor.shape.rank == 0:
             where = _trees.path(name, structure, i)
             if _is_sequence(structure):
@@ -388,7 +386,7 @@ def as_tensor(value: Any) -> Any:
 
 def type_spec(t: Any, split: bool) -> tf.TypeSpec:
     """The spec of `t` as a graph input; a split tensor's rows are left open."""
-    return (_kinds.sparse(t) or _kinds.of(t)).batch_spec(t, split)
+    return _kinds.of(t).batch_spec(t, split)
 
 
 def spec_key(t: Any, split: bool) -> Hashable:

@@ -200,6 +200,10 @@ class Dense:
     def check_reducible(path: str, op: str) -> None:
         """Raises ArgumentError when outputs of this kind cannot be reduced (dense can)."""
 
+    @staticmethod
+    def check_split(where: str, entry: Any) -> None:
+        """Raises ArgumentError when values of this kind cannot be split (dense can)."""
+
 
 class Ragged:
     """A `tf.RaggedTensor` (and its `tf.RaggedTensorSpec`): rows along its outer dimension."""
@@ -308,6 +312,10 @@ class Ragged:
             "(pad them, or drop reduce= and reduce the ragged result yourself)"
         )
 
+    @staticmethod
+    def check_split(where: str, entry: Any) -> None:
+        """Ragged values split along their rows."""
+
 
 class Sparse:
     """A `tf.SparseTensor` (and its spec): passed whole to every shard, never split."""
@@ -330,17 +338,16 @@ def _splits_dtype(t: Any) -> tf.DType:
     return t.row_splits.dtype if isinstance(t, tf.RaggedTensor) else t.row_splits_dtype
 
 
-Kind = type[Dense] | type[Ragged]
+Kind = type[Dense] | type[Ragged] | type[Sparse]
 
 
 def of(value: Any) -> Kind:
-    """The adapter of a value or its spec (a sparse one: `sparse`)."""
-    return Ragged if isinstance(value, tf.RaggedTensor | tf.RaggedTensorSpec) else Dense
-
-
-def sparse(value: Any) -> type[Sparse] | None:
-    """The sparse adapter for a sparse tensor or spec, else None."""
-    return Sparse if isinstance(value, tf.SparseTensor | tf.SparseTensorSpec) else None
+    """The adapter of a value or its spec."""
+    if isinstance(value, tf.RaggedTensor | tf.RaggedTensorSpec):
+        return Ragged
+    if isinstance(value, tf.SparseTensor | tf.SparseTensorSpec):
+        return Sparse
+    return Dense
 
 
 def splittable(spec: Any) -> bool:

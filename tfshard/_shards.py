@@ -95,20 +95,21 @@ def trace_hint(
     listed = template.listed()
     if listed:
         arg, count = listed[0]
+        arg, code = _plainly(arg) if is_keras_layer(fn) else (arg, arg)
         return (
             f"{arg} is a Python list of {count} arrays, which tfshard takes as {count} "
             "separate arguments, each split along its first axis. If they are samples, "
-            f"stack them into one batch first: np.stack({arg}) (or tf.stack({arg}))"
+            f"stack them into one batch first: np.stack({code}) (or tf.stack({code}))"
         )
     expected = _model_input_shape(fn)
     sample = None if expected is None or len(rows_in) != 1 else rows_in[0].shape
     if sample is not None and not per_sample and sample[1:] == expected[2:]:
-        arg = template.split_paths()[0]
+        arg, code = _plainly(template.split_paths()[0])
         return (
             f"{arg} looks like one sample without its batch dimension: {name} takes "
             f"batches of shape {list(expected)}, and tfshard split {arg} along its first "
-            f"axis into rows of {list(sample[1:])}. Add the batch dimension: {arg}[None] "
-            f"(np.expand_dims({arg}, 0)), or pass a batch of samples"
+            f"axis into rows of {list(sample[1:])}. Add the batch dimension: {code}[None] "
+            f"(np.expand_dims({code}, 0)), or pass a batch of samples"
         )
     hints = []
     if per_sample:
@@ -126,6 +127,12 @@ def trace_hint(
     if template.split_count > 1 or len(template.names) > 1:
         hints.append("if an argument must reach every shard whole, name it in broadcast=(...)")
     return "; ".join(hints)
+
+
+def _plainly(arg: str) -> tuple[str, str]:
+    """An argument's name for a hint's prose and for its code: a Keras model's call
+    takes ``*args``, so its ``args[0]`` is "the input", and ``x`` in code."""
+    return ("the input", "x") if arg.startswith("args[") else (arg, arg)
 
 
 def _model_input_shape(fn: Any) -> tf.TensorShape | None:

@@ -56,7 +56,7 @@ from tfshard._engine import Engine
 from tfshard._plan import Planned, host_cpu, rows
 from tfshard._shards import ShardOutputs
 from tfshard._step import Step
-from tfshard.errors import INPUTS_DIFFER, ArgumentError, inputs_error
+from tfshard.errors import INPUTS_DIFFER, ArgumentError, inputs_differ
 
 # Keywords that belong to tfshard, not to the function, in a call on a dataset.
 DATASET_OPTIONS = ("batch_size", "batched", "progress")
@@ -200,20 +200,31 @@ def model_inputs(dataset: tf.data.Dataset, fn: Any) -> tf.data.Dataset:
     Raises:
       ArgumentError: a Keras model's element is a tuple of more than three.
     """
-    model = _autograph.keras_of(fn)
-    if model is None or not isinstance(fn, model.Model) or type(dataset.element_spec) is not tuple:
+    keras = _autograph.keras_of(fn)
+    spec = dataset.element_spec
+    if keras is None or not isinstance(fn, keras.Model) or not isinstance(spec, tuple):
         return dataset
-    unpack = model.utils.unpack_x_y_sample_weight
+    name = getattr(fn, "name", type(fn).__name__)
+    unpack = keras.utils.unpack_x_y_sample_weight
     try:
-        unpack(dataset.element_spec)
+        x_spec = unpack(spec)[0]
     except ValueError:
         raise ArgumentError(
-            f"{getattr(fn, 'name', type(fn).__name__)}(dataset): a Keras model takes "
-            "elements x, (x,), (x, y) or (x, y, sample_weight), as Model.predict does, "
-            f"but they are tuples of {len(dataset.element_spec)}: put a model's several inputs "
-            "in one tuple or dict, ((x1, x2), y)"
+            f"{name}(dataset): a Keras model takes elements x, (x,), (x, y) or "
+            "(x, y, sample_weight), as Model.predict does, but they are tuples of "
+            f"{len(spec)}: put a model's several inputs in one tuple or dict, ((x1, x2), y)"
         ) from None
-    return dataset.map(lambda *element: unpack(element)[0])
+    inputs = getattr(fn, "inputs", None) or []
+    if len(inputs) > 1 and len(_trees.flatten(x_spec)[0]) == 1 and len(spec) > 1:
+        # Keras reads (x1, x2) as (x, y): the model's second input would be dropped.
+        raise ArgumentError(
+            f"{name}(dataset): the model takes {len(inputs)} inputs, but dataset elements "
+            f"of {len(spec)} fields are read as (x, y[, sample_weight]), as Model.predict "
+            "reads them, so x is the first field alone; give the inputs as one tuple or "
+            "dict: ((x1, x2),) or ((x1, x2), y)"
+        )
+    # A one-tuple: x is the model's one argument, even a tuple of its several inputs.
+    return dataset.map(lambda *element: (unpack(element)[0],))
 
 
 def _split_element(element: Any) -> tuple[Any, ...]:
@@ -241,11 +252,18 @@ def _check_specs(arguments: Arguments, dataset: tf.data.Dataset, args: tuple, kw
     try:
         params.bind(*element, *args, **kwargs)
     except TypeError as error:
+        labelled = ""
+        if len(element) in (2, 3):
+            labelled = (
+                "; for (x, y[, sample_weight]) elements of a Keras model, parallelize the "
+                "model itself (it takes them as Model.predict does) or map the dataset to "
+                "its inputs first, dataset.map(lambda x, *labels: x)"
+            )
         raise ArgumentError(
             f"{arguments.name}: dataset elements are {dataset.element_spec}, passed as "
             f"{len(element)} positional argument(s) (a tuple element is spread over the "
             f"parameters, as Dataset.map does), which does not fit {arguments.name}{params}: "
-            f"{error}"
+            f"{error}{labelled}"
         ) from None
 
 
@@ -463,7 +481,7 @@ class Runner:
             if meter:
                 meter.stopped(error)
             if INPUTS_DIFFER in error.message:
-                raise inputs_error(engine.name, error.message, dataset=True) from None
+                raise _fields_differ(engine.name, inputs_differ(error.message)) from None
             raise engine.call_error(error, None) from None
         except BaseException as error:  # Ctrl-C between calls: say where it stopped
             if meter:
@@ -546,16 +564,31 @@ def _batches(
                         f"{list(was)} in the first; every batch must keep its per-sample "
                         "shapes (pad to one length, or use ragged tensors)"
                     )
+        # An eager batch's rows are static (its shape's first dimension).
+        counts = [t.shape[0] if t.shape[0] is not None else int(rows(t)) for t in leaves]
+        if len(set(counts)) > 1:
+            paths = _trees.paths("element", structure)
+            k = next(i for i, n in enumerate(counts) if n != counts[0])
+            differ = f"{paths[k]} has {counts[k]} rows but {paths[0]} has {counts[0]}"
+            raise _fields_differ(arguments.name, differ)
         call = arguments.classify((*_split_element(element), *args), kwargs)
         result = run(call, before)
-        # An eager batch's rows are static; the call has them already.
-        batch_rows = call.rows if call.rows is not None else int(rows(leaves[0]))
+        batch_rows = counts[0]
         before += batch_rows
         if meter:
             meter.update(batch_rows)
         yield result, batch_rows
     if meter:
         meter.close()
+
+
+def _fields_differ(name: str, differ: str) -> ArgumentError:
+    """The fields of a dataset's element have different rows: the fix is in the dataset."""
+    return ArgumentError(
+        f"{name}: the fields of one dataset element have different numbers of rows "
+        f"({differ}); every field is split along its first dimension, so they must match: "
+        "batch zipped datasets alike"
+    )
 
 
 def _reported(items: Iterator[Any], meter: _stream.Progress | None) -> Iterator[Any]:

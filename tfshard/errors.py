@@ -7,7 +7,7 @@ derive from `RuntimeError`.
 
 All parsing of a TensorFlow error's message lives here: which shard failed
 (`failing_shard`), what tfshard's own in-graph checks printed (`rows_error`,
-`inputs_error`), whether pfor failed to stack (`pfor_stack_failure`), and which
+`inputs_differ`), whether pfor failed to stack (`pfor_stack_failure`), and which
 workers a remote error names (`remote_tasks`, `grpc_reason`), and that error's
 text without gRPC's repetitions (`trimmed_remote`). The callers add
 what they know (devices, rows, the cluster); this module knows TF's formats.
@@ -292,30 +292,26 @@ def creates_variables(message: str) -> bool:
     return "only supports singleton tf.Variables" in message
 
 
-def inputs_error(name: str, message: str, dataset: bool = False) -> ArgumentError:
-    """The failed in-graph check of the split arguments' rows (`INPUTS_DIFFER`) as an ArgumentError.
+def inputs_differ(message: str) -> str:
+    """What the failed in-graph check of the split arguments' rows (`INPUTS_DIFFER`)
+    found, in words: ``"y has 4 rows but x has 3"``."""
+    paths = _assert_text(message, INPUTS_DIFFER).split(", ")
+    got, want, k = _assert_vectors(message)
+    if k is None or k >= len(paths):
+        return "the split arguments have different numbers of rows"
+    return f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
+
+
+def inputs_error(name: str, message: str) -> ArgumentError:
+    """The failed check of a call's split arguments' rows (`INPUTS_DIFFER`), with the fix.
 
     Args:
       name: the parallelized function's name.
       message: the TF error's message.
-      dataset: the arguments are the fields of a dataset's element (whose fix
-        is in the dataset, not in ``broadcast=``).
     """
-    paths = _assert_text(message, INPUTS_DIFFER).split(", ")
-    got, want, k = _assert_vectors(message)
-    if k is None or k >= len(paths):
-        differ = "the split arguments have different numbers of rows"
-    else:
-        differ = f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
-    if dataset:
-        return ArgumentError(
-            f"{name}: the fields of one dataset element have different numbers of rows "
-            f"({differ}); every field is split along its first dimension, so they must "
-            "match: batch zipped datasets alike"
-        )
     return ArgumentError(
-        f"{name}: {differ}; every split argument needs the same leading dimension "
-        "(name an argument in broadcast=(...) to copy it whole to each device)"
+        f"{name}: {inputs_differ(message)}; every split argument needs the same leading "
+        "dimension (name an argument in broadcast=(...) to copy it whole to each device)"
     )
 
 

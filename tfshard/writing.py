@@ -813,7 +813,7 @@ def _first_batch_hash(batches: tf.data.Dataset) -> str | None:
 
 def _parts(value: Any) -> list[np.ndarray]:
     """A batch's output leaf as the NumPy arrays of its parts (`_kinds`)."""
-    if _kinds.sparse(value) is not None or not isinstance(value, tf.Tensor | tf.RaggedTensor):
+    if _kinds.of(value) is _kinds.Sparse or not isinstance(value, tf.Tensor | tf.RaggedTensor):
         raise ArgumentError(
             f"an output is a {type(value).__name__}; write stores dense and ragged tensors "
             "(tf.sparse.to_dense it in the function)"
