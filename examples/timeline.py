@@ -9,9 +9,11 @@ between devices, and the parallelism (1.0: one after another, K: all at once).
     python examples/timeline.py --virtual_devices=4 --plot=timeline.png
     python examples/timeline.py --shared_counter        # shards that must take turns
 
-With --shared_counter every shard also adds its sum to one shared tf.Variable:
-TensorFlow orders writes to one variable, so each shard waits for the one
-before it, and the timeline shows them one after another.
+With --shared_counter every shard reads one shared tf.Variable first and adds
+its sum to it last: TensorFlow orders the reads and writes of one variable, so
+each shard waits for the one before it, and the timeline shows them one after
+another. (A shard that only adds at its end overlaps its work with the others',
+and only the writes wait.)
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ _WIDTH = flags.DEFINE_integer(
 _SHARED_COUNTER = flags.DEFINE_bool(
     "shared_counter",
     False,
-    "Every shard also adds to one shared tf.Variable, which makes the shards take turns.",
+    "Every shard also reads, then adds to, one shared tf.Variable, which makes the shards "
+    "take turns.",
 )
 _PLOT = flags.DEFINE_string(
     "plot", None, "Also write the timeline as a PNG here (needs matplotlib)."
@@ -50,8 +53,8 @@ def build(
 ) -> tfshard.ShardedFunction:
     """A stack of `layers` tanh layers of `width` on `devices`, whole shards at a time.
 
-    With `shared_counter`, each shard also adds the sum of its outputs to one
-    `tf.Variable` (read it as ``f.counter``).
+    With `shared_counter`, each shard also reads one `tf.Variable` first and
+    adds the sum of its outputs to it last (read it as ``f.counter``).
     """
     rng = np.random.default_rng(seed)
     weights = [
@@ -61,6 +64,8 @@ def build(
     counter = tf.Variable(0.0) if shared_counter else None
 
     def layers_fn(x: tf.Tensor) -> tf.Tensor:  # [B, width] -> [B, width]
+        if counter is not None:
+            x = x + 0.0 * counter.read_value()  # waits for the shard before it to add
         for w in weights:
             x = tf.tanh(x @ w)
         if counter is not None:

@@ -136,7 +136,13 @@ def test_per_batch_matches_mirrored_strategy():
 # ---------------------------------------------------------------- tracing
 
 
-def test_one_trace_serves_every_batch_size():
+def test_two_traces_serve_every_batch_size():
+    """One graph for every batch that gives each device a row, one for smaller batches.
+
+    A batch that fills the devices runs its shards bare; a smaller one (or none)
+    needs the empty-shard guard, a cond whose cost a call that has rows everywhere
+    should not pay (`Engine._may_be_empty`).
+    """
     calls = []
 
     def fn(x):
@@ -148,20 +154,21 @@ def test_one_trace_serves_every_batch_size():
     f = tfshard.parallelize(fn, devices=devices, per_sample=False)
     for n in (0, 1, 3, 8, 33, 100):
         assert f(np.ones([n, 3], np.float32)).shape == (n, 3)
-    assert f.trace_count == 1
-    # The shard on the output device traces in place, the others share one
-    # trace (tfshard._sharding.choose).
-    assert len(calls) == 2
+    assert f.trace_count == 2  # guarded for 0 and 1 row on 3 devices, bare for the rest
+    # In each graph the shard on the output device traces in place, the others share
+    # one trace (tfshard._sharding.choose).
+    assert len(calls) == 4
     f(np.ones([5, 4], np.float32))  # a new per-sample shape is a new signature
-    assert f.trace_count == 2
+    assert f.trace_count == 3
+    assert len(calls) == 6
 
 
-def test_per_sample_traces_once_for_all_sizes():
+def test_per_sample_traces_twice_for_all_sizes():
     f = tfshard.parallelize(embed_one, devices=CPUS)
     for n in (2, 9, 30, 0):
         embed_rows = f(np.ones([n, 6], np.float32))
         assert embed_rows.shape == (n, 5)
-    assert f.trace_count == 1
+    assert f.trace_count == 2  # fewer rows than devices (2, 0), and enough (9, 30)
 
 
 def test_new_static_values_trace_again():
@@ -192,7 +199,7 @@ def test_calls_from_several_threads_are_correct():
     assert not errors
     for got, want in results.values():
         np.testing.assert_array_equal(got, want)
-    assert f.trace_count == 1
+    assert f.trace_count == 2  # 1 to 3 rows on the 4 devices, and 4 to 8
 
 
 def test_works_inside_another_tf_function(embed):
@@ -1042,9 +1049,9 @@ def test_a_shard_error_shows_the_users_frames_once_and_not_tfshards(shard):
     assert f"shard {shard} on {_UNREPLICATED[shard]}" in message
     assert "log of a negative" in message and "in tf__my_step" in message
     assert "tfshard/_" not in message and "tfshard/parallel.py" not in message
-    # (cond/: a whole shard runs in the branch that an empty shard skips; the
-    # shared trace's nodes are named as in its function)
-    node = "tfshard_shard_0/cond/CheckNumerics" if shard == 0 else "cond/CheckNumerics"
+    # (every shard has rows, so shard 0 runs the function bare, in place; the shared
+    # trace keeps its empty-shard cond, cond/, and its nodes are named as in it)
+    node = "tfshard_shard_0/CheckNumerics" if shard == 0 else "cond/CheckNumerics"
     assert message.count(f"Detected at node {node} ") == 1
 
 

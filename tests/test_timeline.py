@@ -60,16 +60,19 @@ def pure_four():
 
 @pytest.fixture(scope="module")
 def every_shard_writes_one_counter():
-    """Each shard adds its sum to one variable: TF orders the writes, so shards take turns.
+    """Each shard reads one variable first and adds its sum to it last: shards take turns.
 
-    The write depends on the shard's whole result, and automatic control
-    dependencies order every op that writes the variable (in place, and the
-    shared trace's calls), so each shard starts when the one before it ended.
+    Automatic control dependencies order the reads and writes of one variable in
+    the order they were traced, so each shard's read waits for the write of the
+    shard before it, and its work depends on that read: each shard starts when
+    the one before it ended. (A shard that only writes at its end overlaps its
+    work with the others', and only the writes are ordered.)
     """
     weights = _layers()
     counter = tf.Variable(0.0)
 
     def layers_then_count(x):  # [B, WIDTH] -> [B, WIDTH]
+        x = x + 0.0 * counter.read_value()  # waits for the write of the shard before
         for w in weights:
             x = tf.tanh(x @ w)
         counter.assign_add(tf.reduce_sum(x))

@@ -173,7 +173,9 @@ class Engine:
 
     # ------------------------------------------------------------ steps
 
-    def step(self, call: _arguments.Call, *, beside_transfers: bool = False) -> Step:
+    def step(
+        self, call: _arguments.Call, *, beside_transfers: bool = False, guarded: bool = True
+    ) -> Step:
         """The step of a call with this trace key (see `tfshard._step.Step`), built once.
 
         Args:
@@ -182,9 +184,10 @@ class Engine:
             beside them (a stream feeding its next batch ahead, or `per_shard`,
             every shard's outputs crossing to the output device): each runs in
             place (`tfshard._sharding.choose`), so a failure keeps its error.
+          guarded: a shard may have no rows (`Step.guarded`).
         """
         self.refresh()
-        key = (call.key, beside_transfers)
+        key = (call.key, beside_transfers, guarded)
         step = self._steps.get(key)
         if step is not None:
             return step
@@ -208,6 +211,7 @@ class Engine:
             beside_transfers=beside_transfers,
             balanced=options.balanced,
             max_rows=options.limits(len(self.devices)),
+            guarded=guarded,
         )
         self._steps[key] = step
         return step
@@ -260,7 +264,18 @@ class Engine:
         It takes the call's tensors, then with ``weights="auto"`` the plan's
         weights (`feeds`), and then returns ``(outputs, timing)``.
         """
-        return self._traced(call, "call", offset=False).graph
+        guarded = self._may_be_empty(call.rows, self.plan_weights())
+        return self._traced(call, "call", offset=False, guarded=guarded).graph
+
+    def _may_be_empty(self, rows: int | None, weights: tuple[int, ...] | None) -> bool:
+        """Whether a shard of a call of `rows` rows (None: not known) may have none.
+
+        A call whose plan gives every device a row runs a graph without the
+        empty-shard guard (`Step.guarded`); one smaller than the devices (or
+        with a device weighted 0, or rows unknown, as in a user's tf.function or
+        a stream's loop) runs one with it, traced once more.
+        """
+        return rows is None or 0 in plan_rows(rows, len(self.devices), weights)
 
     def feeds(self, offset: int | None = None) -> list[tf.Tensor]:
         """The step's inputs a call's graph takes after its tensors (`Feed`), now.
@@ -299,8 +314,9 @@ class Engine:
 
     def _run(self, call: _arguments.Call, body: str, offset: int | None) -> Any:
         """Runs a step's traced `body` on this call; with ``weights="auto"``, measured."""
-        traced = self._traced(call, body, offset=offset is not None)
         weights = self.plan_weights()
+        guarded = self._may_be_empty(call.rows, weights)
+        traced = self._traced(call, body, offset=offset is not None, guarded=guarded)
         feeds = self.feeds(offset)
         result = self.execute(traced.graph, [*call.tensors, *feeds], call.rows, weights)
         result = traced.rebuilt(result)
@@ -325,12 +341,14 @@ class Engine:
         rows, seconds = timing.rows.numpy().tolist(), timing.seconds.numpy().tolist()
         self.balance.observe(rows, seconds, warm_up)
 
-    def _traced(self, call: _arguments.Call, body: str, *, offset: bool) -> Traced:
+    def _traced(
+        self, call: _arguments.Call, body: str, *, offset: bool, guarded: bool
+    ) -> Traced:
         """The graph of a step's traced `body` ("call", "per_shard", "totals") for this
-        call's key, taking a row offset or not."""
+        call's key, taking a row offset or not, its shards guarded or not (`Step.guarded`)."""
         self.refresh()
         feed = Feed(offset=offset, weights=self.balance is not None)
-        key = (call.key, body, feed)
+        key = (call.key, body, feed, guarded)
         traced = self._graphs.get(key)
         if traced is not None:
             return traced
@@ -338,7 +356,7 @@ class Engine:
             traced = self._graphs.get(key)
             if traced is None:
                 # per_shard returns every shard's outputs: each crosses beside the shards.
-                step = self.step(call, beside_transfers=body == "per_shard")
+                step = self.step(call, beside_transfers=body == "per_shard", guarded=guarded)
                 run = getattr(step, body)
                 count = len(call.tensors)
 

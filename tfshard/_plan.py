@@ -7,7 +7,7 @@ shard (`plan_sizes`, the same arithmetic as `plan_rows` in Python), and
 
     [N, ...] --plan (host)--> sizes [K] --split (where x lives)--> K x [n_k, ...]
 
-Sizes come from ``tf.shape(x)[0]`` at run time, so one trace serves every
+Sizes come from ``tf.shape(x)[0]`` at run time, so a trace serves every
 batch size; all of it is int64 arithmetic on the host, which never waits for
 a GPU.
 """

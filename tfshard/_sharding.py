@@ -152,28 +152,37 @@ class Trace:
 
 
 def build(
-    how: Sequence[How], guarded: ShardFn, rows_in: Sequence[Any], devices: Sequence[str]
+    how: Sequence[How],
+    guarded: ShardFn,
+    rows_in: Sequence[Any],
+    devices: Sequence[str],
+    *,
+    in_place: ShardFn | None = None,
 ) -> list[ShardFn]:
     """One computation per shard, as `how` says; a shared choice is settled here.
 
     Args:
       how: `choose`'s choice, one per shard.
       guarded: a shard's computation, from its rows, their number and its
-        position (its empty shard handled, `tfshard._shards.skip_if_empty`).
+        position (its empty shard handled, `tfshard._shards.skip_if_empty`):
+        what the shared and compiled traces run.
       rows_in: one shard's rows, for the traces' signatures (any number of rows).
       devices: the shards' devices.
+      in_place: what a shard traced in place runs (default `guarded`; bare where
+        every shard has rows).
     """
+    in_place = guarded if in_place is None else in_place
     if How.COMPILED in how:
         return unordered(Trace.of(guarded, rows_in, jit_compile=True), devices)
     if How.COMPILED_PER_DEVICE in how:  # a trace per device: tf.function keys on it
         compiled = tf.function(_taking_token(guarded), autograph=False, jit_compile=True)
         return unordered(compiled, devices)
     if How.SHARED not in how:
-        return [guarded] * len(devices)
+        return [in_place] * len(devices)
     shared = Trace.of(guarded, rows_in, experimental_attributes=_NOT_INLINED)
     how = settle(how, shared.writes)
     calls = iter(unordered(shared, [d for d, h in zip(devices, how) if h is How.SHARED]))
-    return [next(calls) if h is How.SHARED else guarded for h in how]
+    return [next(calls) if h is How.SHARED else in_place for h in how]
 
 
 # "_noinline" reaches TF through the public `experimental_attributes`, which

@@ -672,7 +672,8 @@ class _Loop:
         self._op = step.reduce
         self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
         element_specs = _trees.flatten(spec)[0]
-        # The outputs' structure, dtypes and shapes, from a trace of one batch on its own.
+        # The outputs' structure, dtypes and shapes, from a trace of one batch on the
+        # first device alone (`Step.alone`): one trace of the function, not one per device.
         probe = tf.function(self._probe, autograph=False).get_concrete_function(
             *element_specs, *shared_specs
         )
@@ -681,7 +682,7 @@ class _Loop:
         # One shard's output leaves (or the batch's `collect.Total`s), and entries per
         # batch: shards, or 1.
         self._leaves = _stand_ins(per_batch[0])
-        self._slots = len(per_batch)
+        self._slots = self._count if self._op is None else 1
         # The probe's graph holds the function once per device and is never run: nothing
         # keeps it now, and Python's collector frees it while the loop traces (no collect
         # of ours: it took 0.15 s of a Keras user's first call). benchmarks/predict_memory.py:
@@ -716,12 +717,15 @@ class _Loop:
                 ).get_concrete_function(self._state_specs)
 
     def _probe(self, *tensors: Any) -> tuple[Any, list[list[Any]]]:
-        """One batch planned and split in place: its outputs as the function returns
+        """One batch on the first device alone: its outputs as the function returns
         them (for their structure), and as `_per_batch` gives them (for their specs)."""
-        planned, shared = self._step.plan(tensors)
-        outputs = self._step.run(planned, shared)
+        alone = self._step.alone()
+        planned, shared = alone.plan(tensors)
+        outputs = alone.run(planned, shared)
         like = _trees.build(outputs.structure, iter(outputs.flat[0]))
-        return like, self._per_batch(outputs, planned)
+        if self._op is None:
+            return like, outputs.flat
+        return like, [alone.collect(outputs, planned)]
 
     def _per_batch(self, outputs: ShardOutputs, planned: Planned) -> list[list[Any]]:
         """One batch's entries: each shard's output leaves, checked, or the batch's totals."""

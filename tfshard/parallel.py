@@ -630,8 +630,9 @@ def parallelize(
     objects are constants of the trace: a new value traces a new graph.
 
     Shard sizes come from ``tf.shape(x)[0]`` inside the graph, so one trace
-    serves every batch size (see `ShardedFunction.trace_count`). N may be smaller
-    than the number of devices, even 0: empty shards give empty outputs.
+    serves every batch size that gives each device a row, and one more every
+    smaller batch (see `ShardedFunction.trace_count`): N may be smaller than the
+    number of devices, even 0, and empty shards give empty outputs.
 
     Devices are resolved (`tfshard.resolve_device`) on first use, so the
     decorator can run before `tfshard.virtual_devices`; the active context map

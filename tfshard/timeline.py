@@ -361,14 +361,19 @@ def _replay(concrete: Any, tensors: Sequence[Any], name: str) -> tuple[Any, dict
                 setup.ops.append(copy.initializer)
                 setup.feeds[init] = start_values[id(variable)]
                 input_map[placeholder.name] = copy.handle
+                # A control input on the capture (a critical section's body waits for
+                # the resources it runs on) waits for the copy's handle instead.
+                input_map[f"^{placeholder.op.name}"] = copy.handle
                 continue
             uses = _uses(graph_def, placeholder.op.name)
             if placeholder.name in tables:
                 contents = tables[placeholder.name]
                 input_map[placeholder.name] = _table_copy(value, contents, copy_name, setup)
+                input_map[f"^{placeholder.op.name}"] = input_map[placeholder.name]
             elif uses and {use.op for use in uses} <= _MUTEX_OPS:
                 with tf.device(value.device):
                     input_map[placeholder.name] = tf.raw_ops.MutexV2(shared_name=copy_name)
+                input_map[f"^{placeholder.op.name}"] = input_map[placeholder.name]
             else:
                 ops = sorted({use.op for use in uses}) or ["nothing"]
                 raise ArgumentError(
