@@ -43,7 +43,9 @@ def _split_and_plan(
     """
     split, plan = set(), set()
     for name, op, device in ran:
-        if name not in top:
+        # A shard's own nodes, in place at the top level when no empty-shard cond wraps
+        # them, are the shard's (checked shard by shard).
+        if name not in top or name.startswith("tfshard_shard_"):
             continue
         if op in _PLAN_OPS or _reads_the_batch_size(*top[name]):
             plan.add(device)

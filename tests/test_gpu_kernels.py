@@ -160,9 +160,11 @@ def _traced(dtype: str, per_sample: bool, mode: str, jit: bool = False) -> list[
     x = np.zeros([4, 3], tf.as_dtype(dtype).as_numpy_dtype)
     fn = tf.identity
     call = _arguments.Arguments(fn, (), "f").classify((x,), {})
-    # As if x were on GPU:0: the split then runs there (an eager GPU tensor's device).
+    # As if x were on GPU:0: the split then runs there (an eager GPU tensor's device);
+    # its rows unknown, as in a user's tf.function: the graph with the empty-shard guard,
+    # every op a call can run (a batch with a row for every device runs a subset).
     leaves = tuple(leaf._replace(device=GPUS[0]) for leaf in call.key.leaves)
-    call = call._replace(key=call.key._replace(leaves=leaves))
+    call = call._replace(key=call.key._replace(leaves=leaves), rows=None)
     engine = _engine(per_sample, None if mode == "gather" else mode, fn, jit)
     return _nodes(engine.trace(call).graph.as_graph_def())
 
