@@ -524,9 +524,10 @@ def test_parallelize_across_two_workers_survives_a_worker_restart(two_workers):
             assert check["max_rel_err"] < 1e-5, check
             assert check["output_device"].endswith("/job:worker/replica:0/task:0/device:CPU:0")
         assert results["remote_flags"] == [True, False, True]
-        # One graph for 0, 1 and 2 rows on the 3 devices (a shard without rows), one for
-        # 7 and 64 (every device has rows): the same graphs serve every batch size.
-        assert results["trace_count"] == 2
+        # Per sample: one graph for exactly the first size (0 rows); then, rows open, one
+        # for 1 and 2 rows on the 3 devices (a shard without rows) and one for 7 and 64
+        # (every device has rows): the same graphs serve every batch size.
+        assert results["trace_count"] == 3
         explain = results["explain"]
         assert "/job:worker/replica:0/task:1/device:CPU:0  [5:7)" in explain
         assert f"(network: {two_workers.addresses[1]})" in explain

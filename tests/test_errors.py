@@ -317,6 +317,12 @@ def test_whole_shard_outputs_with_the_wrong_rows_fail_naming_the_shard():
         ("TensorListStack: element shapes differ [[{{node x/pfor/TensorListStack}}]]", True),
         ("Incompatible shapes: [2] vs. [3]\n\t [[{{node tfshard_shard_0/Add}}]]", False),
         (f"{_NAN}\n\t [[{{{{node {_NODE0}}}}}]]", False),
+        # A failure in pfor's loop of one sample, its result forwarded through a stack.
+        (
+            f"{_NAN}\n\t [[{{{{node s_1/loop_body/CheckNumerics}}}}]]\n\t "
+            "[[s_1/loop_body/CheckNumerics/pfor/TensorArrayV2Stack/TensorListStack/_8]]",
+            False,
+        ),
     ],
 )
 def test_pfor_stack_failure_is_pfors_own_stacking(message, expected):

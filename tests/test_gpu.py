@@ -57,8 +57,18 @@ def _split_and_plan(
 def _check_placement(f, x, executed_nodes) -> None:
     """From one run's step stats: each shard on its device, the gather on the output
     device, the split on the first device and the plan on the host CPU."""
+    with tf.device(x.device):
+        fewer = x[1:]
+    # A per-sample function's first batch size has a graph of its own, its plan folded
+    # into constants; every other size runs the graph whose rows are open.
+    for batch in (x, fewer):
+        _check_graph(f, batch, executed_nodes)
+
+
+def _check_graph(f, x, executed_nodes) -> None:
     devices, out_device = f.devices, f.output_device
     concrete = f.get_concrete_function(x)
+    exact = concrete.inputs[0].shape[0] is not None
     ran = executed_nodes(concrete, x.numpy())
     for k, device in enumerate(devices):
         shard = {
@@ -77,7 +87,7 @@ def _check_placement(f, x, executed_nodes) -> None:
     }
     split, plan = _split_and_plan(ran, top)
     assert split == {devices[0]}, split
-    assert plan == {"/device:CPU:0"}, plan
+    assert plan <= {"/device:CPU:0"} if exact else plan == {"/device:CPU:0"}, plan
 
 
 def _batch(dtype: str, n: int = 10) -> tf.Tensor:

@@ -163,12 +163,17 @@ def test_two_traces_serve_every_batch_size():
     assert len(calls) == 6
 
 
-def test_per_sample_traces_twice_for_all_sizes():
+def test_per_sample_traces_its_first_size_exactly_then_once_for_all_sizes():
     f = tfshard.parallelize(embed_one, devices=CPUS)
-    for n in (2, 9, 30, 0):
+    for n in (2, 9, 30, 0, 2, 17):
         embed_rows = f(np.ones([n, 6], np.float32))
         assert embed_rows.shape == (n, 5)
-    assert f.trace_count == 2  # fewer rows than devices (2, 0), and enough (9, 30)
+        np.testing.assert_allclose(embed_rows.numpy(), embed_one(np.ones([n, 6], np.float32)))
+    # The first size (2) exactly; then rows open: fewer than devices (0), enough (9, 30, 17).
+    assert f.trace_count == 3
+    graphs = [f.get_concrete_function(np.ones([n, 6], np.float32)) for n in (2, 9, 17)]
+    assert graphs[0].inputs[0].shape.as_list() == [2, 6]
+    assert graphs[1] is graphs[2] and graphs[1].inputs[0].shape.as_list() == [None, 6]
 
 
 def test_new_static_values_trace_again():
@@ -199,7 +204,8 @@ def test_calls_from_several_threads_are_correct():
     assert not errors
     for got, want in results.values():
         np.testing.assert_array_equal(got, want)
-    assert f.trace_count == 2  # 1 to 3 rows on the 4 devices, and 4 to 8
+    # The first size exactly, then rows open: 1 to 3 rows on the 4 devices, and 4 to 8.
+    assert f.trace_count == 3
 
 
 def test_works_inside_another_tf_function(embed):
@@ -746,10 +752,10 @@ def test_methods_trace_per_instance_without_keeping_it_alive():
             return sample * self.scale
 
     m, other = Model(2.0), Model(3.0)
-    for n in (3, 5):  # one trace per instance serves every batch size
+    for n in (3, 5, 7):  # per instance: its first size, then one trace for every size
         assert m.apply(np.ones([n], np.float32)).numpy().tolist() == [2] * n
     assert other.apply(np.ones([2], np.float32)).numpy().tolist() == [3, 3]
-    assert m.apply.trace_count == other.apply.trace_count == 1
+    assert (m.apply.trace_count, other.apply.trace_count) == (2, 1)
     ds = tf.data.Dataset.from_tensor_slices(np.ones([5], np.float32))
     assert m.apply(ds, batch_size=2).numpy().tolist() == [2.0] * 5
     assert [r.shape[0] for r in m.apply.iterate(ds, batch_size=2)] == [2, 2, 1]

@@ -70,8 +70,8 @@ def test_a_trace_returns_its_structure_and_whether_it_writes_as_values():
 
     @tf.function(autograph=False)
     def body(x):
-        pure = _sharding.Trace.of(guarded, [x])
-        writes = _sharding.Trace.of(writing, [x])
+        pure = _sharding.Trace.of(guarded, [[x]])
+        writes = _sharding.Trace.of(writing, [[x]])
         assert not pure.writes and writes.writes
         assert pure.structure == writes.structure
         token = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="t")

@@ -110,9 +110,10 @@ class Call(NamedTuple):
     rows: int | None  # the leading dimension, when known in Python
     template: Template
 
-    def specs(self) -> list[tf.TypeSpec]:
-        """The graph's input specs: split tensors with any number of rows."""
-        count = self.template.split_count
+    def specs(self, exact: bool = False) -> list[tf.TypeSpec]:
+        """The graph's input specs: split tensors with any number of rows, or with
+        exactly theirs (`exact`)."""
+        count = 0 if exact else self.template.split_count
         return [type_spec(t, split=i < count) for i, t in enumerate(self.tensors)]
 
 

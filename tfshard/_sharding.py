@@ -128,8 +128,13 @@ class Trace:
     writes: bool
 
     @classmethod
-    def of(cls, guarded: ShardFn, rows_in: Sequence[Any], **options: Any) -> Trace:
-        """`guarded` traced once for rows like `rows_in`; options go to `tf.function`."""
+    def of(cls, guarded: ShardFn, shards: Sequence[Sequence[Any]], **options: Any) -> Trace:
+        """`guarded` traced once for the rows of each of `shards` (each shard's rows);
+        options go to `tf.function`.
+
+        The rows stay open unless every shard's are of one fully known shape
+        (a graph traced for exactly its batch's rows, `Engine._exact_rows`).
+        """
 
         def traced(
             rows_in: Sequence[Any], rows: tf.Tensor, position: Position, token: tf.Tensor
@@ -137,7 +142,12 @@ class Trace:
             del token  # its handle alone keeps a call out of the stateful chain
             return guarded(rows_in, rows, position)
 
-        specs = [_arguments.type_spec(r, split=True) for r in rows_in]
+        first = shards[0]
+        alike = all(
+            t.shape.is_fully_defined() and all(t.shape == r[i].shape for r in shards)
+            for i, t in enumerate(first)
+        )
+        specs = [_arguments.type_spec(r, split=not alike) for r in first]
         concrete = tf.function(traced, autograph=False, **options).get_concrete_function(
             specs, tf.TensorSpec([], tf.int32), Position.specs(), tf.TensorSpec([], tf.resource)
         )
@@ -154,7 +164,7 @@ class Trace:
 def build(
     how: Sequence[How],
     guarded: ShardFn,
-    rows_in: Sequence[Any],
+    shards: Sequence[Sequence[Any]],
     devices: Sequence[str],
     *,
     in_place: ShardFn | None = None,
@@ -166,20 +176,21 @@ def build(
       guarded: a shard's computation, from its rows, their number and its
         position (its empty shard handled, `tfshard._shards.skip_if_empty`):
         what the shared and compiled traces run.
-      rows_in: one shard's rows, for the traces' signatures (any number of rows).
+      shards: each shard's rows, for the traces' signatures (`Trace.of`).
       devices: the shards' devices.
       in_place: what a shard traced in place runs (default `guarded`; bare where
         every shard has rows).
     """
     in_place = guarded if in_place is None else in_place
     if How.COMPILED in how:
-        return unordered(Trace.of(guarded, rows_in, jit_compile=True), devices)
+        return unordered(Trace.of(guarded, shards, jit_compile=True), devices)
     if How.COMPILED_PER_DEVICE in how:  # a trace per device: tf.function keys on it
         compiled = tf.function(_taking_token(guarded), autograph=False, jit_compile=True)
         return unordered(compiled, devices)
     if How.SHARED not in how:
         return [in_place] * len(devices)
-    shared = Trace.of(guarded, rows_in, experimental_attributes=_NOT_INLINED)
+    sharing = [rows for rows, h in zip(shards, how) if h is How.SHARED]
+    shared = Trace.of(guarded, sharing, experimental_attributes=_NOT_INLINED)
     how = settle(how, shared.writes)
     calls = iter(unordered(shared, [d for d, h in zip(devices, how) if h is How.SHARED]))
     return [next(calls) if h is How.SHARED else in_place for h in how]

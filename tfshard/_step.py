@@ -203,13 +203,14 @@ class Step:
         # frames in an error (TF loses them for a function's top-level nodes once it
         # specialises the function for its scalar arguments).
         in_place = guarded if self.guarded else bare
-        runs = _sharding.build(how, guarded, example, self.devices, in_place=in_place)
+        each = [[p[k] for p in planned.pieces] for k in range(count)]
+        runs = _sharding.build(how, guarded, each, self.devices, in_place=in_place)
         clock = _balance.stamp() if self.balanced else None
         outputs, seconds = [], []
         for k, (device, run) in enumerate(zip(self.devices, runs)):
             # With replicas, the shard reads the copy of each variable on its device.
             replica = self.replicas.shard(device) if self.replicas else contextlib.nullcontext()
-            pieces = [p[k] for p in planned.pieces]
+            pieces = each[k]
             compute = functools.partial(
                 self._shard, run, pieces, rows[k], positions[k], device, self._limit(k)
             )

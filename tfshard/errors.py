@@ -275,10 +275,19 @@ def _root_errors(message: str) -> list[str]:
 def pfor_stack_failure(message: str) -> bool:
     """Whether a TF error is pfor's own: stacking per-sample results whose shapes differ.
 
+    The node that failed is read where TF names it (``{{node ...}}``), not
+    where a result was only forwarded: an op pfor runs in a loop of its own
+    (``loop_body/CheckNumerics``) fails on its own, though a pfor stack
+    downstream is named too.
+
     >>> pfor_stack_failure("Incompatible shapes [[{{node loop_body/pfor/Add}}]]")
     True
+    >>> pfor_stack_failure("NaN [[{{node loop_body/Check}}]] [[loop_body/pfor/TensorListStack]]")
+    False
     """
-    return "/pfor/" in message and ("TensorList" in message or "Incompatible shapes" in message)
+    failed = re.findall(r"\{\{node ([^}]+)\}\}", message) or [message]
+    in_pfor = any("/pfor/" in name for name in failed)
+    return in_pfor and ("TensorList" in message or "Incompatible shapes" in message)
 
 
 def creates_variables(message: str) -> bool:

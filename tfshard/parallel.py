@@ -60,7 +60,8 @@ class ShardedFunction:
       devices: the canonical device names, one shard each, in shard order.
       weights: the weights the plan uses now (None: an even split).
       trace_count: how many graphs have been traced (one per distinct argument
-        signature; the batch size is not part of it).
+        signature; per sample, one more for exactly the first batch size; one
+        more for batches with fewer rows than devices).
     """
 
     def __init__(self, fn: Callable[..., Any], options: _options.Options) -> None:
@@ -633,7 +634,10 @@ def parallelize(
     Shard sizes come from ``tf.shape(x)[0]`` inside the graph, so one trace
     serves every batch size that gives each device a row, and one more every
     smaller batch (see `ShardedFunction.trace_count`): N may be smaller than the
-    number of devices, even 0, and empty shards give empty outputs.
+    number of devices, even 0, and empty shards give empty outputs. A
+    per-sample function's first batch size is traced for exactly its rows
+    first (static shapes vectorize faster), as `tf.function` does; the first
+    other size traces the graph that serves all sizes.
 
     Devices are resolved (`tfshard.resolve_device`) on first use, so the
     decorator can run before `tfshard.virtual_devices`; the active context map
