@@ -470,10 +470,11 @@ class Runner:
         with self._lock:  # concurrent first calls trace one loop
             loop = self.loops.get(key)
             if loop is None:
-                engine.check(call)  # the loop nests its shards where the checks cannot read
+                engine.check(call)  # XLA's reads: the loop nests shards where none can be read
                 step = engine.step(call, beside_transfers=True)
                 shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
-                loop = self.loops[key] = _Loop(step, relaxed, shared_specs)
+                loop = _Loop(step, relaxed, shared_specs, engine.checked)
+                self.loops[key] = loop
         meter = _stream.meter(engine.name, batches, progress)
         try:
             result, total = loop.run(batches, call.tensors[count:], meter, interrupted, engine)
@@ -666,7 +667,13 @@ class _Loop:
     measurement per call), and the next call plans by what it decided.
     """
 
-    def __init__(self, step: Step, spec: Any, shared_specs: Sequence[tf.TypeSpec]) -> None:
+    def __init__(
+        self,
+        step: Step,
+        spec: Any,
+        shared_specs: Sequence[tf.TypeSpec],
+        checked: Callable[[Any], Any],
+    ) -> None:
         self._step = step
         self._count = len(step.devices)
         self._op = step.reduce
@@ -677,6 +684,11 @@ class _Loop:
         probe = tf.function(self._probe, autograph=False).get_concrete_function(
             *element_specs, *shared_specs
         )
+        # The loop nests its shards where the engine's checks cannot read them; the
+        # probe holds shard 0 at its top level, under its replica: a shard that writes
+        # a replicated variable is refused here (every shard runs the same function),
+        # without tracing the call's graph, one more trace per device.
+        checked(probe)
         like, per_batch = probe.structured_outputs
         self._structure = _trees.flatten(like)[1]
         # One shard's output leaves (or the batch's `collect.Total`s), and entries per
