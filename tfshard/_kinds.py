@@ -122,7 +122,11 @@ class Dense:
 
     @staticmethod
     def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
-        """The rows as an int64 scalar on `host`; only a Shape op runs on `device`."""
+        """The rows as an int64 scalar on `host`; only a Shape op runs on `device`
+        (none where the rows are static)."""
+        if t.shape.rank and t.shape[0] is not None:
+            with tf.device(host):
+                return tf.constant(t.shape[0], tf.int64)
         with tf.device(device):
             shape = tf.shape(t, out_type=tf.int64)
         with tf.device(host):

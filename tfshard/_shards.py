@@ -322,16 +322,22 @@ def vectorized(
         if one_by_one:
             return tf.map_fn(one, elements, fn_output_signature=signature, name="per_sample")
         stacked = tf.vectorized_map(one, elements, fallback_to_while_loop=True)
-        n = rows(rows_in[0])
-        return tf.nest.map_structure(functools.partial(_with_rows, n), stacked, signature)
+        n = rows(rows_in[0]), rows_in[0].shape[0]
+        return tf.nest.map_structure(functools.partial(_with_rows, *n), stacked, signature)
 
     return Shard(each, lambda outputs: collect.empty(signature))
 
 
-def _with_rows(n: tf.Tensor, stacked: tf.Tensor, spec: tf.TypeSpec) -> tf.Tensor:
-    """A vectorised output as ``[n, *sample]``, where the sample's shape is fixed."""
+def _with_rows(
+    n: tf.Tensor, known: int | None, stacked: tf.Tensor, spec: tf.TypeSpec
+) -> tf.Tensor:
+    """A vectorised output as ``[n, *sample]``, where the sample's shape is fixed
+    (`known`: n where it is static)."""
     if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
         return stacked
+    static = known is not None and stacked.shape.is_fully_defined()
+    if static and stacked.shape.as_list() == [known, *spec.shape.as_list()]:
+        return stacked  # static rows (a graph traced for its batch's rows): as it is
     return tf.reshape(stacked, tf.concat([tf.reshape(n, [1]), spec.shape.as_list()], 0))
 
 
