@@ -63,7 +63,13 @@ def test_no_retracing_across_batch_sizes():
     ds = tf.data.Dataset.from_tensor_slices(np.zeros([50, 2], np.float32))
     for batch in (7, 16, 50):
         assert f(ds.batch(batch)).shape == (50, 2)
-    assert f.trace_count == 1
+    # One loop with bare shards, and one with guarded shards for the last batch of 7s,
+    # whose 1 row leaves a device none (50 = 7 * 7 + 1): traced then, for every size after.
+    assert f.trace_count == 2
+    g = tfshard.parallelize(lambda s: s + 1.0, devices=CPUS[:2])
+    for batch in (10, 16, 25):  # no batch leaves a device without rows
+        assert g(ds.batch(batch)).shape == (50, 2)
+    assert g.trace_count == 1
 
 
 @settings(max_examples=15, deadline=None)
@@ -629,14 +635,19 @@ def test_a_call_of_the_loop_grows_at_most_twofold(monkeypatch):
 
     def run(self, batches, broadcast, meter, interrupted, *rest):
         chunk = self._chunk
-        self._chunk = lambda it, cur, i, limit, *more: (
-            limits.append(int(limit)),
-            chunk(it, cur, i, limit, *more),
-        )[1]
+
+        def counted(guarded):
+            traced = chunk(guarded)
+            return lambda it, cur, i, limit, *more: (
+                limits.append(int(limit)),
+                traced(it, cur, i, limit, *more),
+            )[1]
+
+        self._chunk = counted
         try:
             return original(self, batches, broadcast, meter, interrupted, *rest)
         finally:
-            self._chunk = chunk
+            del self._chunk
 
     monkeypatch.setattr(datasets._Loop, "run", run)
     f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
@@ -722,10 +733,11 @@ def test_iterate_refuses_bad_arguments_at_the_call_not_at_the_first_batch():
 # ------------------------------------------- feeding the devices a batch ahead
 
 
-def _loop_body(f):
-    """The traced loop's body (a FunctionDef) and its While node, from the public GraphDef."""
+def _loop_body(f, guarded=False):
+    """The traced loop's body (a FunctionDef) and its While node, from the public GraphDef:
+    of the loop with bare shards, or with guarded ones."""
     (loop,) = f._runner().loops.values()
-    graph = loop._chunk.graph.as_graph_def()
+    graph = loop._chunk(guarded).graph.as_graph_def()
     (node,) = [n for n in graph.node if n.op in ("While", "StatelessWhile")]
     library = {fn.signature.name: fn for fn in graph.library.function}
     return library[node.attr["body"].func.name], node
@@ -767,7 +779,11 @@ def test_each_shards_next_rows_reach_its_device_while_the_current_batch_runs():
     x = rng.normal(size=[10, 4]).astype(np.float32)
     want = x @ w.numpy()  # NumPy: `x @ w` would run on TensorFlow's default device (a GPU)
     np.testing.assert_allclose(f(tf.data.Dataset.from_tensor_slices(x).batch(4)), want, rtol=1e-5)
-    body, _ = _loop_body(f)
+    for guarded in (False, True):  # the last batch's 2 rows leave a device none: both ran
+        _check_feeds_ahead(_loop_body(f, guarded)[0], devices)
+
+
+def _check_feeds_ahead(body, devices):
     nodes = {n.name: n for n in body.node_def}
     arguments = [arg.name for arg in body.signature.input_arg]
     returned = [body.ret[arg.name].split(":")[0] for arg in body.signature.output_arg]

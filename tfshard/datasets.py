@@ -41,6 +41,7 @@ parallelism and buffers. On GPUs it stays on.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
@@ -288,7 +289,7 @@ class Runner:
     @property
     def trace_count(self) -> int:
         """Graphs traced for streams' traced loops (the Python loop's are the engine's)."""
-        return len(self.loops)
+        return sum(loop.trace_count for loop in self.loops.values())
 
     def _current(self) -> None:
         """Drops what was traced with replicas that have changed since."""
@@ -471,9 +472,11 @@ class Runner:
             loop = self.loops.get(key)
             if loop is None:
                 engine.check(call)  # XLA's reads: the loop nests shards where none can be read
-                step = engine.step(call, beside_transfers=True)
+                # Bare shards while every device has rows; guarded for a batch that
+                # gives one none (the last, mostly), traced only if one comes.
+                steps = [engine.step(call, beside_transfers=True, guarded=g) for g in (False, True)]
                 shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
-                loop = _Loop(step, relaxed, shared_specs, engine.checked)
+                loop = _Loop(*steps, relaxed, shared_specs, engine.checked)
                 self.loops[key] = loop
         meter = _stream.meter(engine.name, batches, progress)
         try:
@@ -670,11 +673,13 @@ class _Loop:
     def __init__(
         self,
         step: Step,
+        guarded: Step,
         spec: Any,
         shared_specs: Sequence[tf.TypeSpec],
         checked: Callable[[Any], Any],
     ) -> None:
         self._step = step
+        self._steps = {False: step, True: guarded}
         self._count = len(step.devices)
         self._op = step.reduce
         self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
@@ -709,7 +714,7 @@ class _Loop:
         feed_specs = [tf.TensorSpec([], tf.int64)]
         if step.balanced:
             feed_specs.append(tf.TensorSpec([self._count], tf.int64))
-        self._chunk = tf.function(self._run_chunk, autograph=False).get_concrete_function(
+        self._chunk_specs = (
             tf.data.IteratorSpec(spec),
             tf.OptionalSpec(spec),
             tf.TensorSpec([], tf.int32),
@@ -718,6 +723,8 @@ class _Loop:
             self._state_specs,
             list(shared_specs),
         )
+        self._chunks: dict[bool, Any] = {}
+        self._chunk(guarded=False)
         if self._op is None:
             with tf.device(step.output):
                 leaves = self._leaves
@@ -727,6 +734,20 @@ class _Loop:
                 self._finish = tf.function(
                     lambda flows: collect.concat_all(flows, leaves), autograph=False
                 ).get_concrete_function(self._state_specs)
+
+    @property
+    def trace_count(self) -> int:
+        """The loop's graphs: bare shards, and guarded ones once a batch needed them."""
+        return len(self._chunks)
+
+    def _chunk(self, guarded: bool) -> Any:
+        """The loop's graph (`_run_chunk`) with bare or guarded shards, traced on first use."""
+        chunk = self._chunks.get(guarded)
+        if chunk is None:
+            run = functools.partial(self._run_chunk, guarded)
+            chunk = tf.function(run, autograph=False).get_concrete_function(*self._chunk_specs)
+            self._chunks[guarded] = chunk
+        return chunk
 
     def _probe(self, *tensors: Any) -> tuple[Any, list[list[Any]]]:
         """One batch on the first device alone: its outputs as the function returns
@@ -771,6 +792,7 @@ class _Loop:
 
     def _run_chunk(
         self,
+        guarded: bool,
         iterator: Any,
         current: Any,
         i: tf.Tensor,
@@ -788,8 +810,12 @@ class _Loop:
         batch before the loop. `feeds` holds the rows before this call and,
         with ``weights="auto"``, the plan's weights; then each shard's rows
         and seconds over the call's batches come back too (zeros otherwise).
+
+        Unless `guarded`, the shards run bare (`Step.guarded`), and the loop
+        stops before a batch that would give a device no rows: `run` runs the
+        rest of the stream through the guarded loop.
         """
-        op, output = self._op, self._step.output
+        op, output, step = self._op, self._step.output, self._steps[guarded]
         before, weights = feeds[0], (feeds[1] if len(feeds) > 1 else None)
 
         def body(i, n, total, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
@@ -797,7 +823,7 @@ class _Loop:
                 following = iterator.get_next_as_optional()  # prepared while this one runs
             # The next batch onto the devices while this one runs (none past this call's last).
             fed_next = self._feed(following, n + 1 < limit, shared, weights)
-            outputs = self._step.run(fed, shared, before + total)
+            outputs = step.run(fed, shared, before + total)
             per_batch = self._per_batch(outputs, fed)
             with tf.device(output):
                 if op is None:
@@ -816,11 +842,16 @@ class _Loop:
             rows = tf.zeros([self._count], tf.int64)
             seconds = tf.zeros([self._count], tf.float64)
         fed = self._feed(current, tf.constant(True), shared, weights)
+        def more(i, n, total, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
+            going = tf.logical_and(n < limit, current.has_value())
+            if guarded:
+                return going
+            with tf.device(HOST):  # bare shards: every device must have rows
+                return tf.logical_and(going, tf.reduce_all(fed.sizes > 0))
+
         # The accumulators come in with unknown shapes: nothing to hold invariant.
         i, n, total, current, _, state, rows, seconds = tf.while_loop(
-            lambda i, n, total, current, fed, state, rows, seconds: tf.logical_and(
-                n < limit, current.has_value()
-            ),
+            more,
             body,
             (i, tf.constant(0), tf.constant(0, tf.int64), current, fed, list(state), rows, seconds),
             parallel_iterations=_PARALLEL_ITERATIONS,
@@ -853,23 +884,28 @@ class _Loop:
                 state = [collect.no_rows(self._op, leaf.output_dtype) for leaf in self._leaves]
         # Start from half the last run's size (one batch at first), then adapt.
         i, total, limit = tf.constant(0), 0, max(self._last_limit // 2, 1)
+        guarded = False
         while True:
             if interrupted():  # pressed while Python could not raise it (`_stream.ctrl_c`)
                 raise KeyboardInterrupt
             began = time.perf_counter()
             feeds = engine.feeds(total)
+            chunk = self._chunk(guarded)
             with tf.device(self._step.output):
-                current, i, n, batch_rows, state, rows, seconds = self._chunk(
+                current, i, n, batch_rows, state, rows, seconds = chunk(
                     iterator, current, i, tf.constant(limit), feeds, state, broadcast
                 )
             n, batch_rows = int(n), int(batch_rows)
             if self._step.balanced and n:
-                engine.observe(Timing(rows, seconds), id(self))
+                engine.observe(Timing(rows, seconds), id(chunk))
             total += batch_rows
             if meter and n:
                 meter.update(batch_rows, n)
             if n < limit:
-                break
+                if guarded or not bool(current.has_value()):
+                    break
+                guarded = True  # the next batch gives a device no rows: guarded from now on
+                continue
             # The next call runs about _CHUNK_SECONDS, by this one's time per batch.
             per_batch = (time.perf_counter() - began) / n
             # At most double it: batches can get slower, and a call cannot be stopped.
