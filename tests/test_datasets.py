@@ -72,6 +72,21 @@ def test_no_retracing_across_batch_sizes():
     assert g.trace_count == 1
 
 
+@pytest.mark.parametrize(
+    "options, traces",
+    # XLA: the call's graph too, where its compiled reads are checked (`Engine.check`).
+    [({"weights": [1, 0]}, 1), ({"jit_compile": True}, 2)],
+)
+def test_a_stream_whose_shards_are_guarded_anyway_traces_one_loop(options, traces):
+    # A weight of 0 empties a device in every batch; XLA compiles the guarded shard.
+    f = tfshard.parallelize(lambda s: s + 1.0, devices=CPUS[:2], **options)
+    x = np.arange(14, dtype=np.float32).reshape(7, 2)
+    for batch in (2, 3):  # 3s leave a last batch of 1 row
+        got = f(tf.data.Dataset.from_tensor_slices(x).batch(batch))
+        np.testing.assert_array_equal(got.numpy(), x + 1.0)
+    assert f.trace_count == traces
+
+
 @settings(max_examples=15, deadline=None)
 @given(n=st.integers(0, 40), batch=st.integers(1, 12))
 def test_every_sample_once_in_order(n, batch):

@@ -7,9 +7,10 @@ shard (`plan_sizes`, the same arithmetic as `plan_rows` in Python), and
 
     [N, ...] --plan (host)--> sizes [K] --split (where x lives)--> K x [n_k, ...]
 
-Sizes come from ``tf.shape(x)[0]`` at run time, so a trace serves every
-batch size; all of it is int64 arithmetic on the host, which never waits for
-a GPU.
+Sizes come from ``tf.shape(x)[0]`` at run time, so a trace with open rows
+serves every batch size (where the rows are static, as in a per-sample
+function's graph for its first size, they are constants); all of it is int64
+arithmetic on the host, which never waits for a GPU.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def host_cpu(device: str = "") -> str:
 
 
 def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
-    """The rows of `t` as an int64 scalar on `host`; only a Shape op runs on `device`.
+    """The rows of `t` as an int64 scalar on `host`; only a Shape op runs on `device`
+    (none where the rows are static).
 
     On a GPU the Shape kernel leaves its output in host memory, so the count
     reaches the host without waiting for `t`'s device; int64 arithmetic placed

@@ -473,10 +473,14 @@ class Runner:
             if loop is None:
                 engine.check(call)  # XLA's reads: the loop nests shards where none can be read
                 # Bare shards while every device has rows; guarded for a batch that
-                # gives one none (the last, mostly), traced only if one comes.
+                # gives one none (the last, mostly), traced only if one comes. Guarded
+                # from the start where a weight of 0 empties a device in every batch,
+                # and with XLA, whose compiled shard is the guarded one either way.
                 steps = [engine.step(call, beside_transfers=True, guarded=g) for g in (False, True)]
+                weights = engine.options.weights
+                bare = not engine.options.jit_compile and not (weights and 0 in weights)
                 shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
-                loop = _Loop(*steps, relaxed, shared_specs, engine.checked)
+                loop = _Loop(*steps, relaxed, shared_specs, engine.checked, bare=bare)
                 self.loops[key] = loop
         meter = _stream.meter(engine.name, batches, progress)
         try:
@@ -677,9 +681,13 @@ class _Loop:
         spec: Any,
         shared_specs: Sequence[tf.TypeSpec],
         checked: Callable[[Any], Any],
+        *,
+        bare: bool = True,
     ) -> None:
         self._step = step
         self._steps = {False: step, True: guarded}
+        self._bare = bare  # whether a stream starts with bare shards (`_run_chunk`)
+        self._tracing = threading.Lock()  # threads that need a loop trace it once
         self._count = len(step.devices)
         self._op = step.reduce
         self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
@@ -724,7 +732,7 @@ class _Loop:
             list(shared_specs),
         )
         self._chunks: dict[bool, Any] = {}
-        self._chunk(guarded=False)
+        self._chunk(guarded=not bare)
         if self._op is None:
             with tf.device(step.output):
                 leaves = self._leaves
@@ -743,10 +751,14 @@ class _Loop:
     def _chunk(self, guarded: bool) -> Any:
         """The loop's graph (`_run_chunk`) with bare or guarded shards, traced on first use."""
         chunk = self._chunks.get(guarded)
-        if chunk is None:
-            run = functools.partial(self._run_chunk, guarded)
-            chunk = tf.function(run, autograph=False).get_concrete_function(*self._chunk_specs)
-            self._chunks[guarded] = chunk
+        if chunk is not None:
+            return chunk
+        with self._tracing:
+            chunk = self._chunks.get(guarded)
+            if chunk is None:
+                run = functools.partial(self._run_chunk, guarded)
+                chunk = tf.function(run, autograph=False).get_concrete_function(*self._chunk_specs)
+                self._chunks[guarded] = chunk
         return chunk
 
     def _probe(self, *tensors: Any) -> tuple[Any, list[list[Any]]]:
@@ -884,7 +896,7 @@ class _Loop:
                 state = [collect.no_rows(self._op, leaf.output_dtype) for leaf in self._leaves]
         # Start from half the last run's size (one batch at first), then adapt.
         i, total, limit = tf.constant(0), 0, max(self._last_limit // 2, 1)
-        guarded = False
+        guarded = not self._bare
         while True:
             if interrupted():  # pressed while Python could not raise it (`_stream.ctrl_c`)
                 raise KeyboardInterrupt

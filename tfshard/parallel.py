@@ -91,7 +91,7 @@ class ShardedFunction:
         With ``weights="auto"`` they are each device's measured speed, the
         slowest device with rows at 1 (``(2.95, 1.0)``), or None while the split
         stays even: not every device measured yet, or no other split predicted
-        5 % faster (`explain` says which); pass them as ``weights=`` to plan the
+        5 % and 0.25 ms faster (`explain` says which); pass them as ``weights=`` to plan the
         same way without measuring. Static weights read back as given.
 
         >>> tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1"], weights=[3, 1]).weights
