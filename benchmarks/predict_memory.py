@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
+import _child
 from absl import app, flags
 
 _IMAGES = flags.DEFINE_integer("images", 512, "Images run through the model.", lower_bound=1)
@@ -188,15 +188,11 @@ def child(way: str, images: int, size: int, batch: int, devices: int, source: st
 
 def measure(way: str, images: int, size: int, batch: int, devices: int, source: str) -> dict:
     """`child` in a fresh Python process; its JSON."""
-    command = [
-        sys.executable, os.path.abspath(__file__), f"--child={way}", f"--images={images}",
-        f"--size={size}", f"--batch={batch}", f"--devices={devices}", f"--source={source}",
+    arguments = [
+        f"--child={way}", f"--images={images}", f"--size={size}", f"--batch={batch}",
+        f"--devices={devices}", f"--source={source}",
     ]  # fmt: skip
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{way}: the measuring process failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _child.measured(__file__, way, arguments)
 
 
 def main(argv: list[str]) -> None:

@@ -38,11 +38,10 @@ import json
 import os
 import resource
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
+import _child
 from absl import app, flags
 
 _ROWS = flags.DEFINE_list("rows", ["200000", "1000000"], "Rows embedded, one run of each way.")
@@ -149,16 +148,11 @@ def child(way: str, rows: int, sizes: dict, devices: int, directory: str) -> dic
 
 def measure(way: str, rows: int, sizes: dict, devices: int, directory: str) -> dict:
     """`child` in a fresh Python process; its JSON."""
-    command = [
-        sys.executable, os.path.abspath(__file__), f"--way={way}", f"--rows={rows}",
-        f"--devices={devices}", f"--dir={directory}",
+    arguments = [
+        f"--way={way}", f"--rows={rows}", f"--devices={devices}", f"--dir={directory}",
         *(f"--{name}={value}" for name, value in sizes.items()),
     ]  # fmt: skip
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{way}: the measuring process failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _child.measured(__file__, way, arguments)
 
 
 def compare(runs: list[dict]) -> None:
