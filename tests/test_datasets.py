@@ -72,19 +72,26 @@ def test_no_retracing_across_batch_sizes():
     assert g.trace_count == 1
 
 
-@pytest.mark.parametrize(
-    "options, traces",
-    # XLA: the call's graph too, where its compiled reads are checked (`Engine.check`).
-    [({"weights": [1, 0]}, 1), ({"jit_compile": True}, 2)],
-)
-def test_a_stream_whose_shards_are_guarded_anyway_traces_one_loop(options, traces):
+@pytest.mark.parametrize("options", [{"weights": [1, 0]}, {"jit_compile": True}])
+def test_a_stream_whose_shards_are_guarded_anyway_traces_one_loop(options):
     # A weight of 0 empties a device in every batch; XLA compiles the guarded shard.
     f = tfshard.parallelize(lambda s: s + 1.0, devices=CPUS[:2], **options)
     x = np.arange(14, dtype=np.float32).reshape(7, 2)
     for batch in (2, 3):  # 3s leave a last batch of 1 row
         got = f(tf.data.Dataset.from_tensor_slices(x).batch(batch))
         np.testing.assert_array_equal(got.numpy(), x + 1.0)
-    assert f.trace_count == traces
+    assert f.trace_count == 1
+
+
+def test_a_compiled_stream_that_reads_a_variable_on_another_device_is_refused():
+    # XLA cannot read it; the loop's batch graph is checked before anything runs, as a
+    # call's graph is (the loop nests the shards where the check cannot read them).
+    with tf.device(CPUS[0]):
+        scale = tf.Variable(2.0)
+    f = tfshard.parallelize(lambda s: s * scale, devices=CPUS[:2], jit_compile=True)
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([4, 2], np.float32)).batch(2)
+    with pytest.raises(ArgumentError, match=r"jit_compile=True, shard 1 .* reads .*replicas"):
+        f(ds)
 
 
 @settings(max_examples=15, deadline=None)
@@ -311,9 +318,8 @@ def test_the_traced_loop_runs_each_sample_once():
 
 
 def test_the_traced_loop_keeps_no_graph_of_its_probe():
-    # The loop learns its outputs' specs from a trace of the function on every device (the
-    # probe) and keeps stand-ins from a graph of a few ops, so the probe's graph is freed
-    # (benchmarks/predict_memory.py: 17 MB of a MobileNetV2's first call on 2 devices).
+    # The loop learns its outputs' specs from the graph of one batch's shards, and keeps
+    # stand-ins from a graph of a few ops: no leaf keeps a graph of the function alive.
     def deep(block):
         for _ in range(20):
             block = tf.tanh(block * 0.5)
@@ -749,13 +755,24 @@ def test_iterate_refuses_bad_arguments_at_the_call_not_at_the_first_batch():
 
 
 def _loop_body(f, guarded=False):
-    """The traced loop's body (a FunctionDef) and its While node, from the public GraphDef:
-    of the loop with bare shards, or with guarded ones."""
+    """The traced loop's body (a FunctionDef) and its While node, from the public GraphDef,
+    of the loop with bare shards, or with guarded ones; and the graph's function library."""
     (loop,) = f._runner().loops.values()
     graph = loop._chunk(guarded).graph.as_graph_def()
     (node,) = [n for n in graph.node if n.op in ("While", "StatelessWhile")]
     library = {fn.signature.name: fn for fn in graph.library.function}
-    return library[node.attr["body"].func.name], node
+    return library[node.attr["body"].func.name], node, library
+
+
+def _batch_call(body, library):
+    """The body's call of the batch's shards (`_Loop._batch`), and that function."""
+    (call,) = [
+        n
+        for n in body.node_def
+        if n.op in ("StatefulPartitionedCall", "PartitionedCall")
+        and any("tfshard_shard_" in m.name for m in library[n.attr["f"].func.name].node_def)
+    ]
+    return call, library[call.attr["f"].func.name]
 
 
 def _ancestors(nodes, name):
@@ -795,13 +812,33 @@ def test_each_shards_next_rows_reach_its_device_while_the_current_batch_runs():
     want = x @ w.numpy()  # NumPy: `x @ w` would run on TensorFlow's default device (a GPU)
     np.testing.assert_allclose(f(tf.data.Dataset.from_tensor_slices(x).batch(4)), want, rtol=1e-5)
     for guarded in (False, True):  # the last batch's 2 rows leave a device none: both ran
-        _check_feeds_ahead(_loop_body(f, guarded)[0], devices)
+        body, _, library = _loop_body(f, guarded)
+        _check_feeds_ahead(body, library, devices)
 
 
-def _check_feeds_ahead(body, devices):
+def _check_feeds_ahead(body, library, devices):
     nodes = {n.name: n for n in body.node_def}
     arguments = [arg.name for arg in body.signature.input_arg]
     returned = [body.ret[arg.name].split(":")[0] for arg in body.signature.output_arg]
+    # The shards run in one function the body calls: what shard k's ops read of its
+    # arguments, traced back to the body's nodes and arguments that the call passes.
+    call, batch = _batch_call(body, library)
+    inner = {n.name: n for n in batch.node_def}
+    parameters = [arg.name for arg in batch.signature.input_arg]
+    passed = [i.split(":")[0] for i in call.input if not i.startswith("^")]
+    assert len(passed) == len(parameters)
+    shard_ops = {k: [n for n in inner if f"tfshard_shard_{k}/" in n] for k in range(3)}
+    assert all(shard_ops.values())
+
+    def reads(k):  # the body's nodes and arguments shard k reads through the call
+        names = {
+            passed[parameters.index(a)]
+            for op in shard_ops[k]
+            for a in _ancestors(inner, op)
+            if a in parameters
+        }
+        return names | {a for name in names for a in _ancestors(nodes, name)}
+
     feeds = {}  # shard -> the Identity that copies its rows of the next batch
     for name, node in nodes.items():
         if "tfshard_feed/shard_" in name and node.op == "Identity":
@@ -809,16 +846,14 @@ def _check_feeds_ahead(body, devices):
             assert node.device == devices[k], (name, node.device)
             feeds[k] = name
     assert sorted(feeds) == [0, 1, 2]
-    shard_ops = {k: [n for n in nodes if f"tfshard_shard_{k}/" in n] for k in range(3)}
     for k, feed in feeds.items():
         # The copy waits for nothing of this batch's shards ...
-        assert not any("tfshard_shard_" in a for a in _ancestors(nodes, feed)), feed
+        assert call.name not in _ancestors(nodes, feed), feed
         # ... and becomes the loop variable that the next iteration's shard k reads.
         (position,) = [j for j, r in enumerate(returned) if feed in _ancestors(nodes, r)]
-        for op in shard_ops[k]:
-            waits_for = _ancestors(nodes, op)
-            assert not any("tfshard_feed" in a for a in waits_for), op
-        carried = {a for op in shard_ops[k] for a in _ancestors(nodes, op) if a in arguments}
+        waits_for = reads(k)
+        assert not any("tfshard_feed" in a for a in waits_for), k
+        carried = waits_for & set(arguments)
         assert arguments[position] in carried
         others = {arguments[j] for j, r in enumerate(returned) if r in feeds.values()} - {
             arguments[position]

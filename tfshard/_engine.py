@@ -217,18 +217,6 @@ class Engine:
         self._steps[key] = step
         return step
 
-    def check(self, call: _arguments.Call) -> None:
-        """Runs `checked` on the call's own graph where XLA's reads must be checked.
-
-        For a graph that nests the step's shards where the checks cannot read
-        them (a stream's traced loop): the call's graph has the same shards at
-        its top level, each on its device. (Writes to replicas need one shard
-        only: a stream checks its probe, `datasets._Loop`.)
-        """
-        self.refresh()
-        if self.options.jit_compile:
-            self.trace(call)
-
     def refresh(self) -> None:
         """Picks up replicas, or replicated variables, made since the last trace.
 

@@ -111,19 +111,6 @@ class Step:
     max_rows: tuple[int | None, ...] | None = None
     guarded: bool = True
 
-    def alone(self) -> Step:
-        """This step on its first device alone: what one shard returns, traced once.
-
-        A stream learns its outputs' specs from it (every shard returns the same
-        structure, dtypes and inner shapes), which costs one trace of the
-        function where the whole step would cost one per device.
-        """
-        limits = None if self.max_rows is None else self.max_rows[:1]
-        return dataclasses.replace(
-            self, devices=self.devices[:1], weights=None, balanced=False, max_rows=limits,
-            guarded=True,
-        )  # fmt: skip
-
     # ------------------------------------------------------------ the parts
 
     def plan(

@@ -55,7 +55,6 @@ from tfshard._arguments import Arguments, Call, type_spec
 from tfshard._balance import Timing
 from tfshard._engine import Engine
 from tfshard._plan import Planned, host_cpu, rows
-from tfshard._shards import ShardOutputs
 from tfshard._step import Step
 from tfshard.errors import INPUTS_DIFFER, ArgumentError, inputs_differ
 
@@ -471,7 +470,6 @@ class Runner:
         with self._lock:  # concurrent first calls trace one loop
             loop = self.loops.get(key)
             if loop is None:
-                engine.check(call)  # XLA's reads: the loop nests shards where none can be read
                 # Bare shards while every device has rows; guarded for a batch that
                 # gives one none (the last, mostly), traced only if one comes. Guarded
                 # from the start where a weight of 0 empties a device in every batch,
@@ -667,6 +665,13 @@ class _Loop:
     its accumulator dtype (float32 for float16 outputs, int64 for int32's) between calls
     too, and finished once after the last batch.
 
+    The loop's body calls one traced graph of a batch's shards (`_batch`), which
+    is traced before the loop and tells the outputs' specs that the loop's
+    state needs: a stream traces the function once per device, as
+    MirroredStrategy does, and TensorFlow inlines the call when it runs the loop
+    (the shards' ops and their names, which errors read, are as if traced in the
+    body).
+
     Each call takes the rows of the stream before it (the global row of its first
     batch's first row, which `tfshard.row_index` counts on from) and, with
     ``weights="auto"``, the plan's weights: the loop carries each shard's rows and
@@ -691,28 +696,31 @@ class _Loop:
         self._count = len(step.devices)
         self._op = step.reduce
         self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
+        self._shared_specs = list(shared_specs)
+        self._batches: dict[bool, Any] = {}  # `_batch`'s graphs, bare and guarded
+        # One batch's specs as `_feed` leaves it: planned, split, on its devices.
         element_specs = _trees.flatten(spec)[0]
-        # The outputs' structure, dtypes and shapes, from a trace of one batch on the
-        # first device alone (`Step.alone`): one trace of the function, not one per device.
-        probe = tf.function(self._probe, autograph=False).get_concrete_function(
-            *element_specs, *shared_specs
-        )
+        fed = tf.function(
+            lambda *tensors: self._step.onto_devices(self._step.plan(tensors)[0]),
+            autograph=False,
+        ).get_concrete_function(*element_specs, *shared_specs)
+        self._fed_spec = tf.nest.map_structure(tf.type_spec_from_value, fed.structured_outputs)
+        # The graph of one batch's shards (traced once per device: the loop calls it)
+        # tells the outputs' structure, dtypes and shapes, which the loop's state needs
+        # before the loop is traced.
+        first = self._batch(guarded=not bare)
         # The loop nests its shards where the engine's checks cannot read them; the
-        # probe holds shard 0 at its top level, under its replica: a shard that writes
-        # a replicated variable is refused here (every shard runs the same function),
-        # without tracing the call's graph, one more trace per device.
-        checked(probe)
-        like, per_batch = probe.structured_outputs
+        # batch's graph holds them at its top level, each on its device, under its
+        # replica: a shard that writes a replicated variable (or, compiled, reads one
+        # on another device) is refused here.
+        checked(first)
+        like, per_batch, _ = first.structured_outputs
         self._structure = _trees.flatten(like)[1]
         # One shard's output leaves (or the batch's `collect.Total`s), and entries per
         # batch: shards, or 1.
         self._leaves = _stand_ins(per_batch[0])
         self._slots = self._count if self._op is None else 1
-        # The probe's graph holds the function once per device and is never run: nothing
-        # keeps it now, and Python's collector frees it while the loop traces (no collect
-        # of ours: it took 0.15 s of a Keras user's first call). benchmarks/predict_memory.py:
-        # MobileNetV2 on 2 devices, about 17 MB less at the first call's peak RSS.
-        del probe, like, per_batch
+        del first, like, per_batch
         self._state_specs = (
             [tf.TensorSpec([], tf.variant)] * collect.array_count(self._leaves)
             if self._op is None
@@ -761,23 +769,37 @@ class _Loop:
                 self._chunks[guarded] = chunk
         return chunk
 
-    def _probe(self, *tensors: Any) -> tuple[Any, list[list[Any]]]:
-        """One batch on the first device alone: its outputs as the function returns
-        them (for their structure), and as `_per_batch` gives them (for their specs)."""
-        alone = self._step.alone()
-        planned, shared = alone.plan(tensors)
-        outputs = alone.run(planned, shared)
-        like = _trees.build(outputs.structure, iter(outputs.flat[0]))
-        if self._op is None:
-            return like, outputs.flat
-        return like, [alone.collect(outputs, planned)]
+    def _batch(self, guarded: bool) -> Any:
+        """The graph of one batch's shards (`_run_batch`), bare or guarded, traced once.
 
-    def _per_batch(self, outputs: ShardOutputs, planned: Planned) -> list[list[Any]]:
-        """One batch's entries: each shard's output leaves, checked, or the batch's totals."""
-        if self._op is None:
-            self._step.check(outputs, planned)
-            return outputs.flat
-        return [self._step.collect(outputs, planned)]
+        The loop's body calls it (TensorFlow inlines the call when it runs the
+        loop), so a stream traces the function once per device, and learns its
+        outputs' specs from the same trace before the loop is traced.
+        """
+        batch = self._batches.get(guarded)
+        if batch is None:
+            run = functools.partial(self._run_batch, self._steps[guarded])
+            batch = tf.function(run, autograph=False).get_concrete_function(
+                self._fed_spec, self._shared_specs, tf.TensorSpec([], tf.int64)
+            )
+            self._batches[guarded] = batch
+        return batch
+
+    @staticmethod
+    def _run_batch(step: Step, fed: Planned, shared: list, offset: tf.Tensor) -> tuple:
+        """One batch's shards on the pieces `_feed` put on their devices, at `offset` (its
+        first row in the stream): its outputs as the function returns them (for their
+        structure), its entries (each shard's output leaves, checked, or the batch's
+        totals) and, where the step times its shards, ``(rows, seconds)``."""
+        outputs = step.run(fed, shared, offset)
+        like = _trees.build(outputs.structure, iter(outputs.flat[0]))
+        if step.reduce is None:
+            step.check(outputs, fed)
+            per_batch = outputs.flat
+        else:
+            per_batch = [step.collect(outputs, fed)]
+        timing = None if outputs.timing is None else tuple(outputs.timing)
+        return like, per_batch, timing
 
     def _feed(
         self, batch: Any, wanted: tf.Tensor, shared: Sequence[Any], weights: tf.Tensor | None
@@ -827,7 +849,7 @@ class _Loop:
         stops before a batch that would give a device no rows: `run` runs the
         rest of the stream through the guarded loop.
         """
-        op, output, step = self._op, self._step.output, self._steps[guarded]
+        op, output, batch = self._op, self._step.output, self._batch(guarded)
         before, weights = feeds[0], (feeds[1] if len(feeds) > 1 else None)
 
         def body(i, n, total, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
@@ -835,17 +857,16 @@ class _Loop:
                 following = iterator.get_next_as_optional()  # prepared while this one runs
             # The next batch onto the devices while this one runs (none past this call's last).
             fed_next = self._feed(following, n + 1 < limit, shared, weights)
-            outputs = step.run(fed, shared, before + total)
-            per_batch = self._per_batch(outputs, fed)
+            _, per_batch, timing = batch(fed, shared, before + total)
             with tf.device(output):
                 if op is None:
                     state = collect.write_shards(state, self._leaves, i * self._slots, per_batch)
                 else:
                     state = collect.accumulate(state, per_batch[0], op)
-            if outputs.timing is not None:
+            if timing is not None:
                 with tf.device(HOST):
-                    rows = rows + outputs.timing.rows
-                    seconds = seconds + outputs.timing.seconds
+                    rows = rows + timing[0]
+                    seconds = seconds + timing[1]
             return i + 1, n + 1, total + fed.total, following, fed_next, state, rows, seconds
 
         with tf.device(HOST):
