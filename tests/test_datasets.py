@@ -317,7 +317,7 @@ def test_the_traced_loop_runs_each_sample_once():
     assert int(seen.numpy()) == 11
 
 
-def test_the_traced_loop_keeps_no_graph_of_its_probe():
+def test_the_traced_loops_output_leaves_keep_no_graph_of_the_function():
     # The loop learns its outputs' specs from the graph of one batch's shards, and keeps
     # stand-ins from a graph of a few ops: no leaf keeps a graph of the function alive.
     def deep(block):
@@ -847,8 +847,9 @@ def _check_feeds_ahead(body, library, devices):
             feeds[k] = name
     assert sorted(feeds) == [0, 1, 2]
     for k, feed in feeds.items():
-        # The copy waits for nothing of this batch's shards ...
+        # The copy waits for nothing of this batch's shards, nor the shards for it ...
         assert call.name not in _ancestors(nodes, feed), feed
+        assert not any("tfshard_feed" in a for a in _ancestors(nodes, call.name)), k
         # ... and becomes the loop variable that the next iteration's shard k reads.
         (position,) = [j for j, r in enumerate(returned) if feed in _ancestors(nodes, r)]
         waits_for = reads(k)

@@ -667,10 +667,11 @@ class _Loop:
 
     The loop's body calls one traced graph of a batch's shards (`_batch`), which
     is traced before the loop and tells the outputs' specs that the loop's
-    state needs: a stream traces the function once per device, as
-    MirroredStrategy does, and TensorFlow inlines the call when it runs the loop
-    (the shards' ops and their names, which errors read, are as if traced in the
-    body).
+    state needs: each such graph traces the function once per device, as
+    MirroredStrategy does (a stream traces a second one, guarded, only when a
+    batch leaves a device no rows), and TensorFlow inlines the call when it runs
+    the loop (the shards' ops and their names, which errors read, are as if
+    traced in the body).
 
     Each call takes the rows of the stream before it (the global row of its first
     batch's first row, which `tfshard.row_index` counts on from) and, with
@@ -705,7 +706,7 @@ class _Loop:
             autograph=False,
         ).get_concrete_function(*element_specs, *shared_specs)
         self._fed_spec = tf.nest.map_structure(tf.type_spec_from_value, fed.structured_outputs)
-        # The graph of one batch's shards (traced once per device: the loop calls it)
+        # The graph of one batch's shards (the function traced once per device; the loop calls it)
         # tells the outputs' structure, dtypes and shapes, which the loop's state needs
         # before the loop is traced.
         first = self._batch(guarded=not bare)
@@ -720,6 +721,7 @@ class _Loop:
         # batch: shards, or 1.
         self._leaves = _stand_ins(per_batch[0])
         self._slots = self._count if self._op is None else 1
+        # `first` stays alive in the loop's graph that calls it; only the stand-ins are ours.
         del first, like, per_batch
         self._state_specs = (
             [tf.TensorSpec([], tf.variant)] * collect.array_count(self._leaves)
@@ -773,13 +775,17 @@ class _Loop:
         """The graph of one batch's shards (`_run_batch`), bare or guarded, traced once.
 
         The loop's body calls it (TensorFlow inlines the call when it runs the
-        loop), so a stream traces the function once per device, and learns its
-        outputs' specs from the same trace before the loop is traced.
+        loop), so each graph traces the function once per device, and the loop
+        learns its outputs' specs from the same trace before it is traced.
         """
         batch = self._batches.get(guarded)
         if batch is None:
-            run = functools.partial(self._run_batch, self._steps[guarded])
-            batch = tf.function(run, autograph=False).get_concrete_function(
+            step = self._steps[guarded]
+
+            def tfshard_batch(fed: Planned, shared: list, offset: tf.Tensor) -> tuple:
+                return self._run_batch(step, fed, shared, offset)  # named so in errors
+
+            batch = tf.function(tfshard_batch, autograph=False).get_concrete_function(
                 self._fed_spec, self._shared_specs, tf.TensorSpec([], tf.int64)
             )
             self._batches[guarded] = batch
