@@ -699,6 +699,7 @@ class _Loop:
         self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
         self._shared_specs = list(shared_specs)
         self._batches: dict[bool, Any] = {}  # `_batch`'s graphs, bare and guarded
+        self._checked = checked
         # One batch's specs as `_feed` leaves it: planned, split, on its devices.
         element_specs = _trees.flatten(spec)[0]
         fed = tf.function(
@@ -710,11 +711,6 @@ class _Loop:
         # tells the outputs' structure, dtypes and shapes, which the loop's state needs
         # before the loop is traced.
         first = self._batch(guarded=not bare)
-        # The loop nests its shards where the engine's checks cannot read them; the
-        # batch's graph holds them at its top level, each on its device, under its
-        # replica: a shard that writes a replicated variable (or, compiled, reads one
-        # on another device) is refused here.
-        checked(first)
         like, per_batch, _ = first.structured_outputs
         self._structure = _trees.flatten(like)[1]
         # One shard's output leaves (or the batch's `collect.Total`s), and entries per
@@ -788,7 +784,11 @@ class _Loop:
             batch = tf.function(tfshard_batch, autograph=False).get_concrete_function(
                 self._fed_spec, self._shared_specs, tf.TensorSpec([], tf.int64)
             )
-            self._batches[guarded] = batch
+            # The loop nests its shards where the engine's checks cannot read them; this
+            # graph holds them at its top level, each on its device, under its replica: a
+            # shard that writes a replicated variable (or, compiled, reads one on another
+            # device) is refused here, before anything runs.
+            self._batches[guarded] = self._checked(batch)
         return batch
 
     @staticmethod
