@@ -735,7 +735,7 @@ class _Loop:
             tf.TensorSpec([], tf.int32),
             feed_specs,
             self._state_specs,
-            list(shared_specs),
+            self._shared_specs,
         )
         self._chunks: dict[bool, Any] = {}
         self._chunk(guarded=not bare)
