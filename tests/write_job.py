@@ -92,7 +92,7 @@ def main(scenario: str, path: str, log: str) -> None:
         on_call = _kill_at(on_call, 5)
     elif scenario == "mid_data":  # batch 3: all of y, half of n's values
         append = writing._Column.append
-        half = lambda self, array: append(self, array[: len(array) // 2])  # noqa: E731
+        half = lambda self, array, at: append(self, array[: len(array) // 2], at)  # noqa: E731
         writing._Column.append = _kill_at(append, 8, before=half)
     elif scenario == "mid_header":  # batch 3's data synced, n's two headers rewritten, not y's
         writing._Column.mark = _kill_at(writing._Column.mark, 11, writing._Column.mark)

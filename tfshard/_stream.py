@@ -68,8 +68,9 @@ class Progress:
     second. On anything else (a log file, a pipe) each line stays, so lines come
     at a steady pace: the first batch's, then about 1, 3 and 8 s in, then every
     `LOG_SECONDS`, and the last at the end. Where the number of batches is known
-    each line says the time left, from the pace so far. `stopped` writes where a
-    run stopped (Ctrl-C, an error), once.
+    each line from the second batch on says the time left, from the pace since the
+    first (which includes tracing). `stopped` writes where a run stopped (Ctrl-C,
+    an error), once.
 
     Args:
       name: what runs, the start of every line.
@@ -101,6 +102,7 @@ class Progress:
         self._logged = 0  # lines written to a stream that is not a terminal
         self._open = False  # a terminal's line is waiting for its newline
         self._stopped = False
+        self._paced_from: tuple[float, int] | None = None  # (when, batches) at the first update
         self.samples = done_rows
 
     def update(self, rows: int, batches: int = 1) -> None:
@@ -108,6 +110,8 @@ class Progress:
         self._batches += batches
         self.samples += rows
         now = time.perf_counter()
+        if self._paced_from is None:  # the pace is taken after the first batch, which traces
+            self._paced_from = (now, self._batches)
         if self._tty:
             due = now - self._last >= _TTY_SECONDS or self._batches == self._total
         else:
@@ -144,11 +148,14 @@ class Progress:
 
     def _line(self) -> str:
         elapsed = self._elapsed()
-        batches, rows = self._batches - self._done[0], self.samples - self._done[1]
+        rows = self.samples - self._done[1]
         of = f"/{self._total}" if self._total is not None else ""
         left = ""
-        if self._total is not None and batches > 0 and self._batches < self._total:
-            left = f"  {_duration((self._total - self._batches) * elapsed / batches)} left"
+        paced = self._paced_from
+        if self._total is not None and paced and paced[1] < self._batches < self._total:
+            when, since = paced
+            per_batch = (time.perf_counter() - when) / (self._batches - since)
+            left = f"  {_duration((self._total - self._batches) * per_batch)} left"
         return (
             f"{self._name}: batch {self._batches}{of}  {self.samples} samples  "
             f"{rows / elapsed:.1f} samples/s  {elapsed:.1f} s{left}"

@@ -344,9 +344,15 @@ class Runner:
         args: tuple,
         kwargs: dict,
         meter: _stream.Progress | None,
+        first_row: int = 0,
     ) -> Iterator[tuple[Any, int]]:
-        """``(result, rows)`` for each of `batches` (from `batches`), one call each, in order."""
-        return _reported(_batches(self.engine.call, arguments, batches, args, kwargs, meter), meter)
+        """``(result, rows)`` for each of `batches` (from `batches`), one call each, in order.
+
+        `first_row` is the global row of the first batch's first row, which
+        `tfshard.row_index` counts on from (a resumed write's rows on disk).
+        """
+        stream = _batches(self.engine.call, arguments, batches, args, kwargs, meter, first_row)
+        return _reported(stream, meter)
 
     def no_rows(self, arguments: Arguments, spec: Any, args: tuple, kwargs: dict) -> Any:
         """The function's result for a batch of zero rows of element spec `spec`.
@@ -420,6 +426,10 @@ class Runner:
         batches = prepare(dataset, batch_size, batched)
         with tf.device(HOST):
             element = next(iter(batches.skip(batch_index).take(1)), None)
+        if element is None and batch_index == 0:
+            raise ArgumentError(
+                f"{name}.timeline(dataset): the dataset is empty, so it has no batch to record"
+            )
         if element is None:
             raise ArgumentError(
                 f"{name}.timeline(dataset, batch_index={batch_index}): the dataset has no batch "
@@ -548,14 +558,16 @@ def _batches(
     args: tuple,
     kwargs: dict,
     meter: _stream.Progress | None,
+    first_row: int = 0,
 ) -> Iterator[tuple[Any, int]]:
     """The Python loop: `run` once per batch, checking per-sample shapes.
 
-    `run` takes the batch's call and the rows of the batches before it (its
-    first row's global index, which `tfshard.row_index` counts).
+    `run` takes the batch's call and its first row's global index (which
+    `tfshard.row_index` counts): `first_row` plus the rows of the batches
+    before it.
     """
     first: list[Any] | None = None
-    before = 0
+    before = first_row
     for element in batches:
         leaves, structure = _trees.flatten(element)
         shapes = [_kinds.of(t).sample_shape(t) for t in leaves]

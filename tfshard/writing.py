@@ -75,10 +75,12 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import _kinds, _stream, _trees
-from tfshard.errors import ArgumentError, TfshardError, WriteError
+from tfshard.errors import ArgumentError, ShardError, WriteError, shard_error
 
 FORMAT = "tfshard.write"
-VERSION = 1
+VERSION = 2
+# The manifest versions `load` reads: 1 lacks the last batch's rows, so it is not resumed.
+READS = (1, 2)
 MANIFEST = "manifest.json"
 # A commit syncs every file and replaces the manifest; once a second costs little
 # (syncs of what the kernel is already writing back, below) and bounds what a crash
@@ -121,17 +123,19 @@ def write(
     """Streams `dataset` through the runner's function into `path`; see `ShardedFunction.write`."""
     engine = runner.engine
     name = engine.name
-    path = os.fspath(path)
+    path = _checked_path(path, dataset, f"{name}.write")
     call = f"{name}.write(dataset, {path!r})"
+    _check_flag(overwrite, "overwrite", call)
+    _check_flag(batched, "batched", call, none=True)
+    if not isinstance(progress, bool) and not callable(getattr(progress, "write", None)):
+        raise ArgumentError(
+            f"{call}: progress={progress!r}: True for lines on stderr, False for none, or a "
+            "stream to write them to (an object with .write, such as sys.stdout or an open file)"
+        )
     if engine.options.reduce is not None:
         raise ArgumentError(
             f"{call}: reduce={engine.options.reduce.name!r} gives one value for the whole "
             f"dataset, not rows to write; call {name}(dataset) for it"
-        )
-    if not isinstance(dataset, tf.data.Dataset):
-        raise ArgumentError(
-            f"{call} takes a tf.data.Dataset, got {type(dataset).__name__}; for arrays, "
-            "tf.data.Dataset.from_tensor_slices(x) with batch_size=N"
         )
     batches = runner.batches(
         arguments, dataset, args, kwargs, batch_size=batch_size, batched=batched,
@@ -149,22 +153,72 @@ def write(
         "first_batch": _first_batch_hash(batches),
     }
     store = _Store.open(path, name, source, overwrite, call)
+    try:
+        return _run(runner, arguments, batches, args, kwargs, store, progress, call)
+    finally:
+        store.close()  # and with it the lock: held exactly while the write runs
+
+
+def _run(
+    runner: Any,
+    arguments: Any,
+    batches: tf.data.Dataset,
+    args: tuple,
+    kwargs: dict,
+    store: _Store,
+    progress: bool | TextIO,
+    call: str,
+) -> Written:
+    """The write into an open store: checked against what it holds, then resumed to the end.
+
+    What is on disk is trusted only once a batch of it is computed again and
+    found equal (`_Store.verify`): the first batch of a finished write, the last
+    committed one of a resumed write (read again from the dataset for this:
+    `batches.skip(n - 1)`), so another function, changed weights or a changed
+    dataset are refused before anything is appended.
+    """
+    name = runner.engine.name
     if store.complete:
+        first = runner.stream(arguments, batches.take(1), args, kwargs, None)
+        for result, _ in first:
+            store.verify(result, 0)
         meter = _stream.meter(name, batches, progress, done_batches=store.batches)
         if meter:
-            meter.say(f"{name}: {path!r} holds all {store.rows} rows already; nothing to compute")
-        return Written(path, store.rows, store.batches, 0)
-    meter = _stream.meter(name, batches, progress, done_batches=store.batches, done_rows=store.rows)
-    stream = runner.stream(arguments, batches.skip(store.batches), args, kwargs, meter)
+            meter.say(
+                f"{name}: {store.path!r} holds all {store.rows} rows already; nothing to compute"
+            )
+        return Written(store.path, store.rows, store.batches, 0)
+    again = 1 if store.batches else 0  # the last committed batch, computed again to check
+    first_row = store.rows - store.last_batch_rows * again
+    meter = _stream.meter(
+        name, batches, progress, done_batches=store.batches - again, done_rows=first_row
+    )
+    if meter and store.batches:
+        meter.say(
+            f"{name}: resuming after {store.rows} rows ({store.batches} batches) on disk in "
+            f"{store.path!r}"
+        )
+    stream = runner.stream(
+        arguments, batches.skip(store.batches - again), args, kwargs, meter, first_row
+    )
     computed = 0
     try:
         with _stream.ctrl_c() as interrupted:
             for result, rows in stream:
+                if again:
+                    store.verify(result, first_row)
+                    again = 0
+                    continue
                 computed += rows
                 store.append(result, rows)
                 if interrupted():  # pressed where Python could not raise it (`_stream.ctrl_c`)
                     raise KeyboardInterrupt
                 store.commit(due=True)
+        if again:
+            raise ArgumentError(
+                f"{call}: the write there holds {store.batches} batches, but the dataset "
+                f"ended before its batch {store.batches}; pass overwrite=True to write it anew"
+            )
         if store.leaves is None:  # no batch at all: outputs of zero rows say what they are
             empty = runner.no_rows(arguments, batches.element_spec, args, kwargs)
             store.append(empty, 0, empty=True)
@@ -174,9 +228,46 @@ def write(
         if failed is error:
             raise
         raise failed from error
-    finally:
-        store.close()
-    return Written(path, store.rows, store.batches, computed)
+    return Written(store.path, store.rows, store.batches, computed)
+
+
+def _checked_path(path: Any, dataset: Any, call: str) -> str:
+    """`path` as a str, refused early when it is not a directory's name."""
+    if isinstance(path, tf.data.Dataset) and isinstance(dataset, str | os.PathLike):
+        raise ArgumentError(
+            f"{call}(dataset, path) takes the dataset first, then the path; they came the "
+            "other way round"
+        )
+    if not isinstance(dataset, tf.data.Dataset):
+        raise ArgumentError(
+            f"{call}(dataset, path) takes a tf.data.Dataset first, got "
+            f"{type(dataset).__name__}; for arrays, tf.data.Dataset.from_tensor_slices(x) "
+            "with batch_size=N"
+        )
+    return _directory(path, f"{call}(dataset, path)")
+
+
+def _directory(path: Any, call: str) -> str:
+    """`path` (a str or os.PathLike naming a directory) as a str; ArgumentError otherwise."""
+    if not isinstance(path, str | os.PathLike):
+        raise ArgumentError(
+            f"{call}: path={path!r} is a {type(path).__name__}; give the directory as a str "
+            "or pathlib.Path"
+        )
+    path = os.fspath(path)
+    if not isinstance(path, str):
+        raise ArgumentError(f"{call}: path={path!r} is bytes; give the directory as a str")
+    if not path:
+        raise ArgumentError(f"{call}: path is empty; name the directory (\".\" for this one)")
+    return path
+
+
+def _check_flag(value: Any, name: str, call: str, *, none: bool = False) -> None:
+    """Refuses a flag that is not a bool (``overwrite="no"`` would read as true)."""
+    if isinstance(value, bool | np.bool_) or (none and value is None):
+        return
+    allowed = "True, False or None" if none else "True or False"
+    raise ArgumentError(f"{call}: {name}={value!r} must be {allowed}, not a {type(value).__name__}")
 
 
 def _stopped(
@@ -185,8 +276,10 @@ def _stopped(
     """The error to raise for a write stopped by `error`, once what was written is committed.
 
     An OSError (a full disk, a file size limit, a file that cannot be written)
-    becomes a `WriteError` saying what failed and how to go on; any other error
-    is raised as it is, with a note saying how much is on disk.
+    becomes a `WriteError` saying what failed and how to go on; an error of the
+    function (a `ShardError`) is raised again with the dataset's rows it was
+    computing and how to resume; any other error is raised as it is, with a
+    note saying how much is on disk.
     """
     with contextlib.suppress(OSError):  # the disk may refuse this too: the last commit stands
         store.commit(due=False)
@@ -200,6 +293,10 @@ def _stopped(
         meter.say(f"{on_disk}; {resume}")
     if isinstance(error, OSError):
         return _write_error(error, call, f"{on_disk}: {resume}")
+    if isinstance(error, ShardError) and isinstance(error, tf.errors.OpError):
+        rows, batches = store.written
+        where = f"in batch {batches} of the dataset, whose rows start at row {rows}"
+        return shard_error(error, f"{error.message}\n{call} stopped {where}; {on_disk}: {resume}")
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(f"tfshard: {on_disk}; {resume}")
     return error
@@ -263,7 +360,10 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
       `tf.RaggedTensor` built from its memory-mapped parts.
 
     Raises:
-      ArgumentError: `path` holds no write, or one that has not finished.
+      ArgumentError: `path` or `partial` is not what it should be, `path` holds
+        no write, or one that has not finished.
+      WriteError: the manifest or a file is not what the write left there
+        (damaged, truncated, edited by hand).
 
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "twice")
@@ -273,21 +373,26 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
     >>> tfshard.load(path)["twice"].tolist()
     [0, 2, 4, 6, 8]
     """
-    path = os.fspath(path)
+    path = _directory(path, "tfshard.load(path)")
+    call = f"tfshard.load({path!r})"
+    _check_flag(partial, "partial", call)
     try:
         manifest = _read_manifest(path)
     except ValueError as error:
-        raise ArgumentError(
-            f"tfshard.load({path!r}): its {MANIFEST} is not a tfshard manifest ({error})"
+        raise WriteError(
+            f"{call}: its {MANIFEST} is not a manifest this tfshard wrote ({error}); write "
+            "it again (f.write(dataset, path, overwrite=True))"
         ) from None
+    except OSError as error:
+        raise _write_error(error, call, "nothing was read") from None
     if manifest is None:
         raise ArgumentError(
-            f"tfshard.load({path!r}): no {MANIFEST} there, so it holds no write; make one "
-            "with f.write(dataset, path)"
+            f"{call}: no {MANIFEST} there, so it holds no write; make one with "
+            "f.write(dataset, path)"
         )
     if not manifest["complete"] and not partial:
         raise ArgumentError(
-            f"tfshard.load({path!r}): the write there has not finished ({manifest['rows']} "
+            f"{call}: the write there has not finished ({manifest['rows']} "
             f"rows in {manifest['batches']} batches so far); call "
             f"{manifest['function']}.write(dataset, path) again to finish it, or pass "
             "partial=True for the rows so far"
@@ -297,6 +402,7 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
             f"tfshard.load({path!r}, partial=True): no batch was written yet, so there is "
             "nothing to load"
         )
+    _check_files(path, manifest, f"{call}: ", "write it again (overwrite=True)")
     values = []
     for leaf in manifest["leaves"]:
         parts = [_read_part(path, part) for part in leaf["parts"]]
@@ -307,14 +413,29 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
 # ----------------------------------------------------------------- the store
 
 
+class _Count(NamedTuple):
+    """How much of a write is written (or committed): one value, replaced whole, so that
+    no interrupt can leave a batch's rows counted in one place and not in another.
+
+    Attributes:
+      rows: the dataset's rows.
+      batches: its batches.
+      last_batch_rows: the rows of the last batch (0 before the first).
+      parts: each part's rows (entries along its first dimension), in leaf order.
+    """
+
+    rows: int
+    batches: int
+    last_batch_rows: int
+    parts: tuple[int, ...]
+
+
 class _Store:
     """One write's directory: its manifest, its files, what is written and committed.
 
     Attributes:
       path: the directory.
       complete: whether the write there had finished when opened.
-      rows: rows committed (on disk and counted by the manifest).
-      batches: batches committed.
       leaves: the output leaves' records (path, kind, parts), once known.
     """
 
@@ -323,14 +444,36 @@ class _Store:
         self._manifest = manifest
         self._call = call
         self.complete = bool(manifest["complete"])
-        self.rows = manifest["rows"]
-        self.batches = manifest["batches"]
         self.leaves: list[dict[str, Any]] | None = manifest["leaves"]
+        parts = tuple(part["rows"] for leaf in self.leaves or () for part in leaf["parts"])
+        self._committed = _Count(
+            manifest["rows"], manifest["batches"], manifest["last_batch_rows"], parts
+        )
+        self._written = self._committed  # written, not yet committed
         self._files: list[list[_Column]] | None = None  # open files, per leaf and part
         self._structure: Hashable = None
-        self._written = (self.rows, self.batches)  # written, not yet committed
         self._last_commit = 0.0
         self._lock = -1  # the directory, open and locked (`_lock`)
+
+    @property
+    def rows(self) -> int:
+        """Rows committed (on disk and counted by the manifest)."""
+        return self._committed.rows
+
+    @property
+    def batches(self) -> int:
+        """Batches committed."""
+        return self._committed.batches
+
+    @property
+    def last_batch_rows(self) -> int:
+        """The rows of the last batch committed."""
+        return self._committed.last_batch_rows
+
+    @property
+    def written(self) -> tuple[int, int]:
+        """Rows and batches written, committed or not: where the next batch goes."""
+        return self._written.rows, self._written.batches
 
     @classmethod
     def open(
@@ -360,15 +503,22 @@ class _Store:
     def _opened(
         cls, path: str, function: str, source: dict[str, Any], overwrite: bool, call: str
     ) -> _Store:
+        fix = "pass overwrite=True to write there anew"
         try:
             manifest = None if overwrite else _read_manifest(path)
         except ValueError as error:
-            raise ArgumentError(
-                f"{call}: {os.path.join(path, MANIFEST)} is not a tfshard manifest ({error}); "
-                "pass overwrite=True to write there anew"
+            raise WriteError(
+                f"{call}: {os.path.join(path, MANIFEST)} is not a manifest this tfshard "
+                f"wrote ({error}); {fix}"
             ) from None
         if manifest is not None:
             _check_same(manifest, function, source, call)
+            _check_files(path, manifest, f"{call}: ", fix)
+            if manifest["last_batch_rows"] is None and not manifest["complete"]:
+                raise WriteError(
+                    f"{call}: the unfinished write there was made by an earlier tfshard, which "
+                    f"did not record enough to check a resume; {fix}"
+                )
             return cls(path, manifest, call)
         old = _read_manifest_quietly(path) if overwrite else None
         own = {MANIFEST, _temporary(MANIFEST)}
@@ -387,6 +537,7 @@ class _Store:
             "complete": False,
             "rows": 0,
             "batches": 0,
+            "last_batch_rows": 0,
             "function": function,
             "dataset": source,
             "outputs": None,
@@ -402,41 +553,77 @@ class _Store:
                     os.remove(os.path.join(path, part["file"]))
         return cls(path, manifest, call)
 
+    def verify(self, result: Any, first_row: int) -> None:
+        """Raises unless `result`, a committed batch computed again, equals what is on disk.
+
+        The batch is the first (`first_row` 0) or the last committed; each of
+        its parts must equal the same entries of its file (the head of each
+        file, or the tail of what is committed): integers and bools exactly,
+        floats to a few units of their precision (another split of the batch
+        may round another way). So another function, changed weights, a dataset
+        that changed before this batch ends, or a random function are refused
+        before anything is appended (`overwrite=True` writes anew).
+        """
+        values, structure = _trees.flatten(result, "output")
+        parts = [_parts(value) for value in values]
+        records = _records(values, structure, parts)
+        _check_outputs(self.leaves, self._manifest["outputs"], records, structure, self._call)
+        self._structure = structure
+        committed = iter(self._committed.parts)
+        for leaf, arrays in zip(self.leaves, parts):
+            for part, array in zip(leaf["parts"], arrays):
+                end = next(committed)
+                start = 0 if first_row == 0 else end - len(array)
+                stored = _read_part(self.path, part)[max(start, 0) : start + len(array)]
+                difference = _difference(array, stored) if start >= 0 else "more rows"
+                if difference:
+                    batch = "first batch" if first_row == 0 else f"batch {self.batches - 1}"
+                    raise ArgumentError(
+                        f"{self._call}: the {batch} computed again differs from what is on disk "
+                        f"({leaf['path']}, {part['file']}: {difference}), so the function (its "
+                        "code or weights) or the dataset up to that batch changed since it was "
+                        "written, or the function is random (unseeded random ops give other "
+                        "numbers every run: key them by tfshard.row_index() with stateless "
+                        "ops); resuming would mix two runs' results. Pass overwrite=True to "
+                        "write it anew, or write to another path"
+                    )
+
     def append(self, result: Any, rows: int, *, empty: bool = False) -> None:
         """One batch's outputs written at their place in the files (not yet committed).
 
-        A batch is written whole or not at all: if writing fails part way (a
-        full disk, Ctrl-C), what it wrote counts for nothing and is written over.
-        `empty`: the outputs of zero rows that say what a dataset without
-        elements would give; they make the files and count no batch.
+        A batch is written whole or not at all: the count that makes it part of
+        the write changes in one step after all of its data is written, so a
+        failure part way (a full disk, Ctrl-C) leaves the count as it was, and
+        the next batch writes over what it wrote. `empty`: the outputs of zero
+        rows that say what a dataset without elements would give; they make
+        the files and count no batch.
         """
         values, structure = _trees.flatten(result, "output")
         parts = [_parts(value) for value in values]
         if self._files is None:
             self._start(values, structure, parts, rows)
         self._check(structure, parts)
-        columns = self._columns()
-        before = [column.rows for column in columns]
-        try:
-            for column, array in zip(columns, (a for arrays in parts for a in arrays)):
-                column.append(array)
-        except BaseException:
-            for column, rows_before in zip(columns, before):
-                column.rows = rows_before
-            raise
-        written_rows, written_batches = self._written
-        self._written = (written_rows + rows, written_batches + (0 if empty else 1))
+        written = self._written
+        arrays = [array for leaf_arrays in parts for array in leaf_arrays]
+        for column, array, at in zip(self._columns(), arrays, written.parts):
+            column.append(array, at)
+        self._written = _Count(
+            written.rows + rows,
+            written.batches + (0 if empty else 1),
+            written.last_batch_rows if empty else rows,
+            tuple(at + len(array) for at, array in zip(written.parts, arrays)),
+        )
 
     def commit(self, *, due: bool) -> None:
         """Makes the batches written durable and counted; with `due`, only when one is due.
 
         A commit is due after the first batch, then every `COMMIT_SECONDS`.
         """
-        if self._files is None or self._written == (self.rows, self.batches):
+        if self._files is None or self._written == self._committed:
             return
         if due and self.batches and time.monotonic() - self._last_commit < COMMIT_SECONDS:
             return
-        self._commit(complete=False)
+        self._commit(self._written, complete=False)
 
     def finish(self) -> None:
         """Trims the files to their rows, commits the last batches, marks the write done."""
@@ -444,9 +631,10 @@ class _Store:
             self._files = [
                 [_Column.reopen(self.path, p) for p in leaf["parts"]] for leaf in self.leaves
             ]
-        for column in self._columns():
-            column.trim()
-        self._commit(complete=True)
+        written = self._written
+        for column, rows in zip(self._columns(), written.parts):
+            column.trim(rows)
+        self._commit(written, complete=True)
         self.complete = True
 
     def close(self) -> None:
@@ -459,14 +647,26 @@ class _Store:
     def _columns(self) -> list[_Column]:
         return [column for columns in self._files or () for column in columns]
 
-    def _commit(self, *, complete: bool) -> None:
+    def _commit(self, count: _Count, *, complete: bool) -> None:
+        """Makes `count` durable: the data first, then each header's rows, then the manifest.
+
+        A header never counts rows that are not durable; if the manifest cannot
+        be replaced (a full disk), the headers go back to the committed rows.
+        """
         columns = self._columns()
         for column in columns:  # the data durable first ...
             column.sync()
-        for column in columns:  # ... then each header's row count, which shows it to np.load
-            column.mark()
-            column.sync()
-        self._save(*self._written, complete=complete)  # ... then the manifest's count
+        try:
+            for column, rows in zip(columns, count.parts):  # ... then each header's rows
+                column.mark(rows)
+                column.sync()
+            self._save(count, complete=complete)  # ... then the manifest's count
+        except OSError:
+            with contextlib.suppress(OSError):
+                for column, rows in zip(columns, self._committed.parts):
+                    column.mark(rows)
+            raise
+        self._committed = count
         self._last_commit = time.monotonic()
 
     def _start(
@@ -486,6 +686,9 @@ class _Store:
             ]
             self.leaves = records
             self._manifest["outputs"] = _encode(structure)
+            zeros = tuple(0 for _ in self._columns())
+            self._committed = self._committed._replace(parts=zeros)
+            self._written = self._written._replace(parts=zeros)
         expected = self._manifest["dataset"]["batches"]
         if expected is not None and rows:  # known length: room for it now, or a clear error
             for columns, leaf in zip(self._files, self.leaves):
@@ -511,15 +714,17 @@ class _Store:
                         f"a ragged tensor: parallelize(..., ragged=True) per sample)"
                     )
 
-    def _save(self, rows: int, batches: int, *, complete: bool) -> None:
-        manifest = self._manifest
-        manifest["rows"], manifest["batches"], manifest["complete"] = rows, batches, complete
-        manifest["leaves"] = self.leaves
-        for leaf, columns in zip(self.leaves or (), self._files or ()):
-            for part, column in zip(leaf["parts"], columns):
-                part["rows"] = column.rows
+    def _save(self, count: _Count, *, complete: bool) -> None:
+        manifest = dict(self._manifest)
+        manifest["rows"], manifest["batches"] = count.rows, count.batches
+        manifest["last_batch_rows"], manifest["complete"] = count.last_batch_rows, complete
+        rows = iter(count.parts)
+        manifest["leaves"] = [
+            {**leaf, "parts": [{**part, "rows": next(rows)} for part in leaf["parts"]]}
+            for leaf in self.leaves or ()
+        ]
         _replace(os.path.join(self.path, MANIFEST), _encoded(manifest))
-        self.rows, self.batches = rows, batches
+        self._manifest, self.leaves = manifest, manifest["leaves"]
 
 
 # ------------------------------------------------------------------ one file
@@ -529,48 +734,32 @@ class _Column:
     """One ``.npy`` file whose first dimension grows: a header with room for any row
     count (NumPy's growth padding), then the rows, written where they belong.
 
-    Attributes:
-      rows: rows written (durable once a commit has synced them).
+    The store keeps the counts (`_Count`); a column writes where it is told.
     """
 
-    def __init__(self, path: str, part: dict[str, Any], fd: int, rows: int) -> None:
+    def __init__(self, path: str, part: dict[str, Any], fd: int) -> None:
         self._path = path
         self._fd = fd
         self._dtype = _dtype(part["dtype"])
         self._shape = tuple(part["shape"])
         self._row_bytes = self._dtype.itemsize * math.prod(self._shape)
         self._offset = len(_header(self._dtype, 0, self._shape))
-        self.rows = rows
 
     @classmethod
     def create(cls, directory: str, part: dict[str, Any]) -> _Column:
         path = os.path.join(directory, part["file"])
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
-        column = cls(path, part, fd, 0)
-        column.mark()
+        column = cls(path, part, fd)
+        column.mark(0)
         return column
 
     @classmethod
     def reopen(cls, directory: str, part: dict[str, Any]) -> _Column:
-        """The file of a resumed write; rows past the committed ones are written over."""
+        """The file of a resumed write (checked by `_check_files`); rows past the
+        committed ones are written over."""
         path = os.path.join(directory, part["file"])
-        fd = os.open(path, os.O_RDWR)
-        column = cls(path, part, fd, part["rows"])
-        header = os.pread(fd, 10, 0)
-        size = os.fstat(fd).st_size
-        if len(header) < 10 or 10 + int.from_bytes(header[8:10], "little") != column._offset:
-            problem = "a header this NumPy would not write"
-        elif size < column._offset + column.rows * column._row_bytes:
-            problem = f"fewer rows than its manifest says were written ({part['rows']})"
-        else:
-            problem = ""
-        if problem:
-            os.close(fd)
-            raise TfshardError(
-                f"{path} holds {problem}: it was changed outside this write; pass "
-                "overwrite=True to write it anew"
-            )
-        column.mark()  # a header may count rows a crash left uncommitted
+        column = cls(path, part, os.open(path, os.O_RDWR))
+        column.mark(part["rows"])  # a header may count rows a crash left uncommitted
         return column
 
     def reserve(self, rows: int) -> None:
@@ -584,9 +773,10 @@ class _Column:
                 return  # a file system that cannot reserve: its writes will say
             raise OSError(error.errno, error.strerror, self._path) from None
 
-    def append(self, array: np.ndarray) -> None:
+    def append(self, array: np.ndarray, at: int) -> None:
+        """Writes `array`'s rows from row `at` on (not yet durable, nor counted)."""
         data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        start = self._offset + self.rows * self._row_bytes
+        start = self._offset + at * self._row_bytes
         try:
             _write_at(self._fd, data, start)
         except OSError as error:
@@ -597,7 +787,6 @@ class _Column:
             # batches every 40 ms, a sync a second blocked 0.16 s of a 2.2 s run without
             # this, none with it.
             os.posix_fadvise(self._fd, start, len(data), os.POSIX_FADV_DONTNEED)
-        self.rows += len(array)
 
     def sync(self) -> None:
         try:
@@ -605,13 +794,16 @@ class _Column:
         except OSError as error:
             raise OSError(error.errno, error.strerror, self._path) from None
 
-    def mark(self) -> None:
-        """Writes the header with the rows written so far (in place: same length)."""
-        _write_at(self._fd, memoryview(_header(self._dtype, self.rows, self._shape)), 0)
+    def mark(self, rows: int) -> None:
+        """Writes the header with `rows` rows (in place: same length)."""
+        try:
+            _write_at(self._fd, memoryview(_header(self._dtype, rows, self._shape)), 0)
+        except OSError as error:
+            raise OSError(error.errno, error.strerror, self._path) from None
 
-    def trim(self) -> None:
-        """Cuts what a reservation or an interrupted run left past the rows."""
-        os.ftruncate(self._fd, self._offset + self.rows * self._row_bytes)
+    def trim(self, rows: int) -> None:
+        """Cuts what a reservation or an interrupted run left past `rows` rows."""
+        os.ftruncate(self._fd, self._offset + rows * self._row_bytes)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -644,6 +836,16 @@ def _read_part(directory: str, part: dict[str, Any]) -> np.ndarray:
     # np.load reads the header as written; it counts at least the committed rows.
     array = np.load(os.path.join(directory, part["file"]), mmap_mode="r")[:rows]
     return array if array.dtype == dtype else array.view(dtype)  # bfloat16 is stored as V2
+
+
+def _finfo(dtype: np.dtype) -> Any:
+    """`np.finfo` of a float dtype, bfloat16's from ml_dtypes."""
+    try:
+        return np.finfo(dtype)
+    except ValueError:
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
 
 
 def _dtype(name: str) -> np.dtype:
@@ -698,17 +900,172 @@ def _encoded(manifest: dict[str, Any]) -> bytes:
 
 
 def _read_manifest(path: str) -> dict[str, Any] | None:
-    """The manifest at `path`, None if there is none; ValueError if it is not tfshard's."""
+    """The manifest at `path`, None if there is none; ValueError if it is not one tfshard
+    wrote (not JSON, another format or version, a key missing or of the wrong type)."""
     try:
         with open(os.path.join(path, MANIFEST), "rb") as file:
-            manifest = json.loads(file.read())
+            text = file.read()
     except (FileNotFoundError, NotADirectoryError):
         return None
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        raise ValueError("it is not JSON") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError("its format is not tfshard.write")
-    if manifest.get("version") != VERSION:
-        raise ValueError(f"version {manifest.get('version')}; this tfshard reads {VERSION}")
+    if manifest.get("version") not in READS:
+        raise ValueError(f"version {manifest.get('version')!r}; this tfshard reads {READS}")
+    if manifest["version"] == 1:  # before a write recorded its last batch's rows
+        manifest = {**manifest, "last_batch_rows": None}
+    _check_schema(manifest)
     return manifest
+
+
+def _check_schema(manifest: dict[str, Any]) -> None:
+    """Raises ValueError naming the first key of `manifest` that is missing or wrong."""
+
+    def need(record: dict[str, Any], key: str, where: str, kinds: Any, check: Any = None) -> Any:
+        if not isinstance(record, dict) or key not in record:
+            raise ValueError(f"{where}{key} is missing")
+        value = record[key]
+        allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+        wrong = isinstance(value, bool) and bool not in allowed
+        if wrong or not isinstance(value, kinds) or (check is not None and not check(value)):
+            raise ValueError(f"{where}{key} is {value!r}")
+        return value
+
+    count = lambda n: n >= 0  # noqa: E731
+    need(manifest, "complete", "", bool)
+    rows = need(manifest, "rows", "", int, count)
+    batches = need(manifest, "batches", "", int, count)
+    if manifest["last_batch_rows"] is not None:
+        need(manifest, "last_batch_rows", "", int, lambda n: 0 <= n <= rows)
+    need(manifest, "function", "", str)
+    dataset = need(manifest, "dataset", "", dict)
+    need(dataset, "element", "dataset.", list)
+    known = need(dataset, "batches", "dataset.", (int, type(None)))
+    need(dataset, "first_batch", "dataset.", (str, type(None)))
+    if known is not None and batches > known:
+        raise ValueError(f"batches is {batches}, more than the dataset's {known}")
+    leaves = need(manifest, "leaves", "", (list, type(None)))
+    need(manifest, "outputs", "", (dict, type(None)))
+    if (leaves is None) != (manifest["outputs"] is None) or (leaves is None and rows):
+        raise ValueError("its outputs and leaves disagree")
+    if leaves is None and manifest["complete"]:
+        raise ValueError("a finished write without leaves")
+    files = set()
+    for i, leaf in enumerate(leaves or ()):
+        where = f"leaves[{i}]."
+        need(leaf, "path", where, str)
+        kind = need(leaf, "kind", where, str, lambda k: k in _KINDS)
+        least = 2 if kind == "ragged" else 1
+        parts = need(leaf, "parts", where, list, lambda p, least=least: len(p) >= least)
+        for j, part in enumerate(parts):
+            at = f"{where}parts[{j}]."
+            name = need(part, "file", at, str, _plain_file_name)
+            if name.lower() in files:
+                raise ValueError(f"{at}file {name!r} is another part's too")
+            files.add(name.lower())
+            need(part, "dtype", at, str, _known_dtype)
+            need(part, "shape", at, list, lambda s: all(type(d) is int and d >= 0 for d in s))
+            need(part, "rows", at, int, count)
+        own = parts[_KINDS[kind].ROWS_PART]["rows"]
+        if own != rows:
+            raise ValueError(f"{where[:-1]} has {own} rows, not the write's {rows}")
+
+
+def _plain_file_name(name: str) -> bool:
+    return name.endswith(".npy") and os.path.basename(name) == name and name not in (".", "..")
+
+
+def _known_dtype(name: str) -> bool:
+    try:
+        _dtype(name)
+    except (TypeError, AttributeError):
+        return False
+    return True
+
+
+def _check_files(path: str, manifest: dict[str, Any], call: str, fix: str) -> None:
+    """Raises WriteError unless every file holds what the manifest says it does.
+
+    Each part's file must exist with a NumPy header of the manifest's dtype and
+    per-row shape, counting at least the committed rows (exactly, once the
+    write is finished), and be long enough for them; a ragged leaf's row
+    lengths must add up to the entries of its next part.
+    """
+    complete = manifest["complete"]
+    for leaf in manifest["leaves"] or ():
+        for part in leaf["parts"]:
+            file = os.path.join(path, part["file"])
+            problem = _file_problem(file, part, complete)
+            if problem:
+                raise WriteError(f"{call}{file} {problem}: it was changed outside the write; {fix}")
+        if leaf["kind"] == "ragged":
+            parts = leaf["parts"]  # values, then the row lengths of each ragged dimension
+            for outer, inner in zip(parts[1:], [*parts[2:], parts[0]]):
+                lengths = _read_part(path, outer)
+                if int(np.sum(lengths, dtype=np.int64)) != inner["rows"] or (lengths < 0).any():
+                    file = os.path.join(path, outer["file"])
+                    raise WriteError(
+                        f"{call}{file} holds row lengths that do not add up to the "
+                        f"{inner['rows']} entries of {inner['file']}: it was changed outside "
+                        f"the write; {fix}"
+                    )
+
+
+def _file_problem(file: str, part: dict[str, Any], complete: bool) -> str:
+    """What is wrong with one part's file, or "" when it holds what `part` says."""
+    dtype, shape, rows = _dtype(part["dtype"]), tuple(part["shape"]), part["rows"]
+    try:
+        with open(file, "rb") as opened:
+            major, minor = np.lib.format.read_magic(opened)
+            if (major, minor) != (1, 0):
+                return f"has a .npy header of version {major}.{minor}, not the 1.0 a write makes"
+            header, fortran, stored = np.lib.format.read_array_header_1_0(opened)
+            offset = opened.tell()
+            size = os.fstat(opened.fileno()).st_size
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError, SyntaxError, EOFError) as error:
+        return f"has no readable .npy header ({error})"
+    if offset != len(_header(dtype, 0, shape)):
+        return "has a header this write would not make"
+    if fortran or stored != np.dtype(np.lib.format.dtype_to_descr(dtype)):
+        return f"holds {stored} values, not the manifest's {part['dtype']}"
+    if tuple(header[1:]) != shape:
+        return f"holds rows of shape {list(header[1:])}, not the manifest's {list(shape)}"
+    if header[0] < rows or (complete and header[0] != rows):
+        return f"counts {header[0]} rows in its header, not the manifest's {rows}"
+    row_bytes = dtype.itemsize * math.prod(shape)
+    if size < offset + rows * row_bytes or (complete and size != offset + rows * row_bytes):
+        return f"is {size} bytes long, not the {offset + rows * row_bytes} of its {rows} rows"
+    return ""
+
+
+def _difference(got: np.ndarray, stored: np.ndarray) -> str:
+    """How a part computed again differs from the same entries on disk; "" when equal.
+
+    Integers and bools must be equal; floats within a few units of their
+    precision of the part's largest magnitude (another split may round another
+    way), NaN where NaN.
+    """
+    if got.shape != stored.shape:
+        return f"{len(got)} entries computed, {len(stored)} there"
+    if got.dtype.kind not in "fcV":
+        if np.array_equal(got, stored):
+            return ""
+        return f"{int(np.sum(got != stored))} of {got.size} values differ"
+    wide = np.asarray(got).astype(np.complex128 if got.dtype.kind == "c" else np.float64)
+    there = np.asarray(stored).astype(wide.dtype)
+    tolerance = 16 * float(_finfo(got.dtype).eps)
+    finite = np.isfinite(there)
+    scale = float(np.max(np.abs(there[finite]), initial=0.0))
+    close = np.isclose(wide, there, rtol=tolerance, atol=tolerance * scale, equal_nan=True)
+    if close.all():
+        return ""
+    worst = float(np.max(np.abs(wide - there)[~close]))
+    return f"{int(np.sum(~close))} of {got.size} values differ, by up to {worst:.3g}"
 
 
 def _read_manifest_quietly(path: str) -> dict[str, Any] | None:
@@ -734,7 +1091,8 @@ def _check_same(manifest: dict[str, Any], function: str, source: dict[str, Any],
     if old["batches"] != source["batches"]:
         was, now = (_count(d["batches"]) for d in (old, source))
         raise ArgumentError(
-            f"{call}: the write there is of a dataset of {was} batches, this one has {now}; {fix}"
+            f"{call}: the write there is of a dataset of {was} batches, this one is of {now} "
+            f"batches; {fix}"
         )
     if old["first_batch"] != source["first_batch"]:
         raise ArgumentError(
