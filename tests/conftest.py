@@ -1,4 +1,15 @@
-"""Fixtures shared by the test modules (the device split is in ../conftest.py)."""
+"""Fixtures shared by the test modules (the device split is in ../conftest.py).
+
+The rules every test meets (tests/README.md has them in full):
+
+- Floats computed two ways are compared with `numerics.assert_close` (tests/numerics.py):
+  the tolerance knows the dtype and the device kind (TF32 on GPUs); no test picks its own.
+- A Python child's environment is `children.environ()` (tests/children.py): it finds the
+  packages this process found and this checkout's tfshard.
+- Every test passes alone, in any order and under load: it seeds its own random values, names
+  the devices it means, skips with `_gpu_or_skip` where it needs a kind of machine, and waits
+  for events, never for a time.
+"""
 
 import os
 import time
@@ -22,45 +33,6 @@ def _gpu_or_skip(count: int = 1) -> None:
     if os.environ.get("TFSHARD_REQUIRE_GPU") == "1":
         pytest.fail(f"TFSHARD_REQUIRE_GPU=1 but the test {reason}")
     pytest.skip(reason)
-
-
-# What "equals one device" means for float32 (README, "Numerics on GPUs"): against the same
-# function on one device of the same kind, to 1e-5 relative; on a GPU that runs float32
-# matmuls and convolutions in TF32 (Ampere, Hopper; TensorFlow's default), to about 1e-3 of
-# the magnitudes summed, which no fixed relative tolerance of the result element bounds: a
-# sum that cancels to near 0 keeps the absolute error of its terms. The H100 run of
-# 2026-11-24 differed by up to 8.4e-4 absolute on results of order 1 (tests/test_replicas.py).
-TF32_RTOL = 2e-3
-TF32_ATOL = 2e-3
-
-
-def _tf32_applies(devices: Any) -> bool:
-    """True when one of `devices` is a GPU and TensorFlow runs float32 there in TF32."""
-    names = [devices] if isinstance(devices, str) else list(devices)
-    on_gpu = any(tf.DeviceSpec.from_string(str(d)).device_type == "GPU" for d in names)
-    return on_gpu and bool(tf.config.experimental.tensor_float_32_execution_enabled())
-
-
-def _float32_tolerance(devices: Any, rtol: float = 1e-5, atol: float = 0.0) -> dict[str, float]:
-    """`rtol`/`atol` for `np.testing.assert_allclose` of float32 results computed on `devices`.
-
-    The given tolerances stand where the devices compute exact float32 (CPUs; GPUs with
-    ``tf.config.experimental.enable_tensor_float_32_execution(False)``); they widen to
-    TF32's only where a GPU with TF32 enabled runs the op. Compare against the same function
-    on one device of the same kind (or NumPy, which is exact float32 and more).
-    """
-    if _tf32_applies(devices):
-        return {"rtol": max(rtol, TF32_RTOL), "atol": max(atol, TF32_ATOL)}
-    return {"rtol": rtol, "atol": atol}
-
-
-@pytest.fixture
-def float32_tolerance() -> Callable[..., dict[str, float]]:
-    """`float32_tolerance(devices, rtol=1e-5, atol=0.0)`: assert_allclose's keywords.
-
-    Usage: ``np.testing.assert_allclose(got, want, **float32_tolerance(f.devices))``.
-    """
-    return _float32_tolerance
 
 
 @pytest.fixture(autouse=True)
