@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import children
 import pytest
 import tensorflow as tf
 
+import tfshard
 from tfshard import processes
 from tfshard.errors import ArgumentError, DeviceError, TfshardError
 
@@ -136,11 +138,24 @@ def test_workers_past_the_timeout_are_stopped(worker_pids):
     _assert_all_gone(worker_pids)
 
 
-def test_processes_a_worker_started_end_with_it_on_timeout(worker_pids, tmp_path, process_gone):
-    # The worker needs a few seconds to import TensorFlow before it starts its child.
-    with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=12 s"):
+def test_processes_a_worker_started_end_with_it_on_timeout(
+    worker_pids, tmp_path, process_gone, monkeypatch
+):
+    # The worker imports TensorFlow before it starts its child: seconds, or a minute on a
+    # busy GPU machine. The timeout starts once the child runs, so it passes with the worker
+    # hanging after starting it, however long the imports took.
+    collect = processes._collect
+
+    def collect_once_the_child_runs(workers, readers, placements, deadline, timeout):
+        while not any(tmp_path.glob("grandchild-*")):
+            assert all(w.is_alive() for w in workers), "the worker died before its child ran"
+            time.sleep(0.05)
+        return collect(workers, readers, placements, time.monotonic() + timeout, timeout)
+
+    monkeypatch.setattr(processes, "_collect", collect_once_the_child_runs)
+    with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=1 s"):
         processes.run_per_device(
-            _start_grandchild, ["hang"], shared={"pid_dir": tmp_path}, devices=["cpu"], timeout=12
+            _start_grandchild, ["hang"], shared={"pid_dir": tmp_path}, devices=["cpu"], timeout=1
         )
     [pid_file] = tmp_path.glob("grandchild-*")
     assert process_gone(int(pid_file.read_text()))
@@ -235,8 +250,7 @@ def _run_in_a_terminal(tmp_path, workers):
     script.write_text(INTERRUPTED_RUN)
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    root = str(Path(__file__).resolve().parents[1])  # this checkout's tfshard, in every process
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = children.environ()  # this checkout's tfshard, in every process
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         parent = subprocess.Popen(
             [sys.executable, str(script), str(pid_dir), workers],
@@ -255,8 +269,8 @@ def _run_in_a_terminal(tmp_path, workers):
             time.sleep(0.05)
         workers = {int(f.read_text().split()[0]) for f in pid_dir.glob("worker-*")}
         pids = _group_members({parent.pid} | workers)
-        children = {int(f.read_text().split()[1]) for f in pid_dir.glob("worker-*")}
-        assert workers | children <= pids
+        grandchildren = {int(f.read_text().split()[1]) for f in pid_dir.glob("worker-*")}
+        assert workers | grandchildren <= pids
         yield parent, pids
     finally:
         parent.kill()
@@ -435,7 +449,8 @@ def fake_gpus(monkeypatch):
 
     Call it with the number of physical GPUs, optionally visible=[ordinals] (as
     tf.config.set_visible_devices leaves them) and splits={ordinal: [memory limits]} (as
-    tfshard.virtual_devices(n, "GPU", memory_limit_mb=...) configures them).
+    tfshard.virtual_devices(n, "GPU", memory_limit_mb=...) configures them). The fake's
+    logical GPUs replace this process's own, so a test means the same machine on any machine.
     """
 
     def fake(physical, visible=None, splits=None):
@@ -447,13 +462,29 @@ def fake_gpus(monkeypatch):
             devices[i]: [tf.config.LogicalDeviceConfiguration(memory_limit=m) for m in limits]
             for i, limits in (splits or {}).items()
         }
+        count = sum(len(configs.get(d) or [None]) for d in shown)
+        logical = [tf.config.LogicalDevice(f"/device:GPU:{k}", "GPU") for k in range(count)]
 
         def listing(devices):
             return lambda device_type=None: list(devices) if device_type == "GPU" else []
 
+        def logical_devices(device_type=None):
+            # This process's other devices, and the fake's GPUs in place of its own (a GPU
+            # machine's real GPUs would otherwise resolve, and be described, as the fake's).
+            found = [d for d in real_logical(device_type) if d.device_type != "GPU"]
+            return found + (logical if device_type in (None, "GPU") else [])
+
+        def details(device):
+            assert device in devices, device
+            return {"device_name": f"fake GPU {device.name[-1]}"}
+
         monkeypatch.setattr(tf.config, "list_physical_devices", listing(devices))
         monkeypatch.setattr(tf.config, "get_visible_devices", listing(shown))
         monkeypatch.setattr(tf.config, "get_logical_device_configuration", configs.get)
+        monkeypatch.setattr(tf.config, "list_logical_devices", logical_devices)
+        monkeypatch.setattr(tf.config.experimental, "get_device_details", details)
+
+    real_logical = tf.config.list_logical_devices
 
     return fake
 
@@ -547,6 +578,43 @@ def test_the_environment_is_set_for_the_spawn_only(monkeypatch):
     assert seen == env
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert "TF_FORCE_GPU_ALLOW_GROWTH" not in os.environ
+
+
+def test_a_child_finds_what_this_process_found_however_it_found_it(tmp_path, monkeypatch):
+    # A module only this process's sys.path leads to (a script's sys.path.insert, pytest's
+    # root), TensorFlow wherever this process found it (a venv, PYTHONPATH), and a caller's
+    # own PYTHONPATH: a child gets all three, and not the interpreter's own directories.
+    found = tmp_path / "found_at_run_time"
+    found.mkdir()
+    (found / "only_here.py").write_text("")
+    monkeypatch.syspath_prepend(str(found))
+    env = processes._child_environ(environ={**os.environ, "PYTHONPATH": "/elsewhere"})
+    entries = env["PYTHONPATH"].split(os.pathsep)
+    assert entries[0] == str(found) and entries[-1] == "/elsewhere"
+    assert os.path.join(os.path.realpath(sys.base_prefix), "lib") not in entries
+    code = (
+        "import importlib.util as u, only_here; "
+        "print(u.find_spec('tensorflow').origin); print(u.find_spec('tfshard').origin)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [tf.__file__, tfshard.__file__]
+
+
+def test_a_worker_is_spawned_with_the_import_path_of_this_process(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    seen = {}
+
+    class Recorder:
+        def start(self):
+            seen["PYTHONPATH"] = os.environ["PYTHONPATH"]
+
+    processes._start(Recorder(), processes._Placement("cpu", "", {}), 0)
+    assert seen["PYTHONPATH"] == processes._child_environ()["PYTHONPATH"]
+    assert seen["PYTHONPATH"].endswith(os.pathsep + "/elsewhere")
+    assert os.environ["PYTHONPATH"] == "/elsewhere"
 
 
 def test_a_worker_gives_its_gpu_the_logical_memory_limit(monkeypatch, fake_gpus):

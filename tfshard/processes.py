@@ -33,6 +33,10 @@ How it works, and why:
   have no memory limit, each gets ``TF_FORCE_GPU_ALLOW_GROWTH=true``, so each
   TensorFlow takes memory as it needs it instead of nearly all of the GPU at
   start, which would leave the next worker none.
+- Each worker finds the packages this process found, however it found them
+  (`_child_environ`): ``spawn`` gives it this process's ``sys.path``, and its
+  ``PYTHONPATH`` holds the entries of ``sys.path`` its interpreter would not add
+  by itself, so the Python processes a worker starts find them too.
 - Each worker sends back its result, or its exception and traceback, through
   its own pipe. The first failure, an exit without a result, or the timeout
   stops every other worker (SIGTERM, then SIGKILL for what still runs 5 s
@@ -80,6 +84,7 @@ __all__ = ("WorkerError", "run_per_device")
 _log = logging.getLogger("tfshard")
 
 _VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+_PYTHONPATH_ENV = "PYTHONPATH"
 _GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"
 # How long a stopped (SIGTERM) worker may take to exit before it is killed, and
 # how long a worker that reported its result may take to exit by itself.
@@ -346,10 +351,49 @@ def _check_arguments(
     return shared, timeout
 
 
+def _child_environ(
+    first: Sequence[str] = (), environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """`environ` (default: this process's) for a Python child that imports what this one does.
+
+    A child started with ``sys.executable`` finds its interpreter's own packages (a venv's
+    site-packages, a ``pip install -e`` through its ``.pth``) by itself, and PYTHONPATH's
+    entries while it inherits the variable. It does not find what this process added to
+    ``sys.path`` at run time (a script's ``sys.path.insert``, a test runner's root), nor a
+    PYTHONPATH entry that a caller's own PYTHONPATH replaced. So the child's PYTHONPATH is
+    `first`, then every entry of this process's ``sys.path`` outside its interpreter's own
+    prefixes (made absolute: ``''`` is this process's working directory), then the
+    PYTHONPATH `environ` had, each entry once. The interpreter's own directories stay out: a
+    child running another Python must not import this one's standard library.
+
+    Args:
+      first: entries to put first (a test puts its checkout there).
+      environ: the variables to start from; default ``os.environ``.
+
+    Returns:
+      A new dict: `environ` with PYTHONPATH set.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    prefixes = {
+        os.path.realpath(p)
+        for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
+    }
+    entries = [os.path.abspath(p) for p in first]
+    for entry in sys.path:
+        path = os.path.abspath(entry or os.curdir)
+        real = os.path.realpath(path)
+        if not any(real == p or real.startswith(p.rstrip(os.sep) + os.sep) for p in prefixes):
+            entries.append(path)
+    entries += environ.get(_PYTHONPATH_ENV, "").split(os.pathsep)
+    environ[_PYTHONPATH_ENV] = os.pathsep.join(dict.fromkeys(e for e in entries if e))
+    return environ
+
+
 def _start(process: Any, placement: _Placement, index: int) -> None:
+    variables = {_PYTHONPATH_ENV: _child_environ()[_PYTHONPATH_ENV], **placement.environ}
     with _spawn_lock:
-        saved = {name: os.environ.get(name) for name in placement.environ}
-        os.environ.update(placement.environ)
+        saved = {name: os.environ.get(name) for name in variables}
+        os.environ.update(variables)
         try:
             process.start()
         except (pickle.PicklingError, AttributeError, TypeError) as error:

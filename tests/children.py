@@ -1,0 +1,42 @@
+"""The environment of every Python child a test starts (one helper for every test file).
+
+A child must find the packages the test process found, however it found them: TensorFlow
+through PYTHONPATH (the GPU machine's recipe), a venv, a ``pip install -e``, or an entry
+pytest put on ``sys.path``; and it must import this checkout's tfshard, not another one an
+editable install points at. `environ` builds that on the library's own rule for its workers
+(`tfshard.processes._child_environ`); never set ``PYTHONPATH`` by hand (``{**os.environ,
+"PYTHONPATH": repo}`` drops the entries the test process found TensorFlow through).
+
+    subprocess.run([sys.executable, script], env=children.environ(TF_CPP_MIN_LOG_LEVEL="3"))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from tfshard import processes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def environ(
+    base: Mapping[str, str] | None = None, /, *, without: Iterable[str] = (), **variables: str
+) -> dict[str, str]:
+    """`base` (default ``os.environ``) for a Python child started by a test.
+
+    Args:
+        base: the variables to start from.
+        without: names to remove (``"TF_CONFIG"``, ``"TFSHARD_CONTEXTS"``).
+        **variables: names to set, after PYTHONPATH is made.
+
+    Returns:
+        A new dict whose PYTHONPATH has this checkout first, then every ``sys.path`` entry of
+        this process its interpreter would not add by itself, then `base`'s PYTHONPATH.
+    """
+    env = processes._child_environ([str(REPO)], os.environ if base is None else base)
+    for name in without:
+        env.pop(name, None)
+    env.update(variables)
+    return env
