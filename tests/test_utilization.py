@@ -42,11 +42,16 @@ def no_monitor_thread_left():
 
 @pytest.fixture
 def no_nvidia_driver(monkeypatch, tmp_path):
-    """A PATH with no nvidia-smi on it, as on this machine."""
+    """A machine with no nvidia-smi on PATH and no GPU in this process, on any machine.
+
+    A test that then gives the fake explicitly reads the fake's GPUs as a process without
+    GPUs names them: a GPU machine's own (an H100 split in two) would rename them.
+    """
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     monkeypatch.delenv("TFSHARD_NVIDIA_SMI", raising=False)
+    fake.hide_this_process_gpus(monkeypatch)
 
 
 _calls = fake.calls
@@ -56,7 +61,12 @@ def _monitor_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == THREAD_NAME]
 
 
-def _wait_for(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
+def _wait_for(predicate: Callable[[], bool], seconds: float = 120.0) -> None:
+    """Waits until `predicate()`; `seconds` only ends a wait that would never end.
+
+    Each call of the fake starts a Python (0.1 s on a quiet machine, seconds on a busy one):
+    no test may depend on how many calls fit in a given time.
+    """
     end = time.monotonic() + seconds
     while not predicate():
         assert time.monotonic() < end, "timed out"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import children
 import pytest
 from fake_nvidia_smi import fake
 
@@ -35,7 +36,12 @@ def test_the_core_never_loads_its_command_line():
         "print('tfshard.utilization.__main__' in sys.modules, 'absl' in sys.modules)"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=children.environ(),
     )
     assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
     assert "run_cli" not in utilization.__all__ and not hasattr(utilization, "run_cli")
@@ -149,9 +155,8 @@ def cli_runs(tmp_path_factory) -> dict[str, tuple[int, str, str, Path]]:
     started = {}
     for case, (scenario, *args) in _CLI_RUNS.items():
         state = tmp_path_factory.mktemp(case)
-        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "TFSHARD_"))}
-        env.update(PYTHONPATH=pythonpath, FAKE_NVIDIA_SMI_STATE=str(state))
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "TFSHARD_"))}
+        env = children.environ(base, FAKE_NVIDIA_SMI_STATE=str(state))
         if scenario == _NO_DRIVER:
             env["PATH"] = str(state)
         else:
