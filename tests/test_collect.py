@@ -7,6 +7,7 @@ import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tfshard
 from tfshard import collect
 from tfshard.errors import ArgumentError
 
@@ -291,3 +292,112 @@ def test_the_accumulator_dtype_is_one_rule_of_the_record():
     assert collect.running_spec(R["mean"], tf.float16) == collect.Total.Spec(
         value=tf.TensorSpec(None, tf.float32), output_dtype=tf.float16
     )
+
+
+# ---------------------------------------------- a mean is its total divided by the count
+#
+# Seven rows whose column totals are exact in the accumulator dtype, and whose means a
+# multiply by the reciprocal of 7 rounds the wrong way: float32 84 * (1/7) is 12.000001,
+# not 12; the float16 and bfloat16 means are ties (2733 and 345) that round to even once
+# divided (2732, 344) but up from one ulp above; the int32 totals 5 and 9 over 7 come out
+# one float64 ulp off. NumPy is the oracle: a total divided by the count, rounded once.
+CPUS = [f"/device:CPU:{i}" for i in range(4)]
+_SEVEN = {
+    "float32": np.arange(28).reshape(7, 4),
+    "float16": np.stack([[2848] * 5 + [2844, 2047], np.arange(7) * 3], axis=1),
+    "bfloat16": np.stack([[360] * 6 + [255], np.arange(7)], axis=1),
+    "int32": np.stack([[5, 0, 0, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0, 0], np.arange(7)], axis=1),
+}
+
+
+def _seven_rows(dtype):
+    """`_SEVEN[dtype]` in `dtype`, exactly (a NumPy array)."""
+    return tf.constant(_SEVEN[dtype], dtype).numpy()
+
+
+def _numpy_mean(x):
+    """NumPy's mean over the rows of `x`: float16 and bfloat16 through float32, cast once."""
+    if x.dtype.kind == "f" and x.dtype.itemsize >= 4:
+        return np.mean(x, axis=0)
+    if x.dtype.kind in "iu":
+        return np.mean(x, axis=0)  # float64, as tf.math.truediv gives an int32 mean
+    return np.mean(x.astype(np.float32), axis=0).astype(x.dtype)
+
+
+def test_the_oracle_means_are_the_ones_a_reciprocal_gets_wrong():
+    assert np.mean(_seven_rows("float32"), 0).tolist() == [12, 13, 14, 15]
+    assert tf.reduce_mean(_seven_rows("float32"), 0).numpy().tolist() == [12, 13, 14, 15]
+    assert _numpy_mean(_seven_rows("float16"))[0] == np.mean(_seven_rows("float16")[:, 0]) == 2732
+    assert _numpy_mean(_seven_rows("bfloat16"))[0] == 344
+    np.testing.assert_array_equal(_numpy_mean(_seven_rows("int32"))[:2], [5 / 7, 9 / 7])
+    reciprocal = {"float32": (84, 7), "int32": (5, 7)}
+    for dtype, (total, count) in reciprocal.items():
+        wide = np.float32 if dtype == "float32" else np.float64
+        assert wide(total) * (wide(1) / wide(count)) != wide(total) / wide(count)
+
+
+@pytest.mark.parametrize("dtype", list(_SEVEN))
+def test_a_mean_divides_by_a_count_known_when_the_graph_is_traced(dtype):
+    """A count the trace knows (a batch of static shape) still divides: Grappler turns a
+    division by a constant into a multiply by its reciprocal, rounded twice."""
+    x = _seven_rows(dtype)
+
+    def mean(x):
+        partials = [collect.shard_partial(p, tf.shape(p)[0], R["mean"], True) for p in (x,)]
+        return collect.finished(collect.combine(partials, R["mean"]), 7, R["mean"])
+
+    np.testing.assert_array_equal(_in_graph(mean, x).numpy(), _numpy_mean(x))
+
+
+def test_a_chunked_shards_value_divides_by_its_rows_known_when_traced():
+    x = _seven_rows("float32")
+
+    def shard_value(x):
+        partial = collect.shard_partial(x, tf.shape(x)[0], R["mean"], True)
+        return collect.shard_value(partial, tf.constant(7), R["mean"])
+
+    np.testing.assert_array_equal(_in_graph(shard_value, x).numpy(), np.mean(x, 0))
+
+
+@pytest.mark.parametrize("max_rows", [None, 2])
+@pytest.mark.parametrize("dtype", list(_SEVEN))
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_calls_mean_is_numpys_on_any_devices(k, dtype, max_rows):
+    x = _seven_rows(dtype)
+    f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:k], max_rows=max_rows)
+    out = f(x)
+    assert out.dtype == _numpy_mean(x).dtype
+    np.testing.assert_array_equal(out.numpy(), _numpy_mean(x))
+
+
+@pytest.mark.parametrize("max_rows", [None, 3])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_whole_shard_mean_is_numpys_on_any_devices(k, max_rows):
+    # Every run of consecutive rows of an arange has an exact mean, so each shard's (and
+    # chunk's) tf.reduce_mean is exact, and so is the whole batch's, divided once.
+    x = _seven_rows("float32")
+    f = tfshard.parallelize(
+        lambda b: tf.reduce_mean(b, 0),
+        per_sample=False,
+        reduce="mean",
+        devices=CPUS[:k],
+        max_rows=max_rows,
+    )
+    np.testing.assert_array_equal(f(x).numpy(), np.mean(x, 0))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 64),
+    k=st.sampled_from([1, 2, 4]),
+    max_rows=st.sampled_from([None, 2, 5]),
+    per_sample=st.booleans(),
+)
+def test_a_mean_of_exact_values_is_numpys_for_any_row_count(rows, k, max_rows, per_sample):
+    x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) - 10
+    fn = (lambda s: s) if per_sample else (lambda b: tf.reduce_mean(b, 0))
+    f = tfshard.parallelize(
+        fn, per_sample=per_sample, reduce="mean", devices=CPUS[:k], max_rows=max_rows
+    )
+    np.testing.assert_array_equal(f(x).numpy(), np.mean(x, 0))
+    np.testing.assert_array_equal(f(x).numpy(), tf.reduce_mean(x, 0).numpy())

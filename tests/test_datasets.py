@@ -1066,3 +1066,39 @@ def test_rows_that_differ_between_fields_name_the_dataset_fix_in_the_python_loop
     )
     with pytest.raises(ArgumentError, match=r"fields of one dataset element.*batch zipped"):
         f(ds)
+
+
+# A stream's mean is its total divided by its rows, rounded once, as NumPy's: seven rows
+# whose means a multiply by the reciprocal of 7 gets one ulp off (float32 84 / 7 = 12, not
+# 12.000001; float16 and bfloat16 ties, 2733 and 345, round to even once divided).
+_SEVEN_ROWS = {
+    "float32": np.arange(28).reshape(7, 4),
+    "float16": np.stack([[2848] * 5 + [2844, 2047], np.arange(7) * 3], axis=1),
+    "bfloat16": np.stack([[360] * 6 + [255], np.arange(7)], axis=1),
+    "int32": np.stack([[5, 0, 0, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0, 0], np.arange(7)], axis=1),
+}
+
+
+# Batches of 3 rows (of unknown size when traced), and one of a static 7 rows.
+@pytest.mark.parametrize("size, static", [(3, False), (7, True)])
+@pytest.mark.parametrize("dtype", list(_SEVEN_ROWS))
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_streams_mean_of_exact_values_is_numpys(k, dtype, size, static):
+    x = tf.constant(_SEVEN_ROWS[dtype], dtype).numpy()
+    if dtype in rounding.LOW_PRECISION:  # NumPy's float16 rule: float32 totals, cast once
+        want = np.mean(x.astype(np.float32), 0).astype(x.dtype)
+    else:
+        want = np.mean(x, 0)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(size, drop_remainder=static)
+    for max_rows in (None, 2):
+        f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:k], max_rows=max_rows)
+        np.testing.assert_array_equal(f(ds, batched=True).numpy(), want)
+    if dtype == "float32":  # every run of an arange's rows has an exact tf.reduce_mean
+        f = tfshard.parallelize(
+            lambda b: tf.reduce_mean(b, 0),
+            per_sample=False,
+            reduce="mean",
+            devices=CPUS[:k],
+            max_rows=3,
+        )
+        np.testing.assert_array_equal(f(ds, batched=True).numpy(), want)

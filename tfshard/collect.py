@@ -379,9 +379,8 @@ def shard_value(total: Total, size: tf.Tensor, op: Reduction) -> tf.Tensor:
     value = total.value
     if not op.divides:
         return _narrowed(value, total.output_dtype, op)
-    # An integer total divides as a float (truediv), cast back as the run's value would be.
-    mean = tf.math.truediv(value, tf.cast(tf.maximum(size, 1), value.dtype))
-    return tf.cast(mean, total.output_dtype)
+    # An integer total divides as a float (as truediv), cast back as the run's value would be.
+    return tf.cast(_divided(value, tf.maximum(size, 1)), total.output_dtype)
 
 
 def combine(partials: Sequence[Total], op: Reduction) -> Total:
@@ -405,15 +404,31 @@ def finished(reduced: Total, total: tf.Tensor | int, op: Reduction) -> tf.Tensor
     rows is the true mean rounded once to float16. An integer mean is exact, in the float
     dtype `tf.math.truediv` gives (float32 for 8- and 16-bit integers,
     float64 for 32- and 64-bit), not truncated as `tf.reduce_mean` truncates
-    it. With no samples a mean is NaN. An integer sum wraps as `tf.reduce_sum`
-    does in the dtype itself.
+    it. A mean is the total divided by the count, rounded once, as NumPy and
+    `tf.reduce_mean` give it: 84 / 7 is 12 in float32, where 84 times the
+    reciprocal of 7 is 12.000001 (see `_divided`). With no samples a mean is
+    NaN. An integer sum wraps as `tf.reduce_sum` does in the dtype itself.
     """
     if not op.divides:
         return _narrowed(reduced.value, reduced.output_dtype, op)
-    accumulated = reduced.value
-    mean = tf.math.truediv(accumulated, tf.cast(total, accumulated.dtype))
+    mean = _divided(reduced.value, total)
+    mean = tf.where(tf.cast(total, tf.int64) > 0, mean, tf.constant(float("nan"), mean.dtype))
     dtype = op.result_dtype(reduced.output_dtype)
     return mean if mean.dtype == dtype else tf.cast(mean, dtype)
+
+
+def _divided(total: tf.Tensor, count: tf.Tensor | int) -> tf.Tensor:
+    """`total / count`, one true division (0 where `count` is 0), an integer total in float64.
+
+    Not `tf.math.truediv`: where the count is known when the graph is
+    optimized (a batch of static shape, a plan from static sizes), Grappler's
+    constant folding rewrites a RealDiv by a constant into a multiply by the
+    constant's reciprocal, rounded twice, one ulp off an exact mean. It leaves
+    DivNoNan alone, which divides as RealDiv does wherever the count is not 0.
+    """
+    if total.dtype.is_integer:  # as tf.math.truediv divides an int64 total
+        total = tf.cast(total, tf.float64)
+    return tf.math.divide_no_nan(total, tf.cast(count, total.dtype))
 
 
 def accumulate(totals: Sequence[Total], values: Sequence[Total], op: Reduction) -> list[Total]:
