@@ -174,8 +174,25 @@ class Engine:
 
     # ------------------------------------------------------------ steps
 
+    def holding(self, weights: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The devices a call's graph holds, by index: those `weights` give rows.
+
+        None where that is every device (even weights, or none weighted 0). A
+        device weighted 0 (given so, or found useless by ``weights="auto"``) is
+        left out of the call's graph: no ops, no guard, no copies; a call whose
+        weights leave one device is that device alone (`Step.alone`).
+        """
+        if weights is None or all(weights):
+            return None
+        return tuple(k for k, w in enumerate(weights) if w > 0)
+
     def step(
-        self, call: _arguments.Call, *, beside_transfers: bool = False, guarded: bool = True
+        self,
+        call: _arguments.Call,
+        *,
+        beside_transfers: bool = False,
+        guarded: bool = True,
+        shards: tuple[int, ...] | None = None,
     ) -> Step:
         """The step of a call with this trace key (see `tfshard._step.Step`), built once.
 
@@ -186,33 +203,43 @@ class Engine:
             every shard's outputs crossing to the output device): each runs in
             place (`tfshard._sharding.choose`), so a failure keeps its error.
           guarded: a shard may have no rows (`Step.guarded`).
+          shards: the devices the step holds (`holding`), or None for every one.
         """
         self.refresh()
-        key = (call.key, beside_transfers, guarded)
+        key = (call.key, beside_transfers, guarded, shards)
         step = self._steps.get(key)
         if step is not None:
             return step
         if self._converted is None:
             self._converted = autographed(self.fn)
         options = self.options
+        devices, weights = self.devices, options.weights
+        limits = options.limits(len(self.devices))
+        if shards is not None:
+            devices = tuple(devices[k] for k in shards)
+            weights = None if weights is None else tuple(weights[k] for k in shards)
+            limits = None if limits is None else tuple(limits[k] for k in shards)
         step = Step(
             fn=self._converted,
             name=self.name,
             per_sample=options.per_sample,
             ragged=options.ragged,
             reduce=options.reduce,
-            weights=options.weights,
+            weights=weights,
             jit_compile=options.jit_compile,
-            devices=self.devices,
+            devices=devices,
             output=self.output,
             host=self.host,
             replicas=self._replicas,
             template=call.template,
             split_devices=tuple(call.key.split_devices),
             beside_transfers=beside_transfers,
-            balanced=options.balanced,
-            max_rows=options.limits(len(self.devices)),
+            # Weights to measure where there is more than one device to weigh.
+            balanced=options.balanced and len(devices) > 1,
+            max_rows=limits,
             guarded=guarded,
+            shards=shards,
+            listed=None if shards is None else len(self.devices),
         )
         self._steps[key] = step
         return step
@@ -255,31 +282,58 @@ class Engine:
         It takes the call's tensors, then with ``weights="auto"`` the plan's
         weights (`feeds`), and then returns ``(outputs, timing)``.
         """
-        guarded = self._may_be_empty(call.rows, self.plan_weights())
-        return self._traced(call, "call", offset=False, guarded=guarded).graph
+        return self._traced(call, "call", offset=False, **self._held(call.rows)).graph
 
-    def _may_be_empty(self, rows: int | None, weights: tuple[int, ...] | None) -> bool:
+    def inputs(self, call: _arguments.Call) -> list[Any]:
+        """What `trace`'s graph takes for this call: its tensors, then `feeds`."""
+        return [*call.tensors, *self.feeds(shards=self._held(call.rows)["shards"])]
+
+    def _held(self, rows: int | None, weights: tuple[int, ...] | None = None) -> dict[str, Any]:
+        """The devices a call of `rows` rows holds (`holding`), and whether it is guarded."""
+        weights = self.plan_weights() if weights is None else weights
+        shards = self.holding(weights)
+        return {"shards": shards, "guarded": self._may_be_empty(rows, weights, shards)}
+
+    def _may_be_empty(
+        self, rows: int | None, weights: tuple[int, ...] | None, shards: tuple[int, ...] | None
+    ) -> bool:
         """Whether a shard of a call of `rows` rows (None: not known) may have none.
 
-        A call whose plan gives every device a row runs a graph without the
-        empty-shard guard (`Step.guarded`); one smaller than the devices (or
-        with a device weighted 0, or rows unknown, as in a user's tf.function or
-        a stream's loop) runs one with it, traced once more.
+        A call whose plan gives every device it holds (`shards`) a row runs a
+        graph without the empty-shard guard (`Step.guarded`); one smaller than
+        the devices (or rows unknown, as in a user's tf.function or a stream's
+        loop) runs one with it, traced once more.
         """
-        return rows is None or 0 in plan_rows(rows, len(self.devices), weights)
+        if rows is None:
+            return True
+        sizes = plan_rows(rows, len(self.devices), weights)
+        return any(sizes[k] == 0 for k in (range(len(sizes)) if shards is None else shards))
 
-    def feeds(self, offset: int | None = None) -> list[tf.Tensor]:
+    def _weighs(self, shards: tuple[int, ...] | None) -> bool:
+        """A graph holding these devices takes the plan's weights (``weights="auto"``,
+        more than one device to weigh)."""
+        count = len(self.devices) if shards is None else len(shards)
+        return self.balance is not None and count > 1
+
+    def feeds(
+        self, offset: int | None = None, shards: tuple[int, ...] | None = None
+    ) -> list[tf.Tensor]:
         """The step's inputs a call's graph takes after its tensors (`Feed`), now.
 
         Args:
           offset: the batch's first row in its stream, for a graph that takes it.
+          shards: the devices the graph holds (`holding`), or None for every one.
         """
-        if offset is None and self.balance is None:
+        weighs = self._weighs(shards)
+        if offset is None and not weighs:
             return []  # a plain call's graph takes none (a device scope costs ~5 us a call)
         with tf.device(self.host):  # where the plan reads them
             values = [] if offset is None else [tf.constant(offset, tf.int64)]
-            if self.balance is not None:
-                values.append(tf.constant(self.balance.integer(), tf.int64))
+            if weighs:
+                weights = self.balance.integer()
+                if shards is not None:
+                    weights = tuple(weights[k] for k in shards)
+                values.append(tf.constant(weights, tf.int64))
         return values
 
     def call(self, call: _arguments.Call, offset: int | None = None) -> Any:
@@ -306,41 +360,53 @@ class Engine:
     def _run(self, call: _arguments.Call, body: str, offset: int | None) -> Any:
         """Runs a step's traced `body` on this call; with ``weights="auto"``, measured."""
         weights = self.plan_weights()
-        guarded = self._may_be_empty(call.rows, weights)
-        traced = self._traced(call, body, offset=offset is not None, guarded=guarded)
-        feeds = self.feeds(offset)
+        held = self._held(call.rows, weights)
+        traced = self._traced(call, body, offset=offset is not None, **held)
+        feeds = self.feeds(offset, held["shards"])
         result = self.execute(traced.graph, [*call.tensors, *feeds], call.rows, weights)
         result = traced.rebuilt(result)
         if not traced.timed:
             return result
         result, timing = result
-        self.observe(timing, id(traced.graph))
+        self.observe(timing, id(traced.graph), held["shards"])
         return result
 
-    def observe(self, timing: Any, graph: int) -> None:
+    def observe(self, timing: Any, graph: int, shards: tuple[int, ...] | None = None) -> None:
         """Gives the shards' timing of a run of a graph to `balance` (eager values only).
 
         Args:
           timing: a `_balance.Timing` of eager tensors (inside a user's
             tf.function there is nothing to read: it is left alone).
           graph: which graph ran (its first run warms up, `Balance.observe`).
+          shards: the devices the graph holds (`holding`), or None for every one;
+            a device left out counts as a shard of no rows.
         """
         if self.balance is None or not tf.executing_eagerly():
             return
         warm_up = graph not in self._warm
         self._warm.add(graph)
         rows, seconds = timing.rows.numpy().tolist(), timing.seconds.numpy().tolist()
+        if shards is not None:
+            count = len(self.devices)
+            rows, seconds = _spread(rows, shards, count), _spread(seconds, shards, count)
         self.balance.observe(rows, seconds, warm_up)
 
     def _traced(
-        self, call: _arguments.Call, body: str, *, offset: bool, guarded: bool
+        self,
+        call: _arguments.Call,
+        body: str,
+        *,
+        offset: bool,
+        guarded: bool,
+        shards: tuple[int, ...] | None = None,
     ) -> Traced:
         """The graph of a step's traced `body` ("call", "per_shard", "totals") for this
-        call's key, taking a row offset or not, its shards guarded or not (`Step.guarded`)."""
+        call's key, taking a row offset or not, its shards guarded or not (`Step.guarded`),
+        holding the devices `shards` (`holding`; None: every one)."""
         self.refresh()
-        feed = Feed(offset=offset, weights=self.balance is not None)
+        feed = Feed(offset=offset, weights=self._weighs(shards))
         exact = self._exact_rows(call, body)
-        key = (call.key, body, feed, guarded, exact)
+        key = (call.key, body, feed, guarded, exact, shards)
         traced = self._graphs.get(key)
         if traced is not None:
             return traced
@@ -348,7 +414,9 @@ class Engine:
             traced = self._graphs.get(key)
             if traced is None:
                 # per_shard returns every shard's outputs: each crosses beside the shards.
-                step = self.step(call, beside_transfers=body == "per_shard", guarded=guarded)
+                step = self.step(
+                    call, beside_transfers=body == "per_shard", guarded=guarded, shards=shards
+                )
                 run = getattr(step, body)
                 count = len(call.tensors)
 
@@ -356,11 +424,11 @@ class Engine:
                     tensors, extra = feed.split(flat, count)
                     return run(tensors, **extra)
 
-                specs = [*call.specs(exact is not None), *feed.specs(len(self.devices))]
+                specs = [*call.specs(exact is not None), *feed.specs(len(step.devices))]
                 graph = tf.function(traced_body, autograph=False).get_concrete_function(*specs)
                 structure = _trees.flatten(graph.structured_outputs)[1]
                 kept = structure if _trees.has_defaultdict(structure) else None
-                timed = self.balance is not None and body != "per_shard"
+                timed = step.balanced and body != "per_shard"
                 traced = self._graphs[key] = Traced(self.checked(graph), kept, feed, timed)
             return traced
 
@@ -555,3 +623,11 @@ class Engine:
             return None
         message = f"{lost}\n{cluster.down_hint()}"
         return shard_error(tf.errors.UnavailableError(None, None, message), message)
+
+
+def _spread(values: list[Any], shards: tuple[int, ...], count: int) -> list[Any]:
+    """Values of the devices `shards`, as one per device of `count`, 0 for the others."""
+    spread = [0] * count
+    for k, value in zip(shards, values):
+        spread[k] = value
+    return spread

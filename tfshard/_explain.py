@@ -39,12 +39,16 @@ def table(engine: Engine, call: Call, sizes: list[int], name: str, fn: Any) -> s
     rows_width = max(len("rows"), *(len(r) for r in rows_cells))
     size_width = max(len("size"), *(len(str(n)) for n in sizes))
     remote = [pinning.is_remote(d) for d in devices]
+    holding = engine.holding(engine.plan_weights())
+    held = range(len(devices)) if holding is None else holding
     lines.append(
         f"  {'shard':<5}  {'device':<{width}}  {'rows':<{rows_width}}  "
         f"{'size':>{size_width}}  output"
     )
     for k, (device, size) in enumerate(zip(devices, sizes)):
         lands = output if device == output else f"-> {output}"
+        if k not in held:
+            lands = "-"
         if remote[k] or pinning.is_remote(output):
             # Rows go out to the shard and results come back, once per call.
             lands += f"  (network: {cluster.host_of(device) or cluster.host_of(output)})"
@@ -61,8 +65,28 @@ def table(engine: Engine, call: Call, sizes: list[int], name: str, fn: Any) -> s
             "each its rows and every broadcast argument, and its result comes back to "
             f"{output}"
         )
+    lines.extend(_held_lines(devices, held))
     lines.extend(_weights(engine, call, name, fn))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _held_lines(devices: tuple[str, ...], held: Any) -> list[str]:
+    """What the call's graph leaves out: a device the weights give no rows; and where one
+    device is left, that it runs the function as a plain trace."""
+    left_out = [d for k, d in enumerate(devices) if k not in held]
+    if not left_out:
+        return []
+    are = "is" if len(left_out) == 1 else "are"
+    lines = [
+        f"  {', '.join(left_out)} {are} weighted 0: not in the call's graph (no ops, no "
+        "copies; traced again when weights leave a device out)"
+    ]
+    if len(held) == 1:
+        lines.append(
+            f"  {devices[held[0]]} holds every row: the function runs there as a plain "
+            "tf.function does (no split, no gather, nothing on the host)"
+        )
+    return lines
 
 
 def _plan_lines(engine: Engine) -> list[str]:

@@ -367,6 +367,23 @@ def whole_shard(call: Callable[[Sequence[Any], Position, tf.Tensor | None], Any]
     return Shard(run, empty)
 
 
+def no_rows_like(value: Any, per_sample: bool) -> Any:
+    """What a shard without rows returns for an output leaf another shard returned as `value`.
+
+    Per sample, or an output per row (`per_row`), or ragged: the outputs of no
+    rows, shaped as `value`'s rows are (`collect.empty`); a whole shard's value
+    of fixed shape: zeros of its shape, as `whole_shard`'s empty shard gives. Made
+    from `value`'s static spec alone: nothing reads `value`, so a device left
+    out of a call gets its result without an op of the call there.
+    """
+    spec = tf.type_spec_from_value(value)
+    if spec.shape.rank is None:
+        return tf.zeros([0], value.dtype)
+    if per_sample or per_row(value) or not isinstance(value, tf.Tensor):
+        return collect.empty(collect.stacked_spec(spec))
+    return _no_rows(value)
+
+
 def _known_but_rows(shape: tf.TensorShape) -> bool:
     """Known rank, and every dimension but the first known: zeros can stand in."""
     return shape.rank is not None and all(d is not None for d in shape[1:])

@@ -42,17 +42,18 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfshard import _arguments, _balance, _chunks, _sharding, _trees, collect
-from tfshard._plan import Planned, onto_devices, plan_and_split
+from tfshard import _arguments, _balance, _chunks, _sharding, _trees, collect, pinning
+from tfshard._plan import Planned, host_assert, onto_devices, plan_and_split, row_count
 from tfshard._shards import (
     ShardOutputs,
     check_outputs,
     check_rows,
+    no_rows_like,
     per_row,
     shard_of,
     skip_if_empty,
 )
-from tfshard.errors import SHARD_SCOPE
+from tfshard.errors import INPUTS_DIFFER, SHARD_SCOPE
 from tfshard.position import Position
 from tfshard.replicas import Replicas
 
@@ -80,8 +81,9 @@ class Step:
       split_devices: where each split tensor lives ("" when not known).
       beside_transfers: the shards run while the next batch is copied beside
         them (a stream's), which `tfshard._sharding.choose` takes into account.
-      balanced: ``weights="auto"``: each call feeds the plan's weights, and
-        every shard is timed (`tfshard._balance.timed`).
+      balanced: ``weights="auto"`` with more than one device in the step: each
+        call feeds the plan's weights, and every shard is timed
+        (`tfshard._balance.timed`). A device alone has nothing to weigh.
       max_rows: the most rows each shard's function takes at once (None: all
         of them), one per device, or None for no limit anywhere.
       guarded: a shard may have no rows (a batch smaller than the devices, a
@@ -91,6 +93,12 @@ class Step:
         call whose plan gives every device a row, and saves the cond's cost
         (measured on 2 CPU devices: 0.4 s of a Keras MobileNetV2's first-call
         trace and 0.4 s of its first run).
+      shards: each device's index among the function's devices, where the
+        step holds only those the weights give rows (`tfshard._engine.Engine.holding`),
+        or None: `devices` are the function's, in order. Its shards keep their
+        index (`tfshard.shard_index`, the ``tfshard_shard_k/`` scope, errors).
+      listed: how many devices the function has (`per_shard` gives each a
+        result), or None: as many as `devices`.
     """
 
     fn: Callable[..., Any]
@@ -110,6 +118,33 @@ class Step:
     balanced: bool = False
     max_rows: tuple[int | None, ...] | None = None
     guarded: bool = True
+    shards: tuple[int, ...] | None = None
+    listed: int | None = None
+
+    @property
+    def alone(self) -> bool:
+        """One device holds every row: the call is a plain trace of the function on it.
+
+        No plan on the host, no split, no gather, no timing: the function runs on
+        the call's tensors under the device's scope, its rows counted (and
+        checked) where its argument lives (`_checks_on`), and the outputs land
+        on `output` (left where they are when that is the device, as a
+        `tf.function` on it leaves them). A device that the weights give no rows
+        is not in the step at all (`shards`), so weights ``[1, 0]`` run as the
+        first device alone does.
+        """
+        return len(self.devices) == 1
+
+    def index(self, k: int) -> int:
+        """The index of the step's k-th device among the function's devices."""
+        return k if self.shards is None else self.shards[k]
+
+    def _checks_on(self) -> str:
+        """Where the rows are counted and checked: on the host, or, for a device alone,
+        where its first split argument lives (its own device where that is not known)."""
+        if not self.alone:
+            return self.host
+        return (self.split_devices[0] if self.split_devices else "") or self.devices[0]
 
     # ------------------------------------------------------------ the parts
 
@@ -126,11 +161,40 @@ class Step:
         count = self.template.split_count
         inputs, shared = tensors[:count], list(tensors[count:])
         paths = self.template.split_paths()
+        if self.alone:
+            return self._whole(inputs, paths), shared
         plan_weights = self.weights if weights is None else weights
         planned = plan_and_split(
             inputs, self.split_devices, paths, len(self.devices), plan_weights, self.host
         )
         return planned, shared
+
+    def _whole(self, inputs: Sequence[Any], paths: Sequence[str]) -> Planned:
+        """Every row to the one device (`alone`): nothing to plan or split on the host.
+
+        The rows are counted where the first argument lives (`_checks_on`: a
+        Shape op, none where they are static), and where an argument came from
+        a graph, the check that the arguments' rows agree runs there too
+        (`plan_and_split`'s, with its message).
+        """
+        device = self._checks_on()
+        counts = [row_count(t, d or device, device) for t, d in zip(inputs, self.split_devices)]
+        with tf.device(device):
+            checks = []
+            if len(counts) > 1 and not all(self.split_devices):
+                checks.append(
+                    host_assert(
+                        tf.stack(counts),
+                        tf.fill([len(counts)], counts[0]),
+                        f"{INPUTS_DIFFER} {', '.join(paths)} :end (their rows, then the "
+                        "first's: every split argument needs the same leading dimension; "
+                        "name one in broadcast=(...) to copy it whole to each device)",
+                    )
+                )
+            with tf.control_dependencies(checks):
+                total = tf.identity(counts[0]) if checks else counts[0]
+            sizes = tf.reshape(total, [1])
+        return Planned(total, sizes, [[t] for t in inputs])
 
     def onto_devices(self, planned: Planned) -> Planned:
         """Each shard's rows copied to its device now, ahead of its run (a stream's feed)."""
@@ -148,17 +212,23 @@ class Step:
             rows before it), or None for 0.
         """
         count = len(self.devices)
-        with tf.device(self.host):
-            # Each shard's rows as it takes them (`skip_if_empty`): an int32 scalar,
-            # which a function on a GPU takes in host memory.
-            rows = [tf.cast(n, tf.int32) for n in tf.unstack(planned.sizes, num=count)]
-            firsts = tf.cumsum(planned.sizes, exclusive=True)  # [K] int64
-            if offset is not None:
-                firsts += tf.cast(offset, tf.int64)
-            positions = [
-                Position(tf.constant(k, tf.int32), first)
-                for k, first in enumerate(tf.unstack(firsts, num=count))
-            ]
+        # Each shard's rows as it takes them (`skip_if_empty`): an int32 scalar,
+        # which a function on a GPU takes in host memory.
+        if self.alone:
+            with tf.device(self.devices[0]):  # nothing of the call on the host
+                rows = [tf.cast(planned.total, tf.int32)]
+                first = tf.constant(0, tf.int64) if offset is None else tf.cast(offset, tf.int64)
+                positions = [Position(tf.constant(self.index(0), tf.int32), first)]
+        else:
+            with tf.device(self.host):
+                rows = [tf.cast(n, tf.int32) for n in tf.unstack(planned.sizes, num=count)]
+                firsts = tf.cumsum(planned.sizes, exclusive=True)  # [K] int64
+                if offset is not None:
+                    firsts += tf.cast(offset, tf.int64)
+                positions = [
+                    Position(tf.constant(self.index(k), tf.int32), first)
+                    for k, first in enumerate(tf.unstack(firsts, num=count))
+                ]
         example = [p[0] for p in planned.pieces]
         shard = shard_of(
             self.fn,
@@ -201,7 +271,7 @@ class Step:
             compute = functools.partial(
                 self._shard, run, pieces, rows[k], positions[k], device, self._limit(k)
             )
-            with tf.name_scope(f"{SHARD_SCOPE}{k}"), tf.device(device), replica:
+            with tf.name_scope(f"{SHARD_SCOPE}{self.index(k)}"), tf.device(device), replica:
                 if clock is None:
                     outputs.append(compute())
                 else:
@@ -249,7 +319,14 @@ class Step:
         """
         leaves = outputs.leaves()
         with tf.name_scope(COLLECT_SCOPE), tf.device(self.output):
-            if self.reduce is None:
+            if self.reduce is None and self.alone:
+                outputs.check_gatherable()
+                # One shard's outputs are the call's: no gather (a copy where they
+                # land elsewhere, as a tf.function's outputs are copied).
+                here = pinning.same_device(self.devices[0], self.output)
+                results = [v[0] if here else _moved(v[0]) for v in leaves]
+                counted = {}
+            elif self.reduce is None:
                 outputs.check_gatherable()
                 results, counted = collect.gather_leaves(leaves)
             else:
@@ -281,7 +358,8 @@ class Step:
         # Per-sample outputs have one row per row by construction.
         if not self.per_sample:
             reduced = self.reduce is not None
-            check_rows(outputs, planned.sizes, self.devices, self.host, counted, reduced)
+            host = self._checks_on()
+            check_rows(outputs, planned.sizes, self.devices, host, counted, reduced)
 
     # ------------------------------------------------------ traced bodies
 
@@ -327,7 +405,24 @@ class Step:
         offset: tf.Tensor | None = None,
         weights: tf.Tensor | None = None,
     ) -> list[Any]:
-        """The traced body of `per_shard`: plan, run; each shard's outputs as they are."""
+        """The traced body of `per_shard`: plan, run; each shard's outputs as they are.
+
+        One result per device of the function: a device the weights give no rows
+        (not in the step, `shards`) gets what a shard without rows returns
+        (`no_rows_like`), made where results land, so nothing runs on it.
+        """
         planned, shared = self.plan(tensors, weights)
         outputs = self.run(planned, shared, offset)
-        return [_trees.build(outputs.structure, iter(leaves)) for leaves in outputs.flat]
+        results = [_trees.build(outputs.structure, iter(leaves)) for leaves in outputs.flat]
+        if self.shards is None:
+            return results
+        with tf.device(self.output):
+            empties = [no_rows_like(leaf, self.per_sample) for leaf in outputs.flat[0]]
+            empty = _trees.build(outputs.structure, iter(empties))
+        held = dict(zip(self.shards, results))
+        return [held.get(k, empty) for k in range(self.listed or len(self.devices))]
+
+
+def _moved(value: Any) -> Any:
+    """`value` copied under the caller's device scope (a ragged one part by part)."""
+    return tf.nest.map_structure(tf.identity, value, expand_composites=True)

@@ -225,7 +225,10 @@ class ShardedFunction:
         Returns:
           A tuple with one result per shard, in device order (`devices`), each
           on its shard's device (TensorFlow returns a function's outputs on the
-          output device: the others are copied back to theirs).
+          output device: the others are copied back to theirs). A device the
+          weights give no rows is not in the call's graph; its result is what a
+          shard without rows returns (no rows per row, zeros of a fixed shape),
+          made where results land and copied to it.
 
         Raises:
           ArgumentError: bad arguments, or a dataset (stream it with `iterate`).
@@ -253,8 +256,9 @@ class ShardedFunction:
         (``tfshard_shard_k/StatefulPartitionedCall``), whose ops are in
         ``.graph.as_graph_def().library``, placed by the call. With
         ``weights="auto"`` it takes the plan's weights after the call's tensors
-        (int64, one per device) and returns ``(outputs, timing)``, each shard's
-        rows and seconds.
+        (int64, one per device it holds) and returns ``(outputs, timing)``, each
+        shard's rows and seconds. A device weighted 0 has no op in it, and a call
+        that one device holds every row of is a plain trace of the function there.
 
         >>> f = tfshard.parallelize(tf.sin, devices=["cpu:0", "cpu:1"])
         >>> graph = f.get_concrete_function(np.zeros([4], np.float32)).graph
@@ -521,7 +525,7 @@ class ShardedFunction:
         engine = self._engine()
         return timeline_lib.record(
             engine.trace(call),
-            [*call.tensors, *engine.feeds()],
+            engine.inputs(call),
             devices=self.devices,
             rows=None if call.rows is None else engine.plan(call.rows),
             name=self.__name__,
