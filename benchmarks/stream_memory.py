@@ -15,7 +15,10 @@ for each way of getting the result:
 
 On GPUs the numbers are the output GPU's; on logical CPU devices every device
 shares the host's CPU allocator, so they are the process's TensorFlow host
-bytes (the dataset's own batches included).
+bytes (the dataset's own batches included). TensorFlow's plain CPU allocator
+keeps no statistics ("Cannot reset memory stats for device 'CPU:0'"); oneDNN's
+does, and TensorFlow turns oneDNN on by itself only on CPUs with AVX-512 VNNI
+and later, so the script sets ``TF_ENABLE_ONEDNN_OPTS=1`` unless it is set.
 
   python benchmarks/stream_memory.py                      # rows 2^15 and 2^17
   python benchmarks/stream_memory.py --rows=65536 --batch=1024 --json=memory.json
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 
 from absl import app, flags
 
@@ -35,10 +39,19 @@ _DEVICES = flags.DEFINE_integer("devices", 2, "Logical CPU devices (no GPU).", l
 _JSON = flags.DEFINE_string("json", None, "Write the numbers here.")
 
 
+_ONEDNN_ENV = "TF_ENABLE_ONEDNN_OPTS"
+
+
 def peak_bytes(tf, device: str, run) -> int:
     """The allocator's peak on `device` while `run()` runs, above what was allocated before."""
     gc.collect()
-    tf.config.experimental.reset_memory_stats(device)
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError as error:
+        raise RuntimeError(
+            f"{error}: its allocator keeps no statistics. On a CPU, run with "
+            f"{_ONEDNN_ENV}=1 (oneDNN's allocator keeps them, TensorFlow's plain one does not)"
+        ) from None
     before = tf.config.experimental.get_memory_info(device)["current"]
     result = run()
     peak = tf.config.experimental.get_memory_info(device)["peak"]
@@ -99,6 +112,8 @@ def measure(tfshard, tf, np, rows: int, batch: int, width: int, devices: list[st
 
 def main(argv: list[str]) -> None:
     del argv
+    # Before TensorFlow starts (_harness imports it): a CPU allocator that keeps statistics.
+    os.environ.setdefault(_ONEDNN_ENV, "1")
     import _harness  # after flags: --help stays fast
     import numpy as np
     import tensorflow as tf
