@@ -8,11 +8,11 @@ is tested too.
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
+import children
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -177,15 +177,18 @@ def test_a_failing_shard_is_named_with_its_device_and_rows(shard):
 
 # A real out-of-memory, run in a process of its own: with oneDNN's CPU allocator (this
 # process's), a refused allocation is retried for 10 s before it fails; TensorFlow's plain
-# one (TF_ENABLE_ONEDNN_OPTS=0) fails at once, with the same error.
+# one (TF_ENABLE_ONEDNN_OPTS=0) fails at once, with the same error. Shard 1 asks for more
+# than any machine's address space (2**58 bytes a row), so no allocator can grant it, whatever
+# the memory and overcommit policy: 4 TiB a row was granted and filled on a 128 GiB machine
+# (no answer in 60 s). The child sees no GPU: the CPU bed's allocator, not a GPU's pinned one.
 _OUT_OF_MEMORY = """
 import json, numpy as np, tensorflow as tf, tfshard
 tfshard.virtual_devices(3)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
 def greedy(block):
-    # Shard 1 asks for 2**40 floats per row: the allocator really refuses (4 TiB a row).
-    per_row = tf.where(tfshard.shard_index() == 1, tf.constant(2**40, tf.int64), 1)
+    # Shard 1 asks for 2**56 floats per row: the allocator really refuses (256 PiB a row).
+    per_row = tf.where(tfshard.shard_index() == 1, tf.constant(2**56, tf.int64), 1)
     scratch = tf.zeros(tf.reshape(tf.shape(block, out_type=tf.int64)[0] * per_row, [1]))
     return block + tf.reduce_sum(scratch[:1])
 
@@ -207,7 +210,9 @@ print(json.dumps(found))
 
 
 def test_a_shard_out_of_memory_is_named_with_its_rows_and_the_remedies():
-    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = children.environ(
+        TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES=""
+    )
     done = subprocess.run(
         [sys.executable, "-c", _OUT_OF_MEMORY],
         capture_output=True,
