@@ -75,6 +75,15 @@ def test_a_device_keeps_rows_unless_over_fifty_times_slower():
     assert slow.integer() == (1, 0)
 
 
+def test_a_device_found_useless_stays_so_whatever_the_others_do():
+    balance = Balance(2)
+    assert _measured(balance, [50, 50], [0.01, 0.6], times=3) == (1.0, 0.0)
+    # Device 1 gets no rows (nor is it measured); device 0 slows 60x (another job on it).
+    # Its old window would now call device 1 only twice as slow: it stays out all the same.
+    assert _measured(balance, [100, 0], [0.6, 0.0], times=9) == (1.0, 0.0)
+    assert balance.integer() == (1, 0)
+
+
 def test_the_plan_follows_a_device_that_changes_speed():
     balance = Balance(2)
     assert _measured(balance, [50, 50], [0.05, 0.15], times=9) == (3.0, 1.0)

@@ -202,12 +202,15 @@ class Balance:
         medians = [statistics.median(s) if s else None for s in self._per_row]
         if any(m is None for m in medians):
             return  # a device not measured yet: keep the plan until it is
-        fastest = min(medians)
-        best = [
-            0.0 if m > USELESS * fastest and len(s) >= MIN_SAMPLES else fastest / m
-            for m, s in zip(medians, self._per_row)
-        ]
         now = self._weights or (1.0,) * self._count
+        # A device found useless stays so: it is not measured again (not in the call's
+        # graph), and the fastest's own noise must not bring it back.
+        kept = [m for m, w in zip(medians, now) if w > 0]
+        fastest = min(kept)
+        best = [
+            0.0 if w == 0 or (m > USELESS * fastest and len(s) >= MIN_SAMPLES) else fastest / m
+            for m, s, w in zip(medians, self._per_row, now)
+        ]
         kept, moved = _finish(now, medians), _finish(best, medians)
         # A device found useless leaves the plan whatever it would save: its few rows
         # (under 2 %) are within the noise, and its copies and fixed costs are not.
