@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numerics
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -111,8 +112,8 @@ def test_keras_cnn_inference_equals_one_device(replicated, jit_compile):
         with pytest.raises(ArgumentError, match=r"jit_compile=True, shard 1 .* reads .*replicas"):
             f(x)
         return
-    np.testing.assert_allclose(f(x).numpy(), want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(f(x[:2]).numpy(), want[:2], rtol=1e-5, atol=1e-5)  # < K rows
+    numerics.assert_close(f(x).numpy(), want)
+    numerics.assert_close(f(x[:2]).numpy(), want[:2])  # < K rows
 
 
 def test_mobilenet_v2_inference_equals_one_device_replicated_and_compiled():
@@ -121,9 +122,9 @@ def test_mobilenet_v2_inference_equals_one_device_replicated_and_compiled():
     x = np.random.default_rng(5).random((5, 32, 32, 3), dtype=np.float32)
     want = model(x).numpy()
     plain = tfshard.parallelize(model, devices=DEVICES[:2])
-    np.testing.assert_allclose(plain(x).numpy(), want, rtol=1e-5, atol=1e-5)
+    numerics.assert_close(plain(x).numpy(), want)
     compiled = tfshard.parallelize(plain.replicate(model), devices=DEVICES[:2], jit_compile=True)
-    np.testing.assert_allclose(compiled(x).numpy(), want, rtol=1e-5, atol=1e-5)
+    numerics.assert_close(compiled(x).numpy(), want)
     assert compiled.explain(x).endswith("each call reads 0 B of variables from other devices")
 
 
@@ -214,8 +215,8 @@ def test_training_with_replicas_equals_one_device_and_mirrored_strategy():
                 np.testing.assert_array_equal(copy.numpy(), first.numpy())
     mirrored = _mirrored_training(initial, batches, DEVICES)
     for got, one, mirror in zip(model.get_weights(), reference.get_weights(), mirrored):
-        np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(got, mirror, rtol=1e-5, atol=1e-5)
+        numerics.assert_close(got, one)
+        numerics.assert_close(got, mirror)
 
 
 def test_weights_set_outside_the_function_reach_every_copy():
@@ -272,7 +273,7 @@ def test_replicate_copies_a_built_layer_with_its_weights():
     f = tfshard.parallelize(layer, devices=DEVICES)
     copy = f.replicate(layer)
     g = tfshard.parallelize(copy, devices=DEVICES)
-    np.testing.assert_allclose(g(x).numpy(), want, rtol=1e-6)
+    numerics.assert_close(g(x).numpy(), want)
     assert all(not r.remote for shard in _reads(g, x) for r in shard)
 
 
@@ -308,7 +309,7 @@ def test_a_dataset_stream_reads_each_devices_copy_and_is_checked_like_a_call():
         model.set_weights(reference.get_weights())
     x = _images(11, seed=9)
     stream = f(tf.data.Dataset.from_tensor_slices(x).batch(4))  # the traced loop
-    np.testing.assert_allclose(stream.numpy(), reference(x).numpy(), rtol=1e-5, atol=1e-5)
+    numerics.assert_close(stream.numpy(), reference(x).numpy())
     # Checked on the loop's probe: no call graph traced beside the loop (a trace per device).
     assert f.trace_count == 1
     train = tfshard.parallelize(lambda x: norm(x, training=True), devices=DEVICES, per_sample=False)
@@ -390,17 +391,15 @@ def test_keras_loss_objects_give_what_they_give_on_one_device(replicas, reductio
         f = tfshard.parallelize(
             lambda x, y: loss_and_grads(x, y)[0], devices=DEVICES_2, per_sample=per_sample
         )
-        np.testing.assert_allclose(
-            f(x, y).numpy(), loss_object(y, reference(x)).numpy(), rtol=1e-5, atol=1e-6
-        )
+        numerics.assert_close(f(x, y).numpy(), loss_object(y, reference(x)).numpy())
         return
     loss, grads = f(x, y)
     with tf.GradientTape() as tape:
         want = loss_object(y, reference(x))
     want_grads = tape.gradient(want, reference.trainable_variables)
-    np.testing.assert_allclose(loss.numpy(), want.numpy(), rtol=1e-5)
+    numerics.assert_close(loss.numpy(), want.numpy())
     for got, expected in zip(grads, want_grads):
-        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+        numerics.assert_close(got.numpy(), expected.numpy())
 
 
 def test_tf_nn_compute_average_loss_in_a_shard_is_the_shards_mean():
@@ -410,7 +409,7 @@ def test_tf_nn_compute_average_loss_in_a_shard_is_the_shards_mean():
     with f.replicas():
         tf.Variable(0.0)  # replicas exist on these devices
     x = np.arange(7, dtype=np.float32)
-    np.testing.assert_allclose(f(x).numpy(), x.mean(), rtol=1e-6)
+    numerics.assert_close(f(x).numpy(), x.mean())
 
 
 @pytest.mark.parametrize("replicated", [False, True])
@@ -433,8 +432,8 @@ def test_keras_metrics_updated_in_shards_equal_one_device(replicated):
     for rows in (slice(None), slice(0, 4)):
         one_accuracy.update_state(y[rows], logits[rows])
         one_mean.update_state(logits[rows])
-    np.testing.assert_allclose(accuracy.result().numpy(), one_accuracy.result().numpy(), rtol=1e-6)
-    np.testing.assert_allclose(mean.result().numpy(), one_mean.result().numpy(), rtol=1e-6)
+    numerics.assert_close(accuracy.result().numpy(), one_accuracy.result().numpy())
+    numerics.assert_close(mean.result().numpy(), one_mean.result().numpy())
 
 
 @pytest.mark.parametrize("optimizer_name", ["SGD", "Adam"])
@@ -465,7 +464,7 @@ def test_training_with_a_loss_object_and_replicas_equals_one_device_and_mirrored
             want = loss_object(y, reference(x))
         one.apply_gradients(zip(tape.gradient(want, reference.trainable_variables),
                                 reference.trainable_variables))
-    np.testing.assert_allclose(loss.numpy(), want.numpy(), rtol=1e-5)  # the last batch's
+    numerics.assert_close(loss.numpy(), want.numpy())  # the last batch's
 
     strategy = tf.distribute.MirroredStrategy(
         DEVICES_2, cross_device_ops=tf.distribute.ReductionToOneDevice()
@@ -488,8 +487,8 @@ def test_training_with_a_loss_object_and_replicas_equals_one_device_and_mirrored
     for got, expected, mirror in zip(
         model.get_weights(), reference.get_weights(), mirrored.get_weights()
     ):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got, mirror, rtol=1e-5, atol=1e-6)
+        numerics.assert_close(got, expected)
+        numerics.assert_close(got, mirror)
 
 
 def test_an_optimizer_made_on_the_other_side_of_replicas_is_refused_with_the_fix():
@@ -520,7 +519,7 @@ def test_a_plain_keras_optimizer_step_on_copies_works_only_without_slots():
     sgd.apply_gradients(zip(grads, model.trainable_variables))
     for weight, old in zip(model.weights, before):
         for copy in Replicas.find(DEVICES_2).strategy.experimental_local_results(weight.value):
-            np.testing.assert_allclose(copy.numpy(), old - 0.1, rtol=1e-6)
+            numerics.assert_close(copy.numpy(), old - 0.1)
     with pytest.raises((RuntimeError, ValueError, TypeError)):
         adam.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -543,7 +542,7 @@ def test_replicate_copies_an_adapted_lookup_layers_vocabulary(layer):
     model = keras.Model(inputs, outputs)
     f = tfshard.parallelize(tf.identity, devices=DEVICES_2)
     copy = tfshard.parallelize(f.replicate(model), devices=DEVICES_2)
-    np.testing.assert_allclose(copy(texts).numpy(), model(texts).numpy(), rtol=1e-6)
+    numerics.assert_close(copy(texts).numpy(), model(texts).numpy())
 
 
 @keras.saving.register_keras_serializable(package="tfshard_tests")
