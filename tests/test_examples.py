@@ -14,6 +14,8 @@ import sys
 import types
 from pathlib import Path
 
+import children
+import numerics
 import numpy as np
 import pytest
 from absl import flags
@@ -144,7 +146,7 @@ def _run(script, *args, env=None):
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
-        env=env,
+        env=children.environ(env),
     )
 
 
@@ -297,7 +299,7 @@ def test_parallel_map_equals_numpy_with_weights_and_uneven_split(ex):
     f = ex.parallel_map.build(THREE, weights=[2, 1, 1])
     assert f.plan(37) == [19, 9, 9]
     result = ex.parallel_map.measure(f, x, params, repeats=1)
-    np.testing.assert_allclose(result.outputs, _embed_numpy(x, params), rtol=1e-5, atol=1e-6)
+    numerics.assert_close(result.outputs, _embed_numpy(x, params))
     assert result.max_abs_diff < 1e-6
     assert result.seconds > 0 and result.one_device_seconds > 0
 
@@ -308,7 +310,7 @@ def test_parallel_map_dataset_path_and_streaming_search(ex):
     f = ex.parallel_map.build(THREE)
     result = ex.parallel_map.measure(f, x, params, batch_size=8, repeats=1)
     reference = _embed_numpy(x, params)
-    np.testing.assert_allclose(result.outputs, reference, rtol=1e-5, atol=1e-6)
+    numerics.assert_close(result.outputs, reference)
     cosine = reference @ reference[5]
     cosine[5] = -np.inf
     index, value = ex.parallel_map.most_similar(f, x, params, batch_size=8, query=5)
@@ -364,7 +366,7 @@ def test_matmul_scaling_runs_the_same_products_both_ways(ex):
 def test_matmul_scaling_products_are_correct(ex):
     a, b = ex.matmul_scaling.make_inputs(3, 16)
     products = tfshard.parallelize(ex.matmul_scaling.matmul, devices=THREE, per_sample=False)(a, b)
-    np.testing.assert_allclose(products.numpy(), a @ b, rtol=1e-5, atol=1e-4)
+    numerics.assert_close(products.numpy(), a @ b)
 
 
 # -------------------------------------------------- data_parallel_training
@@ -527,7 +529,12 @@ def test_help_answers_before_tensorflow_loads(script):
         "print('tensorflow loaded:', 'tensorflow' in sys.modules, file=sys.stderr)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=children.environ(),
     )
     assert "  --" in result.stdout  # the flags are listed
     assert "tensorflow loaded: False" in result.stderr, result.stderr[-2000:]
@@ -568,9 +575,7 @@ def test_write_embeddings_writes_what_numpy_embeds(ex, tmp_path):
     written = ex.write_embeddings.write_embeddings(f, params, 37, path, batch_size=8)
     assert (written.rows, written.batches, written.computed_rows) == (37, 5, 37)
     x = ex.write_embeddings.sample_rows(list(range(37)), 8)
-    np.testing.assert_allclose(
-        np.load(tmp_path / "emb" / "output.npy"), _embed_numpy(x, params), rtol=1e-5, atol=1e-6
-    )
+    numerics.assert_close(np.load(tmp_path / "emb" / "output.npy"), _embed_numpy(x, params))
     assert ex.write_embeddings.check(path, params, 8) < 1e-5
 
 
