@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import children
 import pytest
 import tensorflow as tf
 from ports import free_ports
@@ -33,14 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # Quiet TF's C++ logs in the children; keep tfshard's own.
 # The cluster bed is CPU workers (their CPU:0 is what the tests name); a GPU of the machine
 # would add /device:GPU:0 to every task's devices.
-CHILD_ENV = {
-    **os.environ,
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-    "PYTHONUNBUFFERED": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-}
-CHILD_ENV.pop(pinning.CONTEXTS_ENV, None)
-CHILD_ENV.pop(cluster.TF_CONFIG_ENV, None)
+CHILD_ENV = children.environ(
+    without=(pinning.CONTEXTS_ENV, cluster.TF_CONFIG_ENV),
+    TF_CPP_MIN_LOG_LEVEL="2",
+    PYTHONUNBUFFERED="1",
+    CUDA_VISIBLE_DEVICES="",
+)
 START_TIMEOUT = 90  # seconds for a child to import TF and get going on a busy machine
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import children
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -215,7 +216,9 @@ def _speedups(count, per_sample):
         "--warmup=1",
         f"--per_sample={per_sample}",
     ]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
+    out = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, cwd=REPO, env=children.environ()
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("{"))
     return json.loads(line), out.stdout

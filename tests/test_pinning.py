@@ -1,7 +1,6 @@
 """Device discovery, resolution, context maps, virtual devices and transfers."""
 
 import logging
-import os
 import pathlib
 import re
 import subprocess
@@ -9,6 +8,7 @@ import sys
 import textwrap
 import threading
 
+import children
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -384,7 +384,7 @@ def test_virtual_devices_before_start_splits_the_cpu():
         print(tfshard.list_devices("CPU"))
         """
     )
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env = children.environ(CUDA_VISIBLE_DEVICES="")
     out = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
@@ -523,7 +523,7 @@ def test_reading_the_environment_map_does_not_start_tensorflow():
         print(tfshard.resolve_device("dev1"))
         """
     )
-    env = {**os.environ, "TFSHARD_CONTEXTS": "dev0->cpu:0;dev1->cpu:1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = children.environ(TFSHARD_CONTEXTS="dev0->cpu:0;dev1->cpu:1", TF_CPP_MIN_LOG_LEVEL="2")
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
     )
