@@ -19,6 +19,7 @@ The absolute tolerance is the relative one times the magnitude of the values (th
 `|want|`, or `scale=` when the terms summed are larger than the result): a sum that cancels to
 near 0 keeps the absolute error of its terms, which no relative tolerance of that element
 bounds. An element near 0 is therefore judged against the array's magnitude, not its own.
+tests/README.md has this rule beside the others every test meets.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def assert_close(
     Integers, booleans and strings must be equal. Floats get `tolerance(dtype, devices, scale)`
     for the less precise dtype of the two (float32 results against a float64 NumPy reference
     are float32's), with `scale` the largest finite ``|want|`` unless given.
+
+    Python floats are float64: give arrays of the dtype computed (``np.float32(losses)``).
 
     Args:
         got: what tfshard computed (an array, a tensor, or what converts to one).
