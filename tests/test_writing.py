@@ -192,6 +192,7 @@ def test_the_job_equals_numpy(reference):
     np.testing.assert_array_equal(got["y"], x * 2 + 1)
     lengths = x[:, 0].astype(np.int64) % 4
     assert got["n"].to_list() == [[float(v)] * int(k) for v, k in zip(x[:, 1], lengths)]
+    np.testing.assert_array_equal(got["row"], np.arange(write_job.ROWS))
 
 
 def test_a_finished_write_called_again_computes_only_its_first_batch_to_check_it(
@@ -216,7 +217,8 @@ def test_another_function_or_dataset_is_refused_and_overwrite_replaces(reference
     six = write_job.dataset(features=6)
     with pytest.raises(ArgumentError, match=r"elements element: TensorSpec\(shape=\(None, 3\)"):
         f.write(six, target)
-    with pytest.raises(ArgumentError, match=f"a dataset of 6 batches, this one is of 5 batches; {fix}"):
+    five = f"a dataset of 6 batches, this one is of 5 batches; {fix}"
+    with pytest.raises(ArgumentError, match=five):
         f.write(write_job.dataset().take(5), target)
     unknown = write_job.dataset().filter(lambda b: True)
     with pytest.raises(ArgumentError, match="this one is of an unknown number of batches; "):
@@ -360,7 +362,7 @@ def test_a_batch_half_written_when_the_disk_fills_counts_for_nothing(
 
     def fills_up(self, array, at):
         calls.append(1)
-        if len(calls) == 9:  # batch 3's third file, y.npy
+        if len(calls) == 12:  # batch 3's fourth file, y.npy
             raise OSError(28, "No space left on device", "y.npy")
         return append(self, array, at)
 
@@ -371,7 +373,8 @@ def test_a_batch_half_written_when_the_disk_fills_counts_for_nothing(
             f.write(write_job.dataset(), tmp_path / "job")
     manifest = _resume_and_compare(tmp_path / "job", reference / "job", write_job.dataset())
     values = int((write_job.inputs()[:16, 0].astype(np.int64) % 4).sum())  # n's first 16 rows
-    assert [p["rows"] for leaf in manifest["leaves"] for p in leaf["parts"]] == [values, 16, 16]
+    parts = [p["rows"] for leaf in manifest["leaves"] for p in leaf["parts"]]
+    assert parts == [values, 16, 16, 16]
 
 
 # ---------------------------------------------------------- crashes, resumed
@@ -509,3 +512,333 @@ def test_a_full_disk_is_a_clear_error_and_the_write_resumes(children, reference)
         written = wide.write(dataset, path / name)
         assert written.rows - before == written.computed_rows
         assert _files(path / name) == _files(reference / "wide" / name)
+
+
+# ------------------------------------- a resume is the uninterrupted write (issue 37)
+
+
+def _everything(s):
+    """A per-sample function that reads every feature a resume must carry on: the row's
+    global index, its shard, row-keyed random numbers, a ragged output, several leaves."""
+    row = tfshard.row_index()
+    noise = tf.random.stateless_uniform([2], seed=tf.stack([row, tf.constant(7, tf.int64)]))
+    return {
+        "y": tf.tanh(s) + noise[0],
+        "ids": tf.stack([row, tf.cast(tfshard.shard_index(), tf.int64)]),
+        "ragged": tf.range(tf.cast(row % 3, tf.int32)),
+    }
+
+
+def _keras_model():
+    keras = tf.keras
+    dense = keras.layers.Dense(3, kernel_initializer=keras.initializers.GlorotUniform(5))
+    return keras.Sequential([keras.Input([4]), dense])
+
+
+def _row_keyed(x):
+    """A whole-shard function in chunks of `max_rows`, its weights measured (`"auto"`)."""
+    row = tfshard.row_index()
+    return {"y": x * 2.0 + tf.cast(row, tf.float32)[:, None], "row": row}
+
+
+JOBS = {
+    # name: (a fresh function, its dataset of three batches, every k-th statement: all of
+    # them for the job that reads every feature, a sample for the others)
+    "everything": (
+        lambda: tfshard.parallelize(_everything, devices=CPUS[:3], weights=[2, 1, 1], ragged=True),
+        lambda: tf.data.Dataset.from_tensor_slices(rng_data(13, 4)).batch(5),
+        1,
+    ),
+    "keras": (
+        lambda: tfshard.parallelize(_keras_model(), devices=CPUS[:2]),
+        lambda: tf.data.Dataset.from_tensor_slices((rng_data(11, 4), np.zeros(11))).batch(4),
+        10,
+    ),
+    "auto_max_rows": (
+        lambda: tfshard.parallelize(
+            _row_keyed, per_sample=False, devices=CPUS[:2], weights="auto", max_rows=2
+        ),
+        lambda: tf.data.Dataset.from_tensor_slices(rng_data(13, 3)).batch(6),
+        25,
+    ),
+}
+
+
+def rng_data(rows, features):
+    return np.random.default_rng(rows * 100 + features).normal(size=[rows, features]).astype(
+        np.float32
+    )
+
+
+def _on_commit_path(statement):
+    """A `sys.settrace` tracer calling `statement(frame)` at each statement of
+    tfshard/writing.py that one batch's commit path runs (the second batch's append and
+    commit) and the finish runs, up to the store's close."""
+    module = writing.__file__
+    calls = collections.Counter()
+    recording = [False]
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != module:
+            return None
+        name = frame.f_code.co_name
+        if event == "call" and isinstance(frame.f_locals.get("self"), writing._Store):
+            if name in ("append", "finish"):
+                calls[name] += 1
+                recording[0] = (name, calls[name]) in (("append", 2), ("finish", 1))
+            elif name == "close":  # the write is over: its files close
+                recording[0] = False
+        if event == "line" and recording[0]:
+            statement(frame)
+        return tracer
+
+    return tracer
+
+
+def _traced(tracer, write):
+    sys.settrace(tracer)
+    try:
+        write()
+    finally:
+        sys.settrace(None)
+
+
+def _stop_points(write):
+    """The statements of the commit path (`_on_commit_path`) as (code, line), in order."""
+    events = []
+    _traced(_on_commit_path(lambda frame: events.append((frame.f_code, frame.f_lineno))), write)
+    return events
+
+
+def _stop_at(point, write):
+    """`write()`, interrupted by KeyboardInterrupt at the `point`-th statement of the
+    commit path (as counted by `_stop_points`), as Ctrl-C would; True if it was."""
+    seen = [0]
+
+    def statement(frame):
+        seen[0] += 1
+        if seen[0] == point:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    try:
+        _traced(_on_commit_path(statement), write)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_a_write_stopped_at_any_statement_of_its_commit_path_resumes_byte_for_byte(
+    tmp_path, monkeypatch, job
+):
+    """Stopped (Ctrl-C) at each statement one batch's append and commit and the finish run,
+    then resumed by another function object: the files equal an uninterrupted write's, byte
+    for byte, manifest included. The oracle is that uninterrupted write; on e91da92 the row
+    ids restarted at 0 and a stop between a batch's data and its count doubled the batch."""
+    monkeypatch.setattr(writing, "COMMIT_SECONDS", 0)  # a commit per batch: exact points
+    make, dataset, every = JOBS[job]
+    reference = tmp_path / "reference"
+    events = _stop_points(lambda: make().write(dataset(), reference))
+    # Each statement once, where it first runs (a loop's later rounds repeat its first).
+    firsts = sorted({event: i + 1 for i, event in reversed(list(enumerate(events)))}.values())
+    assert len(firsts) > 40
+    points = firsts[::every]
+    want = _files(reference)
+    stopped = 0
+    stopping, resuming = make(), make()  # two objects, as two processes would have
+    for point in points:
+        path = tmp_path / f"stopped{point}"
+        stopped += _stop_at(point, lambda path=path: stopping.write(dataset(), path))
+        written = resuming.write(dataset(), path)
+        code, line = events[point - 1]
+        assert _files(path) == want, f"stopped at {code.co_name}, line {line}"
+        assert written.rows == int(json.loads(want["manifest.json"])["rows"])
+    assert stopped == len(points)
+
+
+def test_row_ids_count_on_across_a_resume(tmp_path):
+    ds = tf.data.Dataset.range(100).batch(10)
+    path = tmp_path / "ids"
+    f = tfshard.parallelize(lambda s: tfshard.row_index(), devices=CPUS[:2])
+    _stopped_after(f, ds, path, 3)
+    g = tfshard.parallelize(lambda s: tfshard.row_index(), devices=CPUS[:2])  # a new process's
+    assert g.write(ds, path).computed_rows == 70
+    np.testing.assert_array_equal(tfshard.load(path), np.arange(100))
+
+
+def test_another_function_of_the_same_name_is_refused_even_when_finished(tmp_path):
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([40, 3], np.float32)).batch(8)
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
+    g = tfshard.parallelize(lambda s: tf.reduce_sum(s, keepdims=True), devices=CPUS[:2])
+    f.write(ds, tmp_path / "w")
+    with pytest.raises(ArgumentError, match=r"output there is dense float32 \[N, 3\]; this fun"):
+        g.write(ds, tmp_path / "w")
+    h = tfshard.parallelize(lambda s: s * 3.0, devices=CPUS[:2])  # same outputs, other values
+    with pytest.raises(ArgumentError, match=r"first batch computed again differs .* overwrite"):
+        h.write(ds, tmp_path / "w")
+    assert tfshard.load(tmp_path / "w").tolist() == (np.ones([40, 3]) * 2).tolist()
+
+
+def test_the_lock_is_held_exactly_while_a_write_runs(tmp_path):
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([6, 3], np.float32)).batch(4)
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
+    f.write(ds, tmp_path / "w")
+    f.write(ds, tmp_path / "w")  # finished: returns having checked its first batch
+    g = tfshard.parallelize(lambda s: s + 5.0, devices=CPUS[:2])
+    assert g.write(ds, tmp_path / "w", overwrite=True).computed_rows == 6
+    with pytest.raises(ArgumentError):
+        f.write(ds, tmp_path / "w")  # refused: and the lock goes with the refusal
+    assert g.write(ds, tmp_path / "w").computed_rows == 0
+
+
+def _stopped_after(f, ds, path, batches):
+    """A write of `ds` that stopped (Ctrl-C) after committing `batches` batches."""
+    calls = []
+    original = writing._Store.commit
+
+    def commit(self, *, due):
+        original(self, due=False)
+        calls.append(1)
+        if len(calls) == batches:
+            raise KeyboardInterrupt
+
+    writing._Store.commit = commit
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            f.write(ds, path)
+    finally:
+        writing._Store.commit = original
+    assert json.loads((path / "manifest.json").read_text())["batches"] == batches
+
+
+def test_a_resume_with_changed_data_or_weights_is_refused_not_mixed(tmp_path):
+    x = rng_data(40, 3)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(8)
+    changed = x.copy()
+    changed[8:24] += 1.0  # batches 1 and 2: after the first, which a hash checks
+    weights = tf.Variable(tf.ones([3]))
+    f = tfshard.parallelize(lambda s: s * weights, devices=CPUS[:2])
+    _stopped_after(f, ds, tmp_path / "data", 3)
+    with pytest.raises(ArgumentError, match=r"batch 2 computed again differs from what is on di"):
+        f.write(tf.data.Dataset.from_tensor_slices(changed).batch(8), tmp_path / "data")
+    _stopped_after(f, ds, tmp_path / "weights", 3)
+    weights.assign([1.0, 2.0, 3.0])
+    with pytest.raises(ArgumentError, match=r"\(its code or weights\)"):
+        f.write(ds, tmp_path / "weights")
+    weights.assign([1.0, 1.0, 1.0])  # as written: the resume goes on, and nothing is mixed
+    assert f.write(ds, tmp_path / "weights").computed_rows == 16
+    np.testing.assert_array_equal(tfshard.load(tmp_path / "weights"), x)
+
+
+def test_an_error_in_the_function_names_the_batch_its_rows_and_how_to_resume(tmp_path):
+    def fails_at_row_13(s):
+        row = tfshard.row_index()
+        tf.debugging.assert_none_equal(row, tf.constant(13, tf.int64), message="bad row")
+        return s
+
+    f = tfshard.parallelize(fails_at_row_13, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(20).batch(5)
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        f.write(ds, tmp_path / "e")
+    message = str(caught.value)
+    assert "bad row" in message
+    assert "stopped in batch 2 of the dataset, whose rows start at row 10" in message
+    assert f"10 rows (2 batches) are on disk in {str(tmp_path / 'e')!r}" in message
+    assert "again to resume after them" in message
+
+
+def _write_args_cases(tmp_path, ds, f):
+    target = tmp_path / "new"
+    return [
+        (lambda: f.write(target, ds), "takes the dataset first, then the path"),
+        (lambda: f.write(ds, None), r"path=None is a NoneType; give the directory as a str"),
+        (lambda: f.write(ds, 123), "path=123 is a int"),
+        (lambda: f.write(ds, b"x"), "path=b'x' is a bytes"),
+        (lambda: f.write(ds, ""), "path is empty; name the directory"),
+        (lambda: f.write(np.ones([4, 2]), target), "takes a tf.data.Dataset first, got ndarray"),
+        (lambda: f.write(ds, target, overwrite="no"), "overwrite='no' must be True or False"),
+        (lambda: f.write(ds, target, overwrite=1), "overwrite=1 must be True or False"),
+        (lambda: f.write(ds, target, progress="yes"), "progress='yes': True for lines on std"),
+        (lambda: f.write(ds, target, batched="yes"), "batched='yes' must be True, False or None"),
+        (lambda: f.write(ds, target, batch_size=2), r"batch_size=2: the dataset's elements are b"),
+        (lambda: f.write(ds.unbatch(), target, batch_size=0), "batch_size=0: the number of samp"),
+        (lambda: f.write(ds.unbatch(), target, batch_size="8"), "batch_size='8': the number"),
+        (lambda: f.write(ds.unbatch(), target, batch_size=True), "batch_size=True: the number"),
+        (lambda: tfshard.load(None), r"path=None is a NoneType"),
+        (lambda: tfshard.load(""), "path is empty"),
+        (lambda: tfshard.load(tmp_path / "done", partial="no"), "partial='no' must be True or F"),
+    ]
+
+
+def test_every_wrong_argument_of_write_and_load_is_refused_before_anything_is_made(tmp_path):
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([6, 2], np.float32)).batch(4)
+    f.write(ds, tmp_path / "done")
+    before = sorted(os.listdir(tmp_path))
+    for run, message in _write_args_cases(tmp_path, ds, f):
+        with pytest.raises(tfshard.TfshardError, match=message):
+            run()
+        assert sorted(os.listdir(tmp_path)) == before, message  # nothing made on disk
+
+
+def _damage(path, how):
+    manifest_path = path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    y = path / "output.npy"
+    if how == "truncated":  # into the committed rows (an unfinished write reserved more)
+        part = manifest["leaves"][0]["parts"][0]
+        y.write_bytes(y.read_bytes()[: 128 + part["rows"] * 3 * 4 - 8])
+    elif how == "deleted":
+        y.unlink()
+    elif how == "rows+500":
+        manifest["rows"] += 500
+        manifest["leaves"][0]["parts"][0]["rows"] += 500
+    elif how == "batches-2":
+        manifest["batches"] -= 2
+    elif how == "dtype":
+        manifest["leaves"][0]["parts"][0]["dtype"] = "int32"
+    elif how == "missing key":
+        del manifest["rows"]
+    elif how == "garbage header":
+        data = bytearray(y.read_bytes())
+        data[10:40] = b"{'descr': '|O', 'fortran_or" + b"xx"
+        y.write_bytes(bytes(data))
+    elif how == "not json":
+        manifest_path.write_text("{")
+        return
+    manifest_path.write_text(json.dumps(manifest))
+
+
+DAMAGE = ("truncated", "deleted", "rows+500", "batches-2", "dtype", "missing key",
+          "garbage header", "not json")  # fmt: skip
+
+
+@pytest.mark.parametrize("complete", [True, False], ids=["finished", "unfinished"])
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_or_edited_write_is_refused_naming_what_and_the_fix(tmp_path, how, complete):
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
+    x = rng_data(40, 3)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(4)  # 10 batches
+    path = tmp_path / "w"
+    if complete:
+        f.write(ds, path)
+    else:
+        _stopped_after(f, ds, path, 5)
+    _damage(path, how)
+    fix = "remove the directory" if how == "not json" else "overwrite=True"
+    with pytest.raises(tfshard.TfshardError, match=fix) as caught:
+        f.write(ds, path)
+    assert "output.npy" in str(caught.value) or "manifest" in str(caught.value) or (
+        "computed again differs" in str(caught.value)
+    )
+    if how != "batches-2":  # the manifest alone cannot tell; the resume's check does
+        with pytest.raises(tfshard.TfshardError, match="write it again"):
+            tfshard.load(path, partial=True)
+    if how == "not json":  # its files cannot be told from a user's: overwrite refuses too
+        with pytest.raises(ArgumentError, match="not a tfshard write's"):
+            f.write(ds, path, overwrite=True)
+        path = tmp_path / "elsewhere"
+    written = f.write(ds, path, overwrite=True)
+    assert written.rows == 40
+    np.testing.assert_array_equal(tfshard.load(path), x * 2.0)

@@ -39,7 +39,8 @@ def dataset(features: int = FEATURES, unknown_length: bool = False):  # noqa: AN
 
 
 def make_scored(on_call, devices=("/device:CPU:0", "/device:CPU:1")):  # noqa: ANN001, ANN201
-    """The job: a dense and a ragged output per row; `on_call(rows)` runs once per shard."""
+    """The job: two dense outputs (one the row's global index) and a ragged one per row;
+    `on_call(rows)` runs once per shard."""
     import tensorflow as tf
 
     import tfshard
@@ -53,7 +54,8 @@ def make_scored(on_call, devices=("/device:CPU:0", "/device:CPU:1")):  # noqa: A
         with tf.control_dependencies([seen]):
             lengths = tf.cast(x[:, 0], tf.int64) % 4
             ragged = tf.RaggedTensor.from_row_lengths(tf.repeat(x[:, 1], lengths), lengths)
-            return {"y": x * 2.0 + 1.0, "n": ragged}
+            # Each row's global index: a resume must count on from the rows on disk.
+            return {"y": x * 2.0 + 1.0, "n": ragged, "row": tfshard.row_index()}
 
     return tfshard.parallelize(scored, per_sample=False, devices=list(devices))
 
@@ -84,18 +86,18 @@ def main(scenario: str, path: str, log: str) -> None:
     on_call = lambda rows: shard_calls.__setitem__(0, shard_calls[0] + 1)  # noqa: E731
     # Two shards a batch and one commit after each: batch 3 begins at shard call 5, its
     # commit is the fourth manifest written (the first is the empty one), and its headers
-    # are marks 10..12 (three files made at the first batch, three marks per commit, in
-    # leaf order: n.values, n.row_lengths, y).
+    # are marks 13..16 (four files made at the first batch, four marks per commit, in
+    # leaf order: n.values, n.row_lengths, row, y); its data, appends 9..12.
     if scenario == "before_first_batch":
         on_call = _kill_at(on_call, 1)
     elif scenario == "mid_compute":
         on_call = _kill_at(on_call, 5)
-    elif scenario == "mid_data":  # batch 3: all of y, half of n's values
+    elif scenario == "mid_data":  # batch 3: n's values, half of its row lengths
         append = writing._Column.append
         half = lambda self, array, at: append(self, array[: len(array) // 2], at)  # noqa: E731
-        writing._Column.append = _kill_at(append, 8, before=half)
+        writing._Column.append = _kill_at(append, 10, before=half)
     elif scenario == "mid_header":  # batch 3's data synced, n's two headers rewritten, not y's
-        writing._Column.mark = _kill_at(writing._Column.mark, 11, writing._Column.mark)
+        writing._Column.mark = _kill_at(writing._Column.mark, 14, writing._Column.mark)
     elif scenario == "mid_manifest":  # half of batch 3's manifest in the temporary file
         replace = writing._replace
 

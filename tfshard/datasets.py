@@ -151,6 +151,17 @@ def prepare(
                 "batch_size= batches a dataset of single samples, but batched=True says its "
                 "elements are batches already; pass one or the other"
             )
+        leaves = _leaf_paths(dataset.element_spec)
+        if all(isinstance(s, tf.TensorSpec) and _batch_of_unknown_size(s) for _, s in leaves):
+            shapes = ", ".join(f"{where}: {spec.shape}" for where, spec in leaves)
+            raise ArgumentError(
+                f"batch_size={batch_size}: the dataset's elements are batches already ({shapes}, "
+                "a first dimension of unknown size, as dataset.batch makes), and batching them "
+                "again would make each batch one sample; pass batched=True instead of "
+                "batch_size (or dataset.unbatch() first). Samples whose first dimension varies "
+                "do not batch: pad them (dataset.padded_batch) or make them ragged "
+                "(dataset.ragged_batch), then pass batched=True"
+            )
         dataset = dataset.batch(batch_size)
     elif batched is False:
         raise ArgumentError(
@@ -165,7 +176,7 @@ def prepare(
                     f"{where} is a scalar, so the dataset has no batch dimension; pass "
                     "batch_size=N to let tfshard batch it (or call dataset.batch(N) first)"
                 )
-        if not all(spec.shape.rank is not None and spec.shape[0] is None for _, spec in leaves):
+        if not all(_batch_of_unknown_size(spec) for _, spec in leaves):
             shapes = ", ".join(f"{where}: {spec.shape}" for where, spec in leaves)
             raise ArgumentError(
                 f"cannot tell whether the dataset's elements are batches ({shapes}); pass "
@@ -177,6 +188,11 @@ def prepare(
         options.autotune.enabled = False
         dataset = dataset.with_options(options)
     return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def _batch_of_unknown_size(spec: tf.TypeSpec) -> bool:
+    """Whether `spec` has a first dimension of unknown size (a batch, as `Dataset.batch` makes)."""
+    return spec.shape.rank is not None and spec.shape.rank > 0 and spec.shape[0] is None
 
 
 def _on_host_cpus(engine: Engine) -> bool:

@@ -66,6 +66,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 from collections import namedtuple
 from collections.abc import Hashable, Sequence
@@ -311,28 +312,60 @@ def _write_error(error: OSError, call: str, then: str) -> WriteError:
     return failed
 
 
-def _lock(path: str, call: str) -> int:
-    """The directory `path`, open and locked against other writes until it is closed.
+class _Locks:
+    """The directories this process holds locked for writes, and the thread of each write.
 
-    Two processes writing one path would commit over each other; the lock goes
-    with the process, however it ends, so a resume after a crash finds it free.
+    The lock is the kernel's (`flock`), so it goes with the process however it
+    ends. Within the process, an interrupt that lands between a write's last
+    statement and the release (Ctrl-C in a notebook keeps the process) would
+    keep it held with no write running: a lock held by this process for a
+    write in the same thread, or in a thread that has ended, cannot belong to
+    a running write, and the next write there takes it over.
     """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): unguarded
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._held: dict[tuple[int, int], tuple[int, threading.Thread]] = {}
+
+    def take(self, path: str, call: str) -> int:
+        """The directory `path`, open and locked against other writes until `release`."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): unguarded
+            return fd
+        stat = os.fstat(fd)
+        key = (stat.st_dev, stat.st_ino)
+        with self._guard:
+            stale = self._held.get(key)
+            if stale is not None and (
+                stale[1] is threading.current_thread() or not stale[1].is_alive()
+            ):
+                del self._held[key]
+                os.close(stale[0])  # and with it the lock it held
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as error:
+                os.close(fd)
+                busy = WriteError(
+                    f"{call}: another write is running there (it holds the directory's "
+                    "lock); wait for it to end, or write somewhere else"
+                )
+                busy.errno, busy.strerror, busy.filename = error.errno, error.strerror, path
+                raise busy from None
+            self._held[key] = (fd, threading.current_thread())
         return fd
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as error:
-        os.close(fd)
-        busy = WriteError(
-            f"{call}: another write is running there (it holds the directory's lock); wait "
-            "for it to end, or write somewhere else"
-        )
-        busy.errno, busy.strerror, busy.filename = error.errno, error.strerror, path
-        raise busy from None
-    return fd
+
+    def release(self, fd: int) -> None:
+        """Closes `fd` (a directory `take` locked), and with it the lock."""
+        with self._guard:
+            for key, (held, _) in list(self._held.items()):
+                if held == fd:
+                    del self._held[key]
+            os.close(fd)
+
+
+_locks = _Locks()
 
 
 # What to do about the OSErrors a write meets, by errno.
@@ -453,7 +486,7 @@ class _Store:
         self._files: list[list[_Column]] | None = None  # open files, per leaf and part
         self._structure: Hashable = None
         self._last_commit = 0.0
-        self._lock = -1  # the directory, open and locked (`_lock`)
+        self._lock = -1  # the directory, open and locked (`_locks`)
 
     @property
     def rows(self) -> int:
@@ -490,11 +523,11 @@ class _Store:
             os.makedirs(path, exist_ok=True)
         except OSError as error:
             raise _write_error(error, call, "nothing was written") from None
-        lock = _lock(path, call)
+        lock = _locks.take(path, call)
         try:
             store = cls._opened(path, function, source, overwrite, call)
         except BaseException:
-            os.close(lock)
+            _locks.release(lock)
             raise
         store._lock = lock
         return store
@@ -507,6 +540,8 @@ class _Store:
         try:
             manifest = None if overwrite else _read_manifest(path)
         except ValueError as error:
+            if not _listed_files(path):  # unreadable: overwrite=True could not tell its files
+                fix = "remove the directory, or write to another path"
             raise WriteError(
                 f"{call}: {os.path.join(path, MANIFEST)} is not a manifest this tfshard "
                 f"wrote ({error}); {fix}"
@@ -520,11 +555,8 @@ class _Store:
                     f"did not record enough to check a resume; {fix}"
                 )
             return cls(path, manifest, call)
-        old = _read_manifest_quietly(path) if overwrite else None
-        own = {MANIFEST, _temporary(MANIFEST)}
-        if old is not None:
-            own |= {part["file"] for leaf in old["leaves"] or () for part in leaf["parts"]}
-        others = sorted(set(os.listdir(path)) - own)
+        old = _listed_files(path) if overwrite else []
+        others = sorted(set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST), *old})
         if others:
             raise ArgumentError(
                 f"{call}: {path!r} holds files that are not a tfshard write's "
@@ -547,10 +579,9 @@ class _Store:
             _replace(os.path.join(path, MANIFEST), _encoded(manifest))  # a full disk fails here
         except OSError as error:
             raise _write_error(error, call, "nothing was written") from None
-        for leaf in (old or {}).get("leaves") or ():  # the old write's data, after its manifest
-            for part in leaf["parts"]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(path, part["file"]))
+        for file in old:  # the old write's data, after its manifest
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(path, file))
         return cls(path, manifest, call)
 
     def verify(self, result: Any, first_row: int) -> None:
@@ -638,11 +669,14 @@ class _Store:
         self.complete = True
 
     def close(self) -> None:
-        for column in self._columns():
-            column.close()
-        if self._lock >= 0:
-            os.close(self._lock)  # and with it the lock
-            self._lock = -1
+        """Closes the files, then the directory and with it the lock (whatever the files do)."""
+        try:
+            for column in self._columns():
+                column.close()
+        finally:
+            lock, self._lock = self._lock, -1
+            if lock >= 0:
+                _locks.release(lock)
 
     def _columns(self) -> list[_Column]:
         return [column for columns in self._files or () for column in columns]
@@ -945,8 +979,8 @@ def _check_schema(manifest: dict[str, Any]) -> None:
     need(dataset, "element", "dataset.", list)
     known = need(dataset, "batches", "dataset.", (int, type(None)))
     need(dataset, "first_batch", "dataset.", (str, type(None)))
-    if known is not None and batches > known:
-        raise ValueError(f"batches is {batches}, more than the dataset's {known}")
+    if known is not None and (batches > known or (manifest["complete"] and batches != known)):
+        raise ValueError(f"batches is {batches}, but the dataset has {known}")
     leaves = need(manifest, "leaves", "", (list, type(None)))
     need(manifest, "outputs", "", (dict, type(None)))
     if (leaves is None) != (manifest["outputs"] is None) or (leaves is None and rows):
@@ -1068,11 +1102,23 @@ def _difference(got: np.ndarray, stored: np.ndarray) -> str:
     return f"{int(np.sum(~close))} of {got.size} values differ, by up to {worst:.3g}"
 
 
-def _read_manifest_quietly(path: str) -> dict[str, Any] | None:
+def _listed_files(path: str) -> list[str]:
+    """The data files a manifest at `path` names, read leniently (a damaged manifest of
+    tfshard's still names its files, which `overwrite=True` replaces); [] for none."""
     try:
-        return _read_manifest(path)
-    except ValueError:
-        return None
+        with open(os.path.join(path, MANIFEST), "rb") as file:
+            manifest = json.loads(file.read())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return []
+    files = []
+    for leaf in manifest.get("leaves") or ():
+        for part in (leaf.get("parts") or ()) if isinstance(leaf, dict) else ():
+            name = part.get("file") if isinstance(part, dict) else None
+            if isinstance(name, str) and _plain_file_name(name):
+                files.append(name)
+    return files
 
 
 def _check_same(manifest: dict[str, Any], function: str, source: dict[str, Any], call: str) -> None:
