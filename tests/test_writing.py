@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import write_job
+from children import environ as child_environ
 
 import tfshard
 from tfshard import writing
@@ -402,7 +403,7 @@ def started(tmp_path_factory):
     test, so that they start TensorFlow while the tests above run; name -> (process, the
     write's directory, its log)."""
     base = tmp_path_factory.mktemp("children")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = child_environ(TF_CPP_MIN_LOG_LEVEL="3")
     processes = {}
     for name in SCENARIOS:
         path, log = base / name, base / f"{name}.log"
