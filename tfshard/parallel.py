@@ -354,11 +354,13 @@ class ShardedFunction:
         Calling it again after the process died (Ctrl-C, SIGKILL, a power cut,
         a full disk) resumes after the last batch committed to disk (commits
         come about once a second, `tfshard.writing.COMMIT_SECONDS`): nothing is
-        lost, nothing written twice, and a batch is never half visible. A
-        finished write returns at once. A resume assumes the same dataset in
-        the same order and the same function; it checks the function's name,
-        its outputs' structure, dtypes and per-row shapes, and the dataset's
-        element spec, number of batches and first batch (`tfshard.writing`).
+        lost, nothing written twice, a batch never half visible, and
+        ``tfshard.row_index()`` counts on from the rows on disk. A resume
+        assumes the same dataset in the same order and the same function; it
+        checks the dataset's element spec, number of batches and first batch,
+        the files against the manifest, and computes the last committed batch
+        again and compares it with the disk before appending (a finished
+        write: its first batch, then it returns) (`tfshard.writing`).
 
         Args:
           dataset: batches, or single samples with `batch_size`; finite.
@@ -380,12 +382,16 @@ class ShardedFunction:
           disk, and ``computed_rows``, those this call computed.
 
         Raises:
-          ArgumentError: a bad dataset (as for `iterate`), an infinite one,
-            ``reduce=`` set (there are no rows to write), outputs that are not
-            dense or ragged numbers, or a `path` holding another function's or
-            dataset's write (the message names the difference).
-          WriteError: a full disk, a file size limit or an unwritable path; what
-            was committed stays, and calling again resumes.
+          ArgumentError: a bad argument (checked before anything is made on
+            disk: a dataset as for `iterate`, an infinite one, a `path` that is
+            not a non-empty str or PathLike, flags that are not bools,
+            `batch_size` on batches), ``reduce=`` set (there are no rows to
+            write), outputs that are not dense or ragged numbers, or a `path`
+            holding another function's or dataset's write, or one whose batch
+            computed again differs (the message names the difference).
+          WriteError: a full disk, a file size limit or an unwritable path (what
+            was committed stays, and calling again resumes); or files that are
+            not what the write left there (damaged, edited by hand).
 
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "squares")

@@ -46,14 +46,17 @@ SIGKILL, a power cut, a full disk). Anything past the committed rows is
 ignored and overwritten on resume. A crash loses at most the batches computed
 since the last commit, about `COMMIT_SECONDS` of work.
 
-Resuming assumes the dataset gives the same batches in the same order: it
-skips the committed batches with ``dataset.skip(n)``, which reads them
-through the input pipeline but not through the function. What can be checked
-is: the function's name and the outputs' structure, kinds, dtypes and per-row
-shapes (at the first batch computed); the dataset's element spec, its number
-of batches, and its first batch (a hash), which catches another file, another
-batch size or an unseeded shuffle. Changed weights, or a change past the first
-batch, cannot be seen.
+Resuming assumes the same function and the dataset's same batches in the same
+order, and checks it before it trusts the disk: the function's name; the
+dataset's element spec, number of batches and first batch (a hash, which
+catches another file, another batch size or an unseeded shuffle); the
+manifest's fields and each file's header, dtype, per-row shape, rows and size;
+then the last committed batch, read again (``dataset.skip(n - 1)``) and
+computed again, against what is on disk (`_Store.verify`), which catches
+another function, changed weights, a dataset changed up to that batch and a
+random function. It then streams the rest with ``tfshard.row_index()``
+counting on from the rows on disk. A change between the first and the last
+committed batch cannot be seen.
 """
 
 from __future__ import annotations
