@@ -843,3 +843,29 @@ def test_a_damaged_or_edited_write_is_refused_naming_what_and_the_fix(tmp_path, 
     written = f.write(ds, path, overwrite=True)
     assert written.rows == 40
     np.testing.assert_array_equal(tfshard.load(path), x * 2.0)
+
+
+def test_a_manifest_the_full_disk_refuses_leaves_the_headers_at_the_committed_rows(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(writing, "COMMIT_SECONDS", 0)
+    replace, calls = writing._replace, []
+
+    def full_at_the_third_commit(path, data):
+        calls.append(1)
+        if len(calls) >= 4:  # the empty manifest, batches 1 and 2; full from batch 3's on
+            raise OSError(28, "No space left on device", path)
+        return replace(path, data)
+
+    monkeypatch.setattr(writing, "_replace", full_at_the_third_commit)
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
+    x = rng_data(40, 3)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(4)
+    with pytest.raises(WriteError, match=r"the disk is full; free some space; 8 rows \(2 batc"):
+        f.write(ds, tmp_path / "w")
+    manifest = json.loads((tmp_path / "w" / "manifest.json").read_text())
+    assert manifest["rows"] == 8
+    assert np.load(tmp_path / "w" / "output.npy").shape == (8, 3)  # not batch 3's 12
+    monkeypatch.setattr(writing, "_replace", replace)
+    assert f.write(ds, tmp_path / "w").computed_rows == 32
+    np.testing.assert_array_equal(tfshard.load(tmp_path / "w"), x * 2.0)
