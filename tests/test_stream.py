@@ -98,9 +98,18 @@ def test_a_resumed_run_counts_from_where_it_was_and_rates_its_own_rows(clock):
     log = io.StringIO()
     meter = _stream.Progress("embed", 10, log, done_batches=6, done_rows=60)
     _run(meter, clock, 2, seconds_each=2.0)
-    assert log.getvalue().splitlines()[0] == (
-        "embed: batch 7/10  70 samples  5.0 samples/s  2.0 s  6 s left"
-    )
+    assert log.getvalue().splitlines() == [
+        "embed: batch 7/10  70 samples  5.0 samples/s  2.0 s",  # no pace yet: the first traces
+        "embed: batch 8/10  80 samples  5.0 samples/s  4.0 s  4 s left",
+    ]
+
+
+def test_the_time_left_is_paced_after_the_first_batch_which_traces(clock):
+    log = io.StringIO()
+    meter = _stream.Progress("embed", 10, log, done_batches=4, done_rows=40)
+    _run(meter, clock, 1, seconds_each=60.0)  # a resumed run's first batch: tracing
+    _run(meter, clock, 1, seconds_each=1.0)
+    assert log.getvalue().splitlines()[-1].endswith("  61.0 s  4 s left")  # not 2 min 18 s
 
 
 # ------------------------------------------------------- end to end, real time
