@@ -7,7 +7,8 @@ derive from `RuntimeError`.
 
 All parsing of a TensorFlow error's message lives here: which shard failed
 (`failing_shard`), what tfshard's own in-graph checks printed (`rows_error`,
-`inputs_differ`), whether pfor failed to stack (`pfor_stack_failure`), and which
+`inputs_differ`), whether pfor failed to stack (`pfor_stack_failure`), what XLA
+could not compile (`xla_failure`, the one line `user_frames` shows for it), and which
 workers a remote error names (`remote_tasks`, `grpc_reason`), and that error's
 text without gRPC's repetitions (`trimmed_remote`). The callers add
 what they know (devices, rows, the cluster); this module knows TF's formats.
@@ -50,6 +51,26 @@ _REMOTE_TARGET_RE = re.compile(
 _PEER_RE = re.compile(r"ipv[46]:(?P<address>\[[^\]]+\]:\d+|[^\s:\"]+:\d+)")
 _GRPC_MESSAGE_RE = re.compile(r"grpc_message:\s*\"(?P<message>[^\"\\]*)")
 _GRPC_STATUS_RE = re.compile(r"grpc_status:\s*(\d+)")
+# XLA could not compile a function (jit_compile=True): TF says so once per function
+# it was converting, and once per root error, with the stack of each.
+_XLA_FAILURE_RE = re.compile(
+    r"tf2xla conversion failed while converting"
+    r"|Detected unsupported operations when trying to compile graph"
+)
+# The op XLA has no kernel for: "... compile graph g on XLA_CPU_JIT: TensorListReserve (No ...".
+_XLA_UNSUPPORTED_RE = re.compile(
+    r"compile graph \S+ on (?P<device>\w+): (?P<op>[A-Za-z0-9_>.]+) \(No registered"
+)
+_FAILING_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}")
+# Where TF's text of a root error ends and its stacks, calls and counts begin.
+_CAUSE_END_RE = re.compile(
+    r"^\s*(?:\[\[|tf2xla conversion failed|The op is created at:|Stack trace for op definition:"
+    r"|\d+ (?:successful operations|derived errors ignored))"
+)
+# Lines around a root error that are no part of it: TF's heading, each node's stack.
+_NOT_CAUSE_RE = re.compile(
+    r"^(?:Graph execution error:|Detected at node .*|\s*File .*|<stack traces unavailable>|\s*)$"
+)
 # gRPC's codes for a peer that could not be reached in time: UNAVAILABLE, DEADLINE_EXCEEDED.
 _TRANSPORT_CODES = frozenset({14, 4})
 
@@ -168,7 +189,13 @@ def user_frames(message: str) -> str:
     and the stack that built N once per root error; tfshard's frames in it
     (its trace, body and shard functions) say nothing to the user. The user's
     frames, the failing op and TF's own summary stay.
+
+    An XLA compile failure is `xla_failure`'s line and TF's root cause, once:
+    TF repeats the stack of each function it was converting, for each shard.
     """
+    xla = xla_failure(message)
+    if xla is not None:
+        return xla
     lines = message.split("\n")
     kept: list[str] = []
     seen: set[tuple[str, ...]] = set()
@@ -247,7 +274,7 @@ def _shard_of_root(block: str) -> int | None:
         return None  # no node, or an aborted receive: the cause is another root error
     found = None
     for i, (failing, name) in enumerate(names):
-        if i and failing:
+        if i and failing and failing != names[0][0]:
             break  # the next node's report: the failing node's calls ended
         shard = shard_in(name)
         if shard is not None and not _RECEIVE_RE.fullmatch(name):
@@ -258,18 +285,68 @@ def _shard_of_root(block: str) -> int | None:
 def _root_errors(message: str) -> list[str]:
     """The root errors a TF message lists, consequences left out (all of it if one).
 
-    A root error CANCELLED or ABORTED is the step being stopped because
-    another op failed; it never names the cause.
+    Each starts with its code (``INVALID_ARGUMENT: ...``). A root error
+    CANCELLED or ABORTED is the step being stopped because another op failed;
+    it never names the cause.
     """
     starts = list(_ROOT_ERROR_RE.finditer(message))
     if not starts:
         return [message]
     ends = [m.start() for m in starts[1:]] + [len(message)]
     return [
-        message[m.end() : end]
+        message[m.start(1) : end]
         for m, end in zip(starts, ends)
         if m.group(1) not in ("CANCELLED", "ABORTED")
     ]
+
+
+def xla_failure(message: str) -> str | None:
+    """What XLA could not compile, and the remedy, then TF's root cause once; None if
+    the error is not XLA's compile failure.
+
+    TensorFlow reports it once per root error (one per shard), each with the
+    stack of every function it was converting (``Stack trace for op
+    definition``): dozens of lines, a cause in one. This keeps the root error
+    that names a shard (else the first), its failing node and, when XLA has no
+    kernel for it, the op.
+
+    >>> what, cause = xla_failure(
+    ...     "  (0) INVALID_ARGUMENT:  Reading input as constant from a dynamic tensor"
+    ...     "\\n\\nStack trace for op definition: \\nFile \\"a.py\\", line 6"
+    ...     "\\n\\t [[{{node loop_body/pfor/DynamicStitch}}]]"
+    ...     "\\n\\ttf2xla conversion failed while converting cond_true_70[]."
+    ... ).split("\\n")
+    >>> print(what.replace("; ", ";\\n"))
+    XLA could not compile the function (jit_compile=True) at node loop_body/pfor/DynamicStitch;
+    pass jit_compile=False to run it without XLA
+    >>> print(cause)
+    TensorFlow's error: INVALID_ARGUMENT: Reading input as constant from a dynamic tensor
+    >>> xla_failure("out of memory") is None
+    True
+    """
+    if not _XLA_FAILURE_RE.search(message):
+        return None
+    blocks = _root_errors(message)
+    block = next((b for b in blocks if _shard_of_root(b) is not None), blocks[0])
+    node = _FAILING_NODE_RE.search(block)
+    unsupported = _XLA_UNSUPPORTED_RE.search(block)
+    what = "XLA could not compile the function (jit_compile=True)"
+    if unsupported:
+        what += f": {unsupported['device']} has no kernel for op {unsupported['op']}"
+    if node:
+        what += f" at node {node[1]}"
+    what += "; pass jit_compile=False to run it without XLA"
+    if unsupported:
+        what += ", or keep ops XLA has no kernel for out of the function"
+    cause: list[str] = []
+    for line in block.split("\n"):
+        if _CAUSE_END_RE.match(line):
+            if cause:
+                break
+        elif not _NOT_CAUSE_RE.match(line):
+            cause.append(line.rstrip())
+    text = re.sub(r"^([A-Z_]+):\s+", r"\1: ", "\n".join(cause).strip())
+    return f"{what}\nTensorFlow's error: {_FUNCTION_NODE_RE.sub('', text)}"
 
 
 def pfor_stack_failure(message: str) -> bool:
@@ -285,6 +362,8 @@ def pfor_stack_failure(message: str) -> bool:
     >>> pfor_stack_failure("NaN [[{{node loop_body/Check}}]] [[loop_body/pfor/TensorListStack]]")
     False
     """
+    if _XLA_FAILURE_RE.search(message):
+        return False  # XLA could not compile what pfor made: jit_compile=False, not ragged=True
     failed = re.findall(r"\{\{node ([^}]+)\}\}", message) or [message]
     in_pfor = any("/pfor/" in name for name in failed)
     return in_pfor and ("TensorList" in message or "Incompatible shapes" in message)
