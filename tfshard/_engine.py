@@ -38,6 +38,7 @@ from tfshard.errors import (
     shard_error,
     trimmed_remote,
     user_frames,
+    xla_failure,
 )
 from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
 
@@ -548,6 +549,8 @@ class Engine:
                     f"TensorFlow's error: {user_frames(error.message)}"
                 )
             wrapped = shard_error(error, f"{shard} {text}")
+        elif xla_failure(error.message):  # TF cut its text before a shard was named
+            wrapped = shard_error(error, f"{self.name} failed: {user_frames(error.message)}")
         pfor_stack = pfor_stack_failure(error.message)
         per_sample, ragged = self.options.per_sample, self.options.ragged
         if hint is None and per_sample and not ragged and pfor_stack:
