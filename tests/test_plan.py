@@ -153,3 +153,73 @@ def test_plan_and_explain_work_inside_a_tf_function():
     outer(tf.zeros([5, 2]))
     assert seen[0][0] == f.plan(5) == [3, 1, 1]
     assert seen[0][1].startswith("identity: 5 rows on 3 devices")
+
+
+# ------------------------------------------------------------- the split, property
+
+# One dtype per way `_kinds.Dense.split` cuts: SplitV as it is, SplitV of a same-size
+# float by Bitcast, StridedSlice (1-byte dtypes), SplitV with no float of its size.
+_SPLIT_ROUTES = ("float32", "int32", "uint64", "uint8", "bool", "int8", "complex128")
+
+
+def _extremes(dtype: str, n: int) -> np.ndarray:
+    """[n, 2] of `dtype`, its extremes among them: a cast on the way would show."""
+    if dtype == "bool":
+        return (np.arange(2 * n) % 3 == 0).reshape(n, 2)
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        info = np.iinfo(dtype)
+        cycle = np.array([info.min, info.max, 0, 1, info.max - 1], dtype)
+        return np.resize(cycle, [n, 2])
+    return (np.arange(2 * n) * 0.1 + 1e30).astype(dtype).reshape(n, 2)
+
+
+_SPLITS = {}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+    dtype=st.sampled_from(_SPLIT_ROUTES),
+)
+def test_every_dtype_is_split_into_numpys_slices(sizes, dtype):
+    count = len(sizes)
+    split = _SPLITS.get((count, dtype))
+    if split is None:  # one trace per device count and dtype: rows and sizes are open
+        split = _SPLITS[(count, dtype)] = tf.function(
+            lambda t, s: _plan.split(t, s, count, CPUS[0]), autograph=False
+        ).get_concrete_function(tf.TensorSpec([None, 2], dtype), tf.TensorSpec([count], tf.int64))
+    x = _extremes(dtype, sum(sizes))
+    with tf.device(CPUS[1]):
+        pieces = split(tf.constant(x), tf.constant(sizes, tf.int64))
+    ends = np.cumsum(sizes)
+    for piece, start, end in zip(pieces, ends - sizes, ends):
+        assert piece.dtype == tf.as_dtype(dtype)
+        np.testing.assert_array_equal(piece.numpy(), x[start:end])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint8", "int16"])
+def test_a_tensor_of_a_graph_is_split_where_the_callers_scope_says(dtype):
+    """Device "" (a graph's tensor: a stream's batch) keeps the caller's scope.
+
+    A stream feeds each batch on the host: its row count and its split run
+    there, each piece then crossing once to its shard. ``tf.device(None)``
+    would clear that scope, and the split would run where the loop is called
+    (the output device), the whole batch crossing there first.
+    """
+
+    def plan_on_the_host(x):
+        with tf.device(CPUS[0]):
+            return _plan.plan_and_split([x], [""], ["x"], 3, None, CPUS[0]).pieces[0]
+
+    graph = (
+        tf.function(plan_on_the_host, autograph=False)
+        .get_concrete_function(tf.TensorSpec([None, 2], dtype))
+        .graph
+    )
+    # Every op reads the batch or computes from its rows: all on the host (but the
+    # function's inputs and outputs, which tf.function makes outside the scope).
+    ends = {"Placeholder"} | {t.op.name for t in graph.outputs}
+    placed = {
+        (op.type, op.device) for op in graph.get_operations() if not {op.type, op.name} & ends
+    }
+    assert {device for _, device in placed} == {CPUS[0]}, placed

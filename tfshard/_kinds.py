@@ -17,6 +17,7 @@ kernels there, are here too: `SPLIT_DTYPES` and `SLICED_DTYPES` for the split,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,8 +40,9 @@ _SAME_SIZE_FLOAT = {2: tf.float16, 4: tf.float32, 8: tf.float64}
 
 # Integer dtypes whose GPU kernels for TensorLists (the gather's TensorArray,
 # tf.map_fn's) and GatherV2 (tf.vectorized_map's) are missing in TensorFlow
-# 2.16-2.21: on a GPU, soft placement would quietly run those ops on the CPU
-# and copy the values there and back. Each travels instead as a dtype those
+# 2.16-2.21, or Tile's (how pfor stacks an output the same for every sample):
+# on a GPU, soft placement would quietly run those ops on the CPU and copy the
+# values there and back. Each travels instead as a dtype those
 # kernels cover, through a Cast that holds every value exactly (|int16| < 2**24
 # in float32; 2**64 - 1 as int64 -1, cast back bit for bit) and has GPU kernels
 # both ways. Every other dtype has the kernels and takes no extra op; strings
@@ -65,6 +67,17 @@ def carried(value: tf.Tensor) -> tf.Tensor:
 def uncarried(value: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     """A `carried` value back as `dtype`."""
     return value if value.dtype == dtype else tf.cast(value, dtype)
+
+
+def placed(device: str | None) -> contextlib.AbstractContextManager:
+    """`tf.device(device)`; where `device` is None or "" (a tensor of a graph, whose
+    device Python does not know: a stream's batch), the caller's own device scope.
+
+    Not ``tf.device(None)``, which clears the caller's scope: a stream's batch,
+    fed on the host, would be split on whatever device calls the loop (the
+    output device), the whole batch crossing there first.
+    """
+    return tf.device(device) if device else contextlib.nullcontext()
 
 
 def _open_rows(shape: tf.TensorShape) -> tf.TensorShape:
@@ -127,7 +140,7 @@ class Dense:
         if t.shape.rank and t.shape[0] is not None:
             with tf.device(host):
                 return tf.constant(t.shape[0], tf.int64)
-        with tf.device(device):
+        with placed(device):
             shape = tf.shape(t, out_type=tf.int64)
         with tf.device(host):
             return shape[0]
@@ -137,11 +150,16 @@ class Dense:
         """`t` cut into `count` pieces of `sizes` rows where it lives (offsets on `host`)."""
         # [N, ...] -> count x [n_k, ...]
         if t.dtype in SLICED_DTYPES:
+            # A GPU StridedSlice reads its bounds and strides from host memory: all made
+            # on the host, with the plan's ops (a stride made where `t` is would cross
+            # back to the host for every piece), and no slicing of values there.
             with tf.device(host):
                 ends = tf.cumsum(sizes)
-                starts = ends - sizes
-                bounds = [(starts[k : k + 1], ends[k : k + 1]) for k in range(count)]
-            return [tf.strided_slice(t, begin, end) for begin, end in bounds]
+                # [K] -> K x [1]
+                begins = tf.unstack(tf.reshape(ends - sizes, [count, 1]), num=count)
+                ends = tf.unstack(tf.reshape(ends, [count, 1]), num=count)
+                strides = tf.ones([1], tf.int64)
+            return [tf.strided_slice(t, b, e, strides) for b, e in zip(begins, ends)]
         same_size = t.dtype.is_integer and t.dtype.size in _SAME_SIZE_FLOAT
         if t.dtype in SPLIT_DTYPES or not same_size:
             return tf.split(t, sizes, num=count, axis=0)
@@ -259,7 +277,7 @@ class Ragged:
 
     @staticmethod
     def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
-        with tf.device(device):
+        with placed(device):
             shape = tf.shape(t.row_splits, out_type=tf.int64)
         with tf.device(host):
             return shape[0] - 1

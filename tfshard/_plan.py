@@ -207,7 +207,7 @@ def plan_and_split(
             total, sizes = counts[0], plan_sizes(counts[0], count, weights)
     pieces = []
     for tensor, device in zip(inputs, split_devices):
-        with tf.device(device or None):
+        with _kinds.placed(device):  # "": where the caller's scope says (a stream's host)
             pieces.append(split(tensor, sizes, count, host))
     return Planned(total, sizes, pieces)
 

@@ -316,16 +316,40 @@ def vectorized(
             # An output that is a tensor from outside the map (a broadcast argument
             # returned as it is) must still be an op of the map: pfor fails on it
             # otherwise (UnboundLocalError in TF 2.21), and map_fn stacks it alike.
-            return tf.nest.map_structure(tf.identity, outputs, expand_composites=True)
+            outputs = tf.nest.map_structure(tf.identity, outputs, expand_composites=True)
+            # Outputs leave as their carrier too: pfor stacks an output that is the
+            # same for every sample (a constant, any output of a shard of one static
+            # row) with Tile, and map_fn stacks outputs in a TensorList; neither has
+            # GPU kernels for these dtypes.
+            return tf.nest.map_structure(_carried, outputs)
 
         elements = (*entering, *positions)
         if one_by_one:
-            return tf.map_fn(one, elements, fn_output_signature=signature, name="per_sample")
+            carriers = tf.nest.map_structure(_carrier_spec, signature)
+            stacked = tf.map_fn(one, elements, fn_output_signature=carriers, name="per_sample")
+            return tf.nest.map_structure(_uncarried, stacked, signature)
         stacked = tf.vectorized_map(one, elements, fallback_to_while_loop=True)
+        stacked = tf.nest.map_structure(_uncarried, stacked, signature)
         n = rows(rows_in[0]), rows_in[0].shape[0]
         return tf.nest.map_structure(functools.partial(_with_rows, *n), stacked, signature)
 
     return Shard(each, lambda outputs: collect.empty(signature))
+
+
+def _carried(value: Any) -> Any:
+    """A dense output of a map as its `_kinds.CARRIERS` dtype (others as they are)."""
+    return _kinds.carried(value) if isinstance(value, tf.Tensor) else value
+
+
+def _carrier_spec(spec: Any) -> Any:
+    """The spec `_carried` gives an output of `spec`."""
+    carrier = _kinds.CARRIERS.get(spec.dtype) if isinstance(spec, tf.TensorSpec) else None
+    return spec if carrier is None else tf.TensorSpec(spec.shape, carrier)
+
+
+def _uncarried(stacked: Any, spec: Any) -> Any:
+    """A stacked output of a map back in its own dtype (`_carried` undone)."""
+    return _kinds.uncarried(stacked, spec.dtype) if isinstance(stacked, tf.Tensor) else stacked
 
 
 def _with_rows(
