@@ -191,18 +191,7 @@ def plan_and_split(
     """
     counts = [row_count(t, d or None, host) for t, d in zip(inputs, split_devices)]
     with tf.device(host):
-        checks = []
-        # Python checked them already unless an input came from a graph (device "").
-        if len(counts) > 1 and not all(split_devices):
-            checks.append(
-                host_assert(
-                    tf.stack(counts),
-                    tf.fill([len(counts)], counts[0]),
-                    f"{INPUTS_DIFFER} {', '.join(paths)} :end (their rows, then the "
-                    "first's: every split argument needs the same leading dimension; "
-                    "name one in broadcast=(...) to copy it whole to each device)",
-                )
-            )
+        checks = rows_agree(counts, split_devices, paths)
         with tf.control_dependencies(checks):
             total, sizes = counts[0], plan_sizes(counts[0], count, weights)
     pieces = []
@@ -225,6 +214,25 @@ def onto_devices(planned: Planned, devices: Sequence[str]) -> Planned:
             for field, parts in zip(pieces, planned.pieces):
                 field.append(tf.nest.map_structure(tf.identity, parts[k], expand_composites=True))
     return planned._replace(pieces=pieces)
+
+
+def rows_agree(
+    counts: Sequence[tf.Tensor], split_devices: Sequence[str], paths: Sequence[str]
+) -> list[tf.Operation]:
+    """The check that every split argument has the first's rows, where Python could not
+    make it (an input that came from a graph, device ""); [] where it did. Its message
+    starts with `INPUTS_DIFFER`, then the arguments' paths."""
+    if len(counts) < 2 or all(split_devices):
+        return []
+    return [
+        host_assert(
+            tf.stack(counts),
+            tf.fill([len(counts)], counts[0]),
+            f"{INPUTS_DIFFER} {', '.join(paths)} :end (their rows, then the "
+            "first's: every split argument needs the same leading dimension; "
+            "name one in broadcast=(...) to copy it whole to each device)",
+        )
+    ]
 
 
 def host_assert(got: tf.Tensor, want: tf.Tensor, message: str) -> tf.Operation:

@@ -43,7 +43,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfshard import _arguments, _balance, _chunks, _sharding, _trees, collect, pinning
-from tfshard._plan import Planned, host_assert, onto_devices, plan_and_split, row_count
+from tfshard._plan import Planned, onto_devices, plan_and_split, row_count, rows_agree
 from tfshard._shards import (
     ShardOutputs,
     check_outputs,
@@ -53,7 +53,7 @@ from tfshard._shards import (
     shard_of,
     skip_if_empty,
 )
-from tfshard.errors import INPUTS_DIFFER, SHARD_SCOPE
+from tfshard.errors import SHARD_SCOPE
 from tfshard.position import Position
 from tfshard.replicas import Replicas
 
@@ -180,17 +180,7 @@ class Step:
         device = self._checks_on()
         counts = [row_count(t, d or device, device) for t, d in zip(inputs, self.split_devices)]
         with tf.device(device):
-            checks = []
-            if len(counts) > 1 and not all(self.split_devices):
-                checks.append(
-                    host_assert(
-                        tf.stack(counts),
-                        tf.fill([len(counts)], counts[0]),
-                        f"{INPUTS_DIFFER} {', '.join(paths)} :end (their rows, then the "
-                        "first's: every split argument needs the same leading dimension; "
-                        "name one in broadcast=(...) to copy it whole to each device)",
-                    )
-                )
+            checks = rows_agree(counts, self.split_devices, paths)
             with tf.control_dependencies(checks):
                 total = tf.identity(counts[0]) if checks else counts[0]
             sizes = tf.reshape(total, [1])
