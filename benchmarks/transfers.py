@@ -40,10 +40,18 @@ from typing import Any
 
 from absl import app, flags
 
-_ROWS = flags.DEFINE_integer("rows", 8, "Rows per call.")
-_WIDTH = flags.DEFINE_integer("width", 4, "Features per row (the matmul's width).")
-_AUTO_CALLS = flags.DEFINE_integer("auto_calls", 12, "Calls weights='auto' measures first.")
-_EDGES = flags.DEFINE_bool("edges", False, "Print each case's cross-device edges too.")
+# allow_override: the benchmarks are imported into one process by the tests, and other
+# scripts name flags alike (unequal.py's width and auto_calls).
+_ROWS = flags.DEFINE_integer("rows", 8, "Rows per call.", allow_override=True)
+_WIDTH = flags.DEFINE_integer(
+    "width", 4, "Features per row (the matmul's width).", allow_override=True
+)
+_AUTO_CALLS = flags.DEFINE_integer(
+    "auto_calls", 12, "Calls weights='auto' measures first.", allow_override=True
+)
+_EDGES = flags.DEFINE_bool(
+    "edges", False, "Print each case's cross-device edges too.", allow_override=True
+)
 _JSON = flags.DEFINE_string("json", None, "Write the numbers here.", allow_override=True)
 
 TRANSFER_OPS = ("_Send", "_Recv", "_HostSend", "_HostRecv")
