@@ -9,6 +9,7 @@ is tested too.
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -209,20 +210,23 @@ print(json.dumps(found))
 """
 
 
-def test_a_shard_out_of_memory_is_named_with_its_rows_and_the_remedies():
-    env = children.environ(
-        TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES=""
-    )
+def _child_json(script: str, **variables: str):
+    """What `script`, run by a Python child of its own from the repository root, printed
+    as JSON on its last line."""
     done = subprocess.run(
-        [sys.executable, "-c", _OUT_OF_MEMORY],
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=pathlib.Path(__file__).parent.parent,
-        env=env,
+        env=children.environ(TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **variables),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_shard_out_of_memory_is_named_with_its_rows_and_the_remedies():
+    found = _child_json(_OUT_OF_MEMORY, TF_ENABLE_ONEDNN_OPTS="0")
     for max_rows, at_once in (
         (
             "None",
@@ -417,22 +421,10 @@ def test_an_xla_compile_failure_is_one_line_and_the_root_cause_once():
     """TF repeats the cause and a 'Stack trace for op definition' per shard and per
     function it converted; the message says what XLA could not compile, the remedy,
     then TF's root cause once."""
-    env = children.environ(TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(
-        [sys.executable, "-c", _XLA_FLIP],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=pathlib.Path(__file__).parent.parent,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _child_json(_XLA_FLIP)
     assert found["shard"] and found["tf"]
     message = found["message"]
     cause = "Reading input as constant from a dynamic tensor is not yet supported"
-    import re  # this section only: the file's imports stay as they were
-
     first_line = (
         r"<lambda>: shard [01] on /device:CPU:[01] \(rows \[[04]:[48]\) of 8\) failed: "
         r"XLA could not compile the function \(jit_compile=True\) at node "
@@ -443,6 +435,25 @@ def test_an_xla_compile_failure_is_one_line_and_the_root_cause_once():
     assert message.count(cause) == 1
     assert message.count("Stack trace for op definition") <= 1
     assert len(message.splitlines()) == 2
+
+
+def test_an_xla_compile_failure_whose_text_tf_cut_is_still_one_line_and_the_cause():
+    """Under pytest's deep stack TF's text is cut before the line naming the shard: the
+    message still says what XLA could not compile and its cause, once, as a ShardError."""
+    f = tfshard.parallelize(
+        lambda s: tf.image.stateless_random_flip_left_right(
+            s, seed=tf.stack([tfshard.row_index(), tf.constant(0, tf.int64)])
+        ),
+        jit_compile=True,
+        devices=CPUS[:2],
+    )
+    with pytest.raises(ShardError) as caught:
+        f(np.zeros([8, 4, 4, 3], np.float32))
+    assert isinstance(caught.value, tf.errors.InvalidArgumentError)
+    message = str(caught.value)
+    cause = "Reading input as constant from a dynamic tensor is not yet supported"
+    assert re.match(r"<lambda>(: shard \d on \S+ \(rows [^)]*\))? failed: XLA could not", message)
+    assert message.count(cause) == 1 and len(message.splitlines()) == 2, message
 
 
 def test_an_op_xla_has_no_kernel_for_is_named_with_its_shard():
