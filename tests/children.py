@@ -13,6 +13,8 @@ editable install points at. `environ` builds that on the library's own rule for 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -40,3 +42,16 @@ def environ(
         env.pop(name, None)
     env.update(variables)
     return env
+
+
+def python(code: str, *, timeout: float = 120, **variables: str) -> subprocess.CompletedProcess:
+    """`code` run by a Python child from the repository root, with `environ(**variables)`;
+    its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=environ(**variables),
+    )

@@ -8,10 +8,7 @@ is tested too.
 """
 
 import json
-import pathlib
 import re
-import subprocess
-import sys
 
 import children
 import numpy as np
@@ -213,14 +210,7 @@ print(json.dumps(found))
 def _child_json(script: str, **variables: str):
     """What `script`, run by a Python child of its own from the repository root, printed
     as JSON on its last line."""
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=pathlib.Path(__file__).parent.parent,
-        env=children.environ(TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **variables),
-    )
+    done = children.python(script, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **variables)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -528,14 +528,7 @@ def test_help_answers_before_tensorflow_loads(script):
         "    pass\n"
         "print('tensorflow loaded:', 'tensorflow' in sys.modules, file=sys.stderr)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env=children.environ(),
-    )
+    result = children.python(code, timeout=60)
     assert "  --" in result.stdout  # the flags are listed
     assert "tensorflow loaded: False" in result.stderr, result.stderr[-2000:]
 

@@ -35,14 +35,7 @@ def test_the_core_never_loads_its_command_line():
         "[getattr(u, name) for name in u.__all__]\n"
         "print('tfshard.utilization.__main__' in sys.modules, 'absl' in sys.modules)"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env=children.environ(),
-    )
+    done = children.python(code)
     assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
     assert "run_cli" not in utilization.__all__ and not hasattr(utilization, "run_cli")
     assert cli.format_table is utilization.format_table
