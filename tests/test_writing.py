@@ -869,3 +869,12 @@ def test_a_manifest_the_full_disk_refuses_leaves_the_headers_at_the_committed_ro
     monkeypatch.setattr(writing, "_replace", replace)
     assert f.write(ds, tmp_path / "w").computed_rows == 32
     np.testing.assert_array_equal(tfshard.load(tmp_path / "w"), x * 2.0)
+
+
+def test_a_resume_of_a_dataset_that_has_fewer_batches_now_is_refused(tmp_path):
+    f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(100).batch(10).filter(lambda b: True)  # a length unknown
+    _stopped_after(f, ds, tmp_path / "w", 3)
+    with pytest.raises(ArgumentError, match=r"holds 3 batches, but the dataset has fewer now"):
+        f.write(ds.take(2), tmp_path / "w")
+    assert f.write(ds, tmp_path / "w").computed_rows == 70

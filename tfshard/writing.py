@@ -220,8 +220,8 @@ def _run(
                 store.commit(due=True)
         if again:
             raise ArgumentError(
-                f"{call}: the write there holds {store.batches} batches, but the dataset "
-                f"ended before its batch {store.batches}; pass overwrite=True to write it anew"
+                f"{call}: the write there holds {store.batches} batches, but the dataset has "
+                f"fewer now; pass overwrite=True to write it anew"
             )
         if store.leaves is None:  # no batch at all: outputs of zero rows say what they are
             empty = runner.no_rows(arguments, batches.element_spec, args, kwargs)
@@ -600,9 +600,7 @@ class _Store:
         """
         values, structure = _trees.flatten(result, "output")
         parts = [_parts(value) for value in values]
-        records = _records(values, structure, parts)
-        _check_outputs(self.leaves, self._manifest["outputs"], records, structure, self._call)
-        self._structure = structure
+        self._same_outputs(values, structure, parts)
         committed = iter(self._committed.parts)
         for leaf, arrays in zip(self.leaves, parts):
             for part, array in zip(leaf["parts"], arrays):
@@ -710,14 +708,14 @@ class _Store:
         self, values: list[Any], structure: Hashable, parts: list[list[np.ndarray]], rows: int
     ) -> None:
         """The files, new or reopened, at the first batch of this run."""
-        records = _records(values, structure, parts)
-        self._structure = structure
         if self.leaves is not None:  # a write resumed: the same outputs, or refused
-            _check_outputs(self.leaves, self._manifest["outputs"], records, structure, self._call)
+            self._same_outputs(values, structure, parts)
             self._files = [
                 [_Column.reopen(self.path, part) for part in leaf["parts"]] for leaf in self.leaves
             ]
         else:
+            records = _records(values, structure, parts)
+            self._structure = structure
             self._files = [
                 [_Column.create(self.path, part) for part in record["parts"]] for record in records
             ]
@@ -731,6 +729,15 @@ class _Store:
             for columns, leaf in zip(self._files, self.leaves):
                 # The part with one entry per row (a ragged leaf's values have no known length).
                 columns[_KINDS[leaf["kind"]].ROWS_PART].reserve(expected * rows)
+
+    def _same_outputs(
+        self, values: list[Any], structure: Hashable, parts: list[list[np.ndarray]]
+    ) -> None:
+        """Raises ArgumentError unless these outputs are those the files hold (structure,
+        kinds, dtypes, per-row shapes); the structure every later batch must keep."""
+        records = _records(values, structure, parts)
+        _check_outputs(self.leaves, self._manifest["outputs"], records, structure, self._call)
+        self._structure = structure
 
     def _check(self, structure: Hashable, parts: list[list[np.ndarray]]) -> None:
         """Raises ArgumentError when a batch's outputs do not fit the files."""
