@@ -1103,3 +1103,14 @@ def test_a_streams_mean_of_exact_values_is_numpys(k, dtype, size, static):
             max_rows=3,
         )
         np.testing.assert_array_equal(f(ds, batched=True).numpy(), want)
+
+
+@pytest.mark.parametrize("way", ["call", "iterate"])
+def test_flags_of_a_stream_that_are_not_what_they_say_are_refused(way):
+    f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[:2])
+    ds = tf.data.Dataset.range(6).batch(3)
+    run = f if way == "call" else (lambda d, **kw: list(f.iterate(d, **kw)))
+    with pytest.raises(ArgumentError, match="batched='yes' must be True, False or None, not a"):
+        run(ds, batched="yes")
+    with pytest.raises(ArgumentError, match=r"progress='yes': True for lines on stderr, False"):
+        run(ds, progress="yes")

@@ -19,6 +19,8 @@ from typing import Any, TextIO
 
 import tensorflow as tf
 
+from tfshard.errors import ArgumentError
+
 
 @contextlib.contextmanager
 def ctrl_c() -> Iterator[Callable[[], bool]]:
@@ -198,11 +200,22 @@ def meter(
     `done_batches` and `done_rows` were done before this run (a write resumed):
     `batches` is the whole stream, of which the run streams the rest.
     """
-    if not progress:
+    check_progress(progress)
+    if progress is False:
         return None
     stream = None if progress is True else progress
     total = _cardinality(batches)
     return Progress(name, total, stream, done_batches=done_batches, done_rows=done_rows)
+
+
+def check_progress(progress: Any) -> None:
+    """Raises ArgumentError unless ``progress=`` is a bool or a stream with ``.write``."""
+    if isinstance(progress, bool) or callable(getattr(progress, "write", None)):
+        return
+    raise ArgumentError(
+        f"progress={progress!r}: True for lines on stderr, False for none, or a stream to "
+        "write them to (an object with .write, such as sys.stdout or an open file)"
+    )
 
 
 def _cardinality(dataset: tf.data.Dataset) -> int | None:

@@ -141,6 +141,10 @@ def prepare(
                 f"{where} is a {type(spec).__name__}; tfshard splits tensors and ragged "
                 f"tensors along their first dimension: {fix}"
             )
+    if batched is not None and not isinstance(batched, bool):
+        raise ArgumentError(
+            f"batched={batched!r} must be True, False or None, not a {type(batched).__name__}"
+        )
     if batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ArgumentError(

@@ -130,12 +130,10 @@ def write(
     path = _checked_path(path, dataset, f"{name}.write")
     call = f"{name}.write(dataset, {path!r})"
     _check_flag(overwrite, "overwrite", call)
-    _check_flag(batched, "batched", call, none=True)
-    if not isinstance(progress, bool) and not callable(getattr(progress, "write", None)):
-        raise ArgumentError(
-            f"{call}: progress={progress!r}: True for lines on stderr, False for none, or a "
-            "stream to write them to (an object with .write, such as sys.stdout or an open file)"
-        )
+    try:
+        _stream.check_progress(progress)  # before anything is made on disk (`meter` would too)
+    except ArgumentError as error:
+        raise ArgumentError(f"{call}: {error}") from None
     if engine.options.reduce is not None:
         raise ArgumentError(
             f"{call}: reduce={engine.options.reduce.name!r} gives one value for the whole "
@@ -266,12 +264,11 @@ def _directory(path: Any, call: str) -> str:
     return path
 
 
-def _check_flag(value: Any, name: str, call: str, *, none: bool = False) -> None:
+def _check_flag(value: Any, name: str, call: str) -> None:
     """Refuses a flag that is not a bool (``overwrite="no"`` would read as true)."""
-    if isinstance(value, bool | np.bool_) or (none and value is None):
-        return
-    allowed = "True, False or None" if none else "True or False"
-    raise ArgumentError(f"{call}: {name}={value!r} must be {allowed}, not a {type(value).__name__}")
+    if not isinstance(value, bool):
+        kind = type(value).__name__
+        raise ArgumentError(f"{call}: {name}={value!r} must be True or False, not a {kind}")
 
 
 def _stopped(
