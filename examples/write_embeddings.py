@@ -5,7 +5,8 @@ function one global batch at a time and writes the embeddings to
 ``PATH/output.npy`` in input order as they are computed, so memory holds the
 batches in flight, not the result. Stop it (Ctrl-C, or kill it) and run the
 same command again: it resumes after the last batch that reached the disk and
-computes only what is missing; run it once more and it computes nothing. The
+computes what is missing (and the last batch on disk again, to check it); run it
+once more and it computes nothing new (its first batch again, to check it). The
 script then reads the file back with NumPy alone (memory-mapped) and checks
 rows of it against NumPy's own embedding.
 
