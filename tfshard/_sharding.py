@@ -22,22 +22,17 @@ another.
 Why in place on the output device and the host: a failure inside a called
 function cancels the step, and the receives pending beside its call (the
 gather's, the row checks') can then report their cancellation first, so the
-error itself would be lost (measured: 3 to 14 of 20 failures of shard 0 came
-back as a bare CancelledError). In place, the failing op is the first the step
-sees. No sharing: with replicas (each shard captures its own device's copies),
-beside other transfers (a stream feeding its next batch ahead), in chunks
-(``max_rows``: a failing chunk's error was lost to the cancelled receives of
-the loops beside it in 2 of 3 calls on 3 devices, 1 of 3 on 4), across workers
-(a failing call loses its error to the cancelled receives from other tasks: 7 of
-18 failures came back as a bare CancelledError), or where one shard alone would
-call the trace (a trace called once saves no tracing, and the call's
-instantiation cost ~15 % of a two-device first call, benchmarks/first_call.py).
-A trace that writes a resource (a variable, a Generator's state) is not shared
-either (`settle`): TensorFlow orders the writes to one resource in graph order,
-and for a call that means the whole call, so the shards would run in turn;
-traced in place, only the writes are ordered and the shards' work overlaps. A
-compiled shard is one call either way: under XLA, shards that write one resource
-run in turn.
+error itself would be lost; in place, the failing op is the first the step
+sees. For the same reason no shard shares a trace with replicas (each shard
+captures its own device's copies), beside other transfers (a stream feeding its
+next batch ahead), in chunks (``max_rows``) or across workers; nor where one
+shard alone would call the trace (a trace called once saves no tracing and
+costs the call's instantiation). A trace that writes a resource (a variable, a
+Generator's state) is not shared either (`settle`): TensorFlow orders the writes
+to one resource in graph order, and for a call that means the whole call, so
+the shards would run in turn; traced in place, only the writes are ordered and
+the shards' work overlaps. A compiled shard is one call either way: under XLA,
+shards that write one resource run in turn.
 """
 
 from __future__ import annotations
