@@ -228,3 +228,46 @@ def test_a_model_never_built_before_its_first_parallelized_step_trains_as_on_one
     assert len(model.trainable_variables) == 4
     for got, want in zip(model.get_weights(), reference.get_weights()):
         numerics.assert_close(got, want)
+
+
+def _compiled_shards(f, *args) -> list[int]:
+    """The shards whose call the traced graph marks for XLA (``_XlaMustCompile``)."""
+    graph = f.get_concrete_function(*args).graph.as_graph_def()
+    marked = {n.name for n in graph.node if n.attr["_XlaMustCompile"].b}
+    return sorted(k for k in range(len(f.devices)) if any(f"shard_{k}/" in n for n in marked))
+
+
+def test_a_model_runs_with_its_own_jit_compile_as_predict_does():
+    keras.utils.set_random_seed(10)
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)]
+    )
+    x, _ = _digits(9, seed=11)
+    # Uncompiled, jit_compile is Keras's "auto": True only on a machine with a GPU.
+    auto = tfshard.parallelize(model, devices=DEVICES[:1])
+    assert _compiled_shards(auto, x) == ([0] if model.jit_compile else [])
+    model.compile(jit_compile=True)
+    want = model.predict(x, verbose=0)  # predict runs under XLA
+    one = tfshard.parallelize(model, devices=DEVICES[:1])
+    assert _compiled_shards(one, x) == [0]
+    numerics.assert_close(one(x).numpy(), want)
+    # On two devices the weights live on the first: XLA cannot read them from the second,
+    # so the model runs without it (jit_compile=True would refuse).
+    plain = tfshard.parallelize(model, devices=DEVICES)
+    assert _compiled_shards(plain, x) == []
+    numerics.assert_close(plain(x).numpy(), want)
+    copies = tfshard.parallelize(plain.replicate(model), devices=DEVICES)
+    assert _compiled_shards(copies, x) == [0, 1]
+    numerics.assert_close(copies(x).numpy(), want)
+    numerics.assert_close(copies(x[:1]).numpy(), want[:1])  # a shard without rows
+    opted_out = tfshard.parallelize(model, devices=DEVICES[:1], jit_compile=False)
+    assert _compiled_shards(opted_out, x) == []
+    wrapped = tfshard.parallelize(lambda x: model(x), devices=DEVICES[:1], per_sample=False)
+    assert _compiled_shards(wrapped, x) == []  # not a model: False unless asked
+    numerics.assert_close(wrapped(x).numpy(), want)
+
+
+@pytest.mark.parametrize("value", ["auto", 1, "true"])
+def test_jit_compile_takes_a_bool_or_none(value):
+    with pytest.raises(tfshard.TfshardError, match=r"jit_compile=.*True.*False.*None"):
+        tfshard.parallelize(tf.identity, jit_compile=value)

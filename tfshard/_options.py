@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from tfshard import _plan, collect, pinning
+from tfshard._autograph import keras_of
 from tfshard.errors import ArgumentError
+from tfshard.replicas import Replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,8 @@ class Options:
       broadcast: argument names or positions passed whole to every shard, as
         given (`tfshard._arguments.Arguments` checks them against the function).
       ragged: stack per-sample outputs as ragged tensors.
-      jit_compile: compile each shard with XLA.
+      jit_compile: compile each shard with XLA (True), not (False), or None
+        for what the function is (`for_function` decides, when it first runs).
       allow_duplicate_devices: let two shards share a device.
       max_rows: the most rows a shard's function takes at once: one int for
         every device, one per device (None: no limit there), or None.
@@ -51,7 +54,7 @@ class Options:
     output_device: pinning.DeviceSpecLike | None = None
     broadcast: Any = ()
     ragged: bool = False
-    jit_compile: bool = False
+    jit_compile: bool | None = None
     allow_duplicate_devices: bool = False
     max_rows: int | tuple[int | None, ...] | None = None
 
@@ -66,7 +69,7 @@ class Options:
         output_device: pinning.DeviceSpecLike | None,
         broadcast: Sequence[str | int],
         ragged: bool,
-        jit_compile: bool,
+        jit_compile: bool | None,
         allow_duplicate_devices: bool,
         max_rows: int | Sequence[int | None] | None = None,
     ) -> Options:
@@ -96,6 +99,12 @@ class Options:
                 "give one weight per device"
             )
         limits = _max_rows(max_rows)
+        if jit_compile is not None and not isinstance(jit_compile, bool | np.bool_):
+            raise ArgumentError(
+                f"jit_compile={jit_compile!r}: pass True to compile each shard with XLA, "
+                "False to run it without, or None (the default) for what the function is: a "
+                "Keras model's own model.jit_compile, False for anything else"
+            )
         if specs is not None and isinstance(limits, tuple) and len(specs) != len(limits):
             raise ArgumentError(
                 f"max_rows has {len(limits)} entries but devices has {len(specs)}; give "
@@ -112,7 +121,7 @@ class Options:
             output_device=output_device,
             broadcast=broadcast,
             ragged=bool(ragged),
-            jit_compile=bool(jit_compile),
+            jit_compile=None if jit_compile is None else bool(jit_compile),
             allow_duplicate_devices=bool(allow_duplicate_devices),
         )
 
@@ -149,6 +158,23 @@ class Options:
         output = pinning.resolve_device(self.output_device) if self.output_device else devices[0]
         return devices, output
 
+    def for_function(self, fn: Any, devices: Sequence[str]) -> Options:
+        """These options with `jit_compile` decided for `fn` on `devices` (always a bool).
+
+        As given when given. Otherwise, for a Keras model, the model's own
+        ``model.jit_compile``, which `predict` reads too (Keras 3 resolves it:
+        True where the machine has a GPU and every layer supports XLA, False on
+        a CPU-only machine or for a model made in a `tf.distribute` strategy's
+        scope, else what ``compile(jit_compile=...)`` set), where XLA can run
+        the model on `devices`: it is built and every shard reads its weights
+        on its own device (one device holding them, or replicas of them on
+        these devices, `tfshard.replicas`); XLA cannot read a variable on
+        another device, so elsewhere False. Anything else: False.
+        """
+        if self.jit_compile is not None:
+            return self
+        return dataclasses.replace(self, jit_compile=_model_compiles(fn, devices))
+
     def limits(self, count: int) -> tuple[int | None, ...] | None:
         """`max_rows` as one entry per device (None: no limit there), or None for none."""
         if self.max_rows is None:
@@ -156,6 +182,23 @@ class Options:
         if isinstance(self.max_rows, int):
             return (self.max_rows,) * count
         return self.max_rows if any(m is not None for m in self.max_rows) else None
+
+
+def _model_compiles(fn: Any, devices: Sequence[str]) -> bool:
+    """A Keras model's own ``jit_compile`` where XLA can run it on `devices`, else False."""
+    keras = keras_of(fn)
+    if keras is None or not isinstance(fn, keras.Model) or not fn.built:
+        return False
+    if not bool(getattr(fn, "jit_compile", False)):  # Keras resolves "auto" here
+        return False
+    replicas = Replicas.find(devices)
+    for variable in fn.variables:
+        if replicas is not None and replicas.holds(variable):
+            continue
+        home = getattr(variable, "value", variable).device  # a Keras variable's tf.Variable
+        if not all(pinning.same_device(home, d) for d in devices):
+            return False
+    return True
 
 
 def _device_specs(devices: Any) -> tuple[Any, ...] | None:

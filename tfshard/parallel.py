@@ -452,9 +452,10 @@ class ShardedFunction:
             with shared.lock:
                 if shared.engine is None:
                     devices, output = shared.options.resolve()
-                    name = self.__name__
+                    # jit_compile=None becomes what the function is (a Keras model's own).
+                    options = shared.options.for_function(shared.fn, devices)
                     shared.engine = _engine.Engine(
-                        shared.fn, shared.options, name=name, devices=devices, output=output
+                        shared.fn, options, name=self.__name__, devices=devices, output=output
                     )
         return shared.engine
 
@@ -627,7 +628,7 @@ def parallelize(
     output_device: pinning.DeviceSpecLike | None = None,
     broadcast: Sequence[str | int] = (),
     ragged: bool = False,
-    jit_compile: bool = False,
+    jit_compile: bool | None = None,
     allow_duplicate_devices: bool = False,
     max_rows: int | Sequence[int | None] | None = None,
 ) -> Any:
@@ -711,10 +712,20 @@ def parallelize(
         shape of one sample is not fully known); a scalar per sample still
         stacks to a dense ``[N]``. Uses `tf.map_fn`, which is slower than
         vectorising.
-      jit_compile: compile each shard with XLA. Each new shard size compiles
-        again (seconds each on first use), so it pays off for repeated calls at
-        a few fixed batch sizes; functions with ops XLA cannot compile (strings,
-        ragged tensors, most data-dependent shapes) fail on the first call.
+      jit_compile: True to compile each shard with XLA, False to run it
+        without. Each new shard size compiles again (seconds each on first
+        use), so it pays off for repeated calls at a few fixed batch sizes;
+        functions with ops XLA cannot compile (strings, ragged tensors, most
+        data-dependent shapes) fail on the first call. Default (None): what the
+        function is. A Keras model runs as `predict` runs it, with the model's
+        own ``model.jit_compile`` (Keras 3: XLA on a machine with a GPU when
+        every layer supports it, none on a CPU-only machine or for a model
+        made in a `tf.distribute` scope, else what ``model.compile(
+        jit_compile=...)`` set), read when the function first runs; where a
+        shard would read the model's weights from another device (a model not
+        replicated, on several devices: XLA cannot), or the model is not built
+        yet, it runs without XLA. Anything else runs without XLA (a
+        `tf.function` made with ``jit_compile=True`` compiles itself).
       allow_duplicate_devices: let two shards share a device (as when a context
         map aliases two names to one card). Otherwise that is an error.
       max_rows: the most rows the function takes at once on a device, for a

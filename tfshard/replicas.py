@@ -215,8 +215,9 @@ def replicate(model: Any, replicas: Replicas) -> Any:
     inside the scope, uncompiled): its config, its weights and what a layer
     keeps outside them (an adapted `StringLookup`'s or `TextVectorization`'s
     vocabulary, nested in custom layers too), as ``load_model`` would restore
-    it on another machine. A single layer is copied from its config and
-    weights, and its assets.
+    it on another machine, with the model's ``jit_compile`` (as Keras
+    resolves it for `model`; `tfshard.parallelize` runs a model with it). A
+    single layer is copied from its config and weights, and its assets.
 
     Args:
       model: a built Keras `Sequential` or functional model (one Keras can
@@ -253,6 +254,10 @@ def replicate(model: Any, replicas: Replicas) -> Any:
             f"replicate({type(model).__name__}): the copy has {len(clone.weights)} weights "
             f"and the model {len(model.weights)}; build the model (call it once) first"
         )
+    if isinstance(model, keras.Model) and hasattr(model, "jit_compile"):
+        # Its own, as Keras resolves it for the model (a model made in a strategy's
+        # scope resolves "auto" to False, and the copy is made in one).
+        clone.jit_compile = model.jit_compile
     if not isinstance(model, keras.Model):
         clone.set_weights(model.get_weights())  # cross-replica: writes every copy
         with replicas.scope():
