@@ -1,37 +1,50 @@
 """``weights="auto"``: each device's time per row, measured on the user's own function.
 
-**Measuring.** With ``weights="auto"`` every shard of every call (and of
-every batch of a stream) is timed inside the graph, by two timestamps on its
+**Measuring.** With ``weights="auto"`` a measured call (or a stream's
+batch) times each of its shards inside the graph, by two timestamps on its
 device (`timed`): one when its rows are ready, before any of its ops runs,
-one when its outputs are. The
-step returns each shard's rows and seconds beside its results (`Timing`):
-four ops and two calls of a tiny function per shard, two ``[K]`` vectors per
-call, a few microseconds. Nothing runs apart from the user's own calls, at the
-split they use, beside whatever else runs then, so what is measured is what a
-plan will meet. A timestamp is a stateful op, which TensorFlow would chain
-with every other stateful op of the call (the shards would run in turn), so
-each is a call that takes its shard's token (`tfshard._sharding.token`). On a
-GPU an op counts as done once its kernels are queued, so there the second
-timestamp waits for one element of each output to reach the host: the end of
-the kernels, not of their launch. Across workers, both timestamps of a shard
-are taken on its own machine's clock, and its seconds include sending it
-its rows.
+one when its outputs are. The step returns each shard's rows and seconds
+beside its results (`Timing`): four ops and two calls of a tiny function per
+shard, two ``[K]`` vectors per call. A timestamp is a stateful op, which
+TensorFlow would chain with every other stateful op of the call (the shards
+would run in turn), so each is a call that takes its shard's token
+(`tfshard._sharding.token`). On a GPU an op counts as done once its kernels
+are queued, so there each timestamp waits for one element of the shard's
+rows, then of each output, to reach the host: the start and end of the
+kernels (the device's earlier work included in neither), not of their launch.
+Across workers, both timestamps of a shard are taken on its own machine's
+clock, and its seconds include sending it its rows.
+
+**Which calls are measured** (`Balance.due`). Until the plan has stayed the
+same over `SETTLED` measurements, every call is; once it has, one call in
+`EVERY`, and the calls between run the unmeasured graph: the same plan, fed
+the same weights, with no timestamp and nothing sent to the host, as static
+weights run. A plan change measures every call again until it settles.
+(A stream's traced loop times every batch of its calls, each call of the
+loop one measurement.)
+A measured call of a function runs alone among its calls (`Turns`): it
+waits for the calls in flight to end, and calls from other threads wait for
+it, so its seconds are its own shards', not another call's queued on the
+same device. Nothing runs apart from the user's own calls, at the split they
+use, beside whatever else the machine runs then.
 
 **Deciding** (`Balance`, pure Python, on the engine):
 
-- A device's time per row is the median of its last `WINDOW` measurements
-  (seconds over rows of one call, or of one call of a stream's loop), so a
-  call slowed by another job on a shared machine moves it little.
+- A device's time per row is the lower quartile of its last `WINDOW`
+  measurements (seconds over rows of one call, or of one call of a
+  stream's loop): another job on a shared machine only ever slows a call,
+  so the device's own speed is what its least disturbed calls show: up to
+  6 of its 9 measurements slowed by others leave it as it is.
 - Its weight is its speed, the fastest's time per row over its own,
   shown with the slowest device at 1 and rounded to 2 decimals (``[2.95,
   1.0]``): `ShardedFunction.weights` gives what the plan uses, to read or to
   pass again as ``weights=``.
 - The plan changes only when the best weights are predicted to finish a
   call at least `BAND` (5 %) and `MIN_GAIN` (0.25 ms) sooner than the
-  weights in use, both predicted from the same medians for the last call's
-  rows: noise inside the band never moves the plan, and a function so cheap
-  that its shards' fixed costs (and the machine's jitter) outweigh their
-  rows keeps its plan.
+  weights in use, both predicted from the same times per row for the last
+  call's rows: noise inside the band never moves the plan, and a function
+  so cheap that its shards' fixed costs (and the machine's jitter) outweigh
+  their rows keeps its plan.
 - A device keeps a weight, and so rows, unless it is measured useless: more
   than `USELESS` (50) times slower per row than the fastest, over at least
   `MIN_SAMPLES` measurements. A useless device gets no rows from then on
@@ -45,17 +58,21 @@ its rows.
 from __future__ import annotations
 
 import collections
-import statistics
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from tfshard import _plan, _sharding
 
-# Measurements per device whose median is its time per row.
+# Measurements per device whose lower quartile is its time per row.
 WINDOW = 9
+# Measurements in a row that leave the plan as it is, after which it is settled,
+SETTLED = 9
+# and one call in this many is measured.
+EVERY = 25
 # The plan changes when the best weights are predicted this much faster than those in use,
 BAND = 0.05
 # and by at least this many seconds a call.
@@ -67,6 +84,10 @@ MIN_SAMPLES = 3
 # A shard timed under this many seconds tells nothing of its device's speed (the
 # timestamps' resolution is a microsecond, a thread's wake-up ten): not counted.
 SHORTEST = 20e-6
+# A measured call waits at most this long for the calls in flight to end (`Turns`), and
+# a call for a measured one: only a call that never ends (one made from inside another's
+# shard) waits so long, and the call then runs unmeasured.
+LONGEST_WAIT_S = 30.0
 
 
 class Timing(NamedTuple):
@@ -109,7 +130,7 @@ def timed(
       clock: `stamp()`, shared by the shards of one call.
     """
     handle = _sharding.token(device)
-    with tf.device(device), tf.control_dependencies(_ops(inputs)):
+    with tf.device(device), tf.control_dependencies(_finished(inputs, device)):
         start = clock(handle)
     # The shard's ops wait for the first stamp: ready beside them, it could otherwise
     # run after them (the executor runs ready ops in no promised order).
@@ -125,8 +146,9 @@ def _ops(values: Any) -> list[tf.Tensor]:
 
 
 def _finished(outputs: Any, device: str) -> list[tf.Tensor]:
-    """What the second timestamp waits for: the outputs, or on a GPU one element of each
-    read on the host (a GPU op is done, for a control edge, when its kernels are queued)."""
+    """What a timestamp waits for: the shard's rows (the first) or outputs (the second),
+    or on a GPU one element of each read on the host (a GPU op is done, for a control
+    edge, when its kernels are queued; the read waits for the kernels queued before)."""
     leaves = _ops(outputs)
     if tf.DeviceSpec.from_string(device).device_type != "GPU":
         return leaves
@@ -140,6 +162,67 @@ def _finished(outputs: Any, device: str) -> list[tf.Tensor]:
         with tf.device(_plan.host_cpu(device)):
             touched.append(tf.identity(first))
     return touched
+
+
+class Turns:
+    """Calls of one function in flight together, a measured one alone.
+
+    Calls from several threads run side by side; a measured call
+    (`Balance.due`) waits until the calls in flight have ended, and the calls
+    that come meanwhile wait until it has ended, so its shards' seconds are
+    its own (another call's shards on the same device would otherwise run
+    inside its timestamps). One measured call at a time: a call due while
+    another measures, or made from inside a call of this function on the
+    same thread, runs unmeasured and waits for nothing. A wait that passes
+    `LONGEST_WAIT_S` (a call made from inside another's shard, which that
+    call waits for) gives up: the call then runs unmeasured, or beside the
+    measured one.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._running = 0  # unmeasured calls in flight
+        self._alone = False  # a measured call is in flight
+        self._waiting = False  # a measured call waits for the others to end
+        self._inside = threading.local()  # this thread's calls in flight
+
+    @contextlib.contextmanager
+    def call(self, measure: bool) -> Iterator[bool]:
+        """A call's turn: whether it is measured (`measure`, and it could run alone)."""
+        measured = self._enter(measure)
+        depth = getattr(self._inside, "depth", 0)
+        self._inside.depth = depth + 1
+        try:
+            yield measured
+        finally:
+            self._inside.depth = depth
+            self._leave(measured)
+
+    def _enter(self, measure: bool) -> bool:
+        nested = getattr(self._inside, "depth", 0) > 0
+        with self._changed:
+            if nested:
+                self._running += 1
+                return False
+            if measure and not (self._alone or self._waiting):
+                self._waiting = True
+                alone = self._changed.wait_for(lambda: self._running == 0, LONGEST_WAIT_S)
+                self._waiting = False
+                if alone:
+                    self._alone = True
+                    return True
+                self._changed.notify_all()
+            self._changed.wait_for(lambda: not (self._alone or self._waiting), LONGEST_WAIT_S)
+            self._running += 1
+            return False
+
+    def _leave(self, measured: bool) -> None:
+        with self._changed:
+            if measured:
+                self._alone = False
+            else:
+                self._running -= 1
+            self._changed.notify_all()
 
 
 class Balance:
@@ -161,6 +244,9 @@ class Balance:
         self._weights: tuple[float, ...] | None = None
         self._rows = 0  # the last measured call's rows
         self.measured = 0  # measurements counted so far
+        self.changes = 0  # times the plan changed
+        self._steady = 0  # measurements in a row that left the plan as it was
+        self._since = 0  # calls since the last one measured, once settled
 
     @property
     def weights(self) -> tuple[float, ...] | None:
@@ -175,9 +261,30 @@ class Balance:
         return _plan.integer_weights(weights)
 
     def per_row(self) -> list[float | None]:
-        """Each device's time per row now (the median of its window), None if not measured."""
+        """Each device's time per row now (the lower quartile of its window), None if not
+        measured."""
         with self._lock:
-            return [statistics.median(s) if s else None for s in self._per_row]
+            return [_quartile(s) for s in self._per_row]
+
+    @property
+    def settled(self) -> bool:
+        """The plan stayed the same over the last `SETTLED` measurements (a device whose
+        shards are too short to time, `SHORTEST`, leaves it as it is: a call that cheap
+        has nothing to gain from another plan)."""
+        return self._steady >= SETTLED
+
+    def due(self) -> bool:
+        """Whether the next call is measured: every call until the plan is `settled`, then
+        one in `EVERY` (the first after it settles is not). Each call asks once."""
+        with self._lock:
+            if not self.settled:
+                self._since = 0
+                return True
+            self._since += 1
+            if self._since < EVERY:
+                return False
+            self._since = 0
+            return True
 
     def observe(self, rows: Sequence[int], seconds: Sequence[float], warm_up: bool) -> None:
         """Counts one measurement: each shard's rows and seconds in one call (or loop call).
@@ -196,27 +303,40 @@ class Balance:
                     samples.append(float(s) / int(n))
             self._rows = sum(int(n) for n in rows)
             self.measured += 1
+            before = self._weights
             self._decide()
+            if self._weights != before:
+                self.changes += 1
+                self._steady = 0
+            else:
+                self._steady += 1
 
     def _decide(self) -> None:
-        medians = [statistics.median(s) if s else None for s in self._per_row]
-        if any(m is None for m in medians):
+        rates = [_quartile(s) for s in self._per_row]
+        if any(m is None for m in rates):
             return  # a device not measured yet: keep the plan until it is
         now = self._weights or (1.0,) * self._count
         # A device found useless stays so: it is not measured again (not in the call's
         # graph), and the fastest's own noise must not bring it back.
-        kept = [m for m, w in zip(medians, now) if w > 0]
+        kept = [m for m, w in zip(rates, now) if w > 0]
         fastest = min(kept)
         best = [
             0.0 if w == 0 or (m > USELESS * fastest and len(s) >= MIN_SAMPLES) else fastest / m
-            for m, s, w in zip(medians, self._per_row, now)
+            for m, s, w in zip(rates, self._per_row, now)
         ]
-        kept, moved = _finish(now, medians), _finish(best, medians)
+        kept, moved = _finish(now, rates), _finish(best, rates)
         # A device found useless leaves the plan whatever it would save: its few rows
         # (under 2 %) are within the noise, and its copies and fixed costs are not.
         useless = [w == 0 for w in best] != [w == 0 for w in now]
         if useless or (kept > (1.0 + BAND) * moved and (kept - moved) * self._rows >= MIN_GAIN):
             self._weights = _shown(best)
+
+
+def _quartile(samples: Sequence[float]) -> float | None:
+    """The lower quartile of a window of times per row (its least of 1 to 4), or None."""
+    if not samples:
+        return None
+    return sorted(samples)[(len(samples) - 1) // 4]
 
 
 def _finish(weights: Sequence[float], per_row: Sequence[float]) -> float:

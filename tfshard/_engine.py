@@ -12,7 +12,13 @@ Beside the call's tensors, a graph may take inputs of the step's own
 (`Feed`): the global row of the batch's first row (a stream's batch run by
 itself: its rows before), and with ``weights="auto"`` the plan's weights,
 which the engine's `tfshard._balance.Balance` sets from the shards' timings
-that such a graph returns (`observe`).
+that a measured call's graph returns (`observe`). A call of ``weights="auto"``
+runs one of two graphs of its trace key: the measured one, which times its
+shards, when the balance says the call is due (`Balance.due`), alone among
+the function's calls (`tfshard._balance.Turns`), which takes the weights
+fed, so that a new plan needs no new trace; else the unmeasured one, the graph
+static weights would run: the weights in use are its constants, traced once
+per plan that calls run unmeasured (a settled plan stays settled).
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ class Engine:
         self._epoch = 0  # how many times this engine dropped what it traced
         # weights="auto": the measured weights, and the graphs that ran once (warmed up).
         self.balance = _balance.Balance(len(devices)) if options.balanced else None
+        self._turns = _balance.Turns()
         self._warm: set[int] = set()
 
     @property
@@ -194,6 +201,8 @@ class Engine:
         beside_transfers: bool = False,
         guarded: bool = True,
         shards: tuple[int, ...] | None = None,
+        measured: bool = True,
+        weights: tuple[int, ...] | None = None,
     ) -> Step:
         """The step of a call with this trace key (see `tfshard._step.Step`), built once.
 
@@ -205,16 +214,20 @@ class Engine:
             place (`tfshard._sharding.choose`), so a failure keeps its error.
           guarded: a shard may have no rows (`Step.guarded`).
           shards: the devices the step holds (`holding`), or None for every one.
+          measured: with ``weights="auto"``, the step times its shards (`Step.balanced`)
+            and plans by weights fed at run time (a stream's is measured).
+          weights: the integer weights of every device, as the plan's constants (an
+            unmeasured call of ``weights="auto"``), or None: the options' weights.
         """
         self.refresh()
-        key = (call.key, beside_transfers, guarded, shards)
+        key = (call.key, beside_transfers, guarded, shards, measured, weights)
         step = self._steps.get(key)
         if step is not None:
             return step
         if self._converted is None:
             self._converted = autographed(self.fn)
         options = self.options
-        devices, weights = self.devices, options.weights
+        devices, weights = self.devices, options.weights if weights is None else weights
         limits = options.limits(len(self.devices))
         if shards is not None:
             devices = tuple(devices[k] for k in shards)
@@ -236,7 +249,7 @@ class Engine:
             split_devices=tuple(call.key.split_devices),
             beside_transfers=beside_transfers,
             # Weights to measure where there is more than one device to weigh.
-            balanced=options.balanced and len(devices) > 1,
+            balanced=options.balanced and len(devices) > 1 and measured,
             max_rows=limits,
             guarded=guarded,
             shards=shards,
@@ -277,23 +290,30 @@ class Engine:
 
     # ------------------------------------------------------------ calls
 
-    def trace(self, call: _arguments.Call) -> Any:
+    def trace(self, call: _arguments.Call, measured: bool = False) -> Any:
         """The concrete function a call with this trace key runs, traced on first use.
 
-        It takes the call's tensors, then with ``weights="auto"`` the plan's
-        weights (`feeds`), and then returns ``(outputs, timing)``.
+        Unmeasured (with ``weights="auto"``, the graph of the calls between
+        measured ones), it takes the call's tensors and returns its outputs,
+        the weights in use its constants. `measured`, it takes the plan's weights
+        after the call's tensors (`feeds`) and returns ``(outputs, timing)``.
         """
-        return self._traced(call, "call", offset=False, **self._held(call.rows)).graph
+        weights = self.plan_weights()
+        held = self._held(call.rows, weights)
+        return self._traced(call, "call", offset=False, measured=measured, **held).graph
 
-    def inputs(self, call: _arguments.Call) -> list[Any]:
+    def inputs(self, call: _arguments.Call, measured: bool = False) -> list[Any]:
         """What `trace`'s graph takes for this call: its tensors, then `feeds`."""
-        return [*call.tensors, *self.feeds(shards=self._held(call.rows)["shards"])]
+        weights = self.plan_weights()
+        shards = self._held(call.rows, weights)["shards"]
+        return [*call.tensors, *self.feeds(shards=shards, weights=weights, measured=measured)]
 
-    def _held(self, rows: int | None, weights: tuple[int, ...] | None = None) -> dict[str, Any]:
-        """The devices a call of `rows` rows holds (`holding`), and whether it is guarded."""
-        weights = self.plan_weights() if weights is None else weights
+    def _held(self, rows: int | None, weights: tuple[int, ...] | None) -> dict[str, Any]:
+        """The devices a call of `rows` rows holds (`holding`), whether it is guarded, and
+        the integer `weights` it plans by (those in use, read once by the caller)."""
         shards = self.holding(weights)
-        return {"shards": shards, "guarded": self._may_be_empty(rows, weights, shards)}
+        guarded = self._may_be_empty(rows, weights, shards)
+        return {"shards": shards, "guarded": guarded, "weights": weights}
 
     def _may_be_empty(
         self, rows: int | None, weights: tuple[int, ...] | None, shards: tuple[int, ...] | None
@@ -317,21 +337,29 @@ class Engine:
         return self.balance is not None and count > 1
 
     def feeds(
-        self, offset: int | None = None, shards: tuple[int, ...] | None = None
+        self,
+        offset: int | None = None,
+        shards: tuple[int, ...] | None = None,
+        weights: tuple[int, ...] | None = None,
+        measured: bool = True,
     ) -> list[tf.Tensor]:
         """The step's inputs a call's graph takes after its tensors (`Feed`), now.
 
         Args:
           offset: the batch's first row in its stream, for a graph that takes it.
           shards: the devices the graph holds (`holding`), or None for every one.
+          weights: the integer weights of every device that the call plans by
+            (those `shards` came from), or None: those in use now.
+          measured: the graph is a measured one, which takes the weights
+            (``weights="auto"``; a stream's loop is); an unmeasured one holds them.
         """
-        weighs = self._weighs(shards)
+        weighs = measured and self._weighs(shards)
         if offset is None and not weighs:
             return []  # a plain call's graph takes none (a device scope costs ~5 us a call)
         with tf.device(self.host):  # where the plan reads them
             values = [] if offset is None else [tf.constant(offset, tf.int64)]
             if weighs:
-                weights = self.balance.integer()
+                weights = self.balance.integer() if weights is None else weights
                 if shards is not None:
                     weights = tuple(weights[k] for k in shards)
                 values.append(tf.constant(weights, tf.int64))
@@ -359,11 +387,22 @@ class Engine:
         return tuple(pinning.to_device(r, d) for r, d in zip(results, self.devices))
 
     def _run(self, call: _arguments.Call, body: str, offset: int | None) -> Any:
-        """Runs a step's traced `body` on this call; with ``weights="auto"``, measured."""
-        weights = self.plan_weights()
+        """Runs a step's traced `body` on this call; with ``weights="auto"``, measured when
+        the balance says it is due (`Balance.due`), alone among this function's calls."""
+        if self.balance is None or body == "per_shard" or not tf.executing_eagerly():
+            # Inside a user's tf.function there is nothing to read: never measured.
+            return self._run_graph(call, body, offset, measured=False)
+        with self._turns.call(self.balance.due()) as measured:
+            return self._run_graph(call, body, offset, measured=measured)
+
+    def _run_graph(
+        self, call: _arguments.Call, body: str, offset: int | None, measured: bool
+    ) -> Any:
+        """Runs the measured or unmeasured graph of `body`; a measured one's timing observed."""
+        weights = self.plan_weights()  # read once: the graph, its feeds and errors agree
         held = self._held(call.rows, weights)
-        traced = self._traced(call, body, offset=offset is not None, **held)
-        feeds = self.feeds(offset, held["shards"])
+        traced = self._traced(call, body, offset=offset is not None, measured=measured, **held)
+        feeds = self.feeds(offset, held["shards"], weights, traced.feed.weights)
         result = self.execute(traced.graph, [*call.tensors, *feeds], call.rows, weights)
         result = traced.rebuilt(result)
         if not traced.timed:
@@ -400,14 +439,26 @@ class Engine:
         offset: bool,
         guarded: bool,
         shards: tuple[int, ...] | None = None,
+        weights: tuple[int, ...] | None = None,
+        measured: bool = False,
     ) -> Traced:
         """The graph of a step's traced `body` ("call", "per_shard", "totals") for this
         call's key, taking a row offset or not, its shards guarded or not (`Step.guarded`),
-        holding the devices `shards` (`holding`; None: every one)."""
+        holding the devices `shards` (`holding`; None: every one).
+
+        With ``weights="auto"`` and devices to weigh, a `measured` graph times its
+        shards and takes the plan's weights (fed); an unmeasured one holds
+        `weights` (the integer weights of every device) as constants, as static
+        weights' graph does, one graph per plan.
+        """
         self.refresh()
-        feed = Feed(offset=offset, weights=self._weighs(shards))
+        measured = measured and self._weighs(shards) and body != "per_shard"
+        feed = Feed(offset=offset, weights=measured)
         exact = self._exact_rows(call, body)
-        key = (call.key, body, feed, guarded, exact, shards)
+        held = None  # measured, or not weighed, or the kept devices weighted alike: even
+        if self._weighs(shards) and not measured and len({w for w in weights if w}) > 1:
+            held = weights
+        key = (call.key, body, feed, guarded, exact, shards, measured, held)
         traced = self._graphs.get(key)
         if traced is not None:
             return traced
@@ -416,7 +467,12 @@ class Engine:
             if traced is None:
                 # per_shard returns every shard's outputs: each crosses beside the shards.
                 step = self.step(
-                    call, beside_transfers=body == "per_shard", guarded=guarded, shards=shards
+                    call,
+                    beside_transfers=body == "per_shard",
+                    guarded=guarded,
+                    shards=shards,
+                    measured=measured,
+                    weights=held,
                 )
                 run = getattr(step, body)
                 count = len(call.tensors)
