@@ -255,9 +255,10 @@ class ShardedFunction:
         calls one trace they share: it shows one call op on its device
         (``tfshard_shard_k/StatefulPartitionedCall``), whose ops are in
         ``.graph.as_graph_def().library``, placed by the call. With
-        ``weights="auto"`` it takes the plan's weights after the call's tensors
-        (int64, one per device it holds) and returns ``(outputs, timing)``, each
-        shard's rows and seconds. A device weighted 0 has no op in it, and a call
+        ``weights="auto"`` it is the graph of the calls between measured ones:
+        the weights in use are its constants, as static weights' graph holds
+        them (a measured call runs a twin that times its shards and takes the
+        weights fed). A device weighted 0 has no op in it, and a call
         that one device holds every row of is a plain trace of the function there.
 
         >>> f = tfshard.parallelize(tf.sin, devices=["cpu:0", "cpu:1"])
