@@ -673,11 +673,12 @@ def parallelize(
         Default: every GPU, else every logical CPU device.
       weights: relative speeds, one per device; shard sizes follow them with
         largest-remainder rounding (``[3, 1]`` splits 10 rows 8:2). ``"auto"``:
-        measure them on the function itself: each shard of every call (and
-        of a stream's batches) is timed in the graph, and each device's
-        weight is its speed from the median of its last 9 times per row; the
-        plan starts even and changes only when that is predicted to end a
-        call at least 5 % sooner, and a device keeps rows unless it is over
+        measure them on the function itself: each shard of a measured call
+        (every call until the plan has held over 9 measurements, then one in
+        25; every batch of a stream) is timed in the graph, and each device's
+        weight is its speed from the lower quartile of its last 9 times per
+        row; the plan starts even and changes only when that is predicted to
+        end a call at least 5 % sooner, and a device keeps rows unless it is over
         50x slower per row than the fastest (`ShardedFunction.weights` shows
         them; `tfshard._balance` has the rules). Default: even split, sizes
         differing by at most one, extra rows to the first shards.
