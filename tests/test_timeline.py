@@ -1,8 +1,10 @@
 """f.timeline(x): TensorFlow's record of one call, on the 4 logical CPU devices of conftest.py.
 
-Parallelism is a measurement on 2 cores that other processes may share: each
-check takes the best of a few timelines (contention only lowers it; a chained
-function cannot rise above 1.0 however the cores are shared), with margins.
+Every function here names its output device (a GPU machine's default is GPU:0), except
+the GPU tests at the end, which need a GPU and skip elsewhere. Parallelism is a
+measurement on 2 cores that other processes may share: each check takes the best of a
+few timelines (contention only lowers it; a chained function cannot rise above 1.0
+however the cores are shared), with margins.
 """
 
 import importlib
@@ -11,6 +13,7 @@ import sys
 import types
 from pathlib import Path
 
+import numerics
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -39,6 +42,7 @@ def _rows(n, seed=1):
 
 
 def _pure(devices, **options):
+    options.setdefault("output_device", devices[0])
     weights = _layers()
 
     def dense_stack(sample):  # [WIDTH] -> [WIDTH]
@@ -50,6 +54,7 @@ def _pure(devices, **options):
 
 
 def _best_parallelism(f, x, tries=3):
+    f(x)  # a warm call is recorded: a first run's costs (memory, kernels made) are not
     return max(f.timeline(x).parallelism for _ in range(tries))
 
 
@@ -78,7 +83,9 @@ def every_shard_writes_one_counter():
         counter.assign_add(tf.reduce_sum(x))
         return x
 
-    f = tfshard.parallelize(layers_then_count, devices=FOUR, per_sample=False)
+    f = tfshard.parallelize(
+        layers_then_count, devices=FOUR, per_sample=False, output_device="cpu:0"
+    )
     f.counter = counter
     return f
 
@@ -93,7 +100,8 @@ def test_pure_function_on_four_devices_runs_at_once(pure_four):
 
 def test_one_device_has_parallelism_about_one():
     f = _pure(["cpu:1"])
-    timelines = [f.timeline(_rows(1024)) for _ in range(3)]
+    f(_rows(1024))
+    timelines = [f.timeline(_rows(1024)) for _ in range(5)]
     assert all(len(t.shards) == 1 for t in timelines)
     # Busy time is when an op ran, so one shard can never exceed 1.0; a quiet
     # machine measures ~0.95, and under load (9 runnable threads on 2 cores)
@@ -116,13 +124,19 @@ def test_shards_that_take_turns_show_parallelism_about_one(every_shard_writes_on
             assert _overlap_ms(a, b) <= 0.1 * min(a.busy_ms, b.busy_ms), (a, b)
 
 
-def test_timeline_leaves_the_functions_variables_as_they_were(every_shard_writes_one_counter):
+def test_the_record_is_the_call_and_writes_what_the_call_writes(every_shard_writes_one_counter):
+    # The timeline makes the call f(x) makes, once: the counter moves as one call moves it.
     f = every_shard_writes_one_counter
-    before = float(f.counter.numpy())
-    f.timeline(_rows(64))
-    assert float(f.counter.numpy()) == before
-    f(_rows(64))  # a real call does write it
-    assert float(f.counter.numpy()) != before
+    x = _rows(64)
+    f(x)  # traced and warm
+    start = f.counter.numpy()
+    f.timeline(x)
+    recorded = f.counter.numpy()
+    f.counter.assign(start)
+    f(x)
+    called = f.counter.numpy()
+    assert recorded != start
+    numerics.assert_close(np.float32(recorded - start), np.float32(called - start))
 
 
 # ------------------------------------------------------------- the record
@@ -148,26 +162,44 @@ def test_busy_time_follows_the_work_each_shard_got():
     # Busy time includes time an op's thread waited for a core, so under load
     # the best of three runs is compared, with a wide margin (5x expected).
     f = _pure(FOUR, weights=[5, 1, 1, 1])
+    f(_rows(2048))
     timelines = [f.timeline(_rows(2048)) for _ in range(3)]
     assert [s.rows for s in timelines[0].shards] == f.plan(2048) == [1280, 256, 256, 256]
     ratios = [t.shards[0].busy_ms / max(s.busy_ms for s in t.shards[1:]) for t in timelines]
     assert max(ratios) > 2.0, ratios
 
 
-def test_copies_count_each_shards_rows_in_and_its_result_out(pure_four):
-    n = 1000
-    timeline = pure_four.timeline(_rows(n))
-    sizes = pure_four.plan(n)
+def test_copies_are_the_tensors_the_call_hands_between_devices(pure_four):
+    timeline = pure_four.timeline(_rows(1000))
     copies = {c.device: c for c in timeline.copies}
+    # By hand: the output device receives each other shard's result, once.
+    assert copies[DEVICES[0]].tensors_in == 3
     for k in (1, 2, 3):
         c = copies[DEVICES[k]]
-        row_bytes = sizes[k] * WIDTH * 4
-        # Its result, to the gather on CPU:0 (and, traced in place, a cond's predicate).
-        assert 0 <= c.bytes_out - row_bytes <= 16
-        # Its rows, the 20 weight matrices it reads, and its row count.
-        assert 0 <= c.bytes_in - (row_bytes + 20 * WIDTH * WIDTH * 4 + 4) <= 16
-        assert c.ms is None  # logical CPU devices share memory: no copy, no time
-    assert 0 <= copies[DEVICES[0]].bytes_in - sum(sizes[1:]) * WIDTH * 4 <= 16
+        assert c.tensors_in >= 1 and c.tensors_out >= 1  # its rows in, its result out
+        # Logical CPU devices share memory: TF hands tensors over, nothing is copied.
+        assert c.bytes_in is None and c.bytes_out is None and c.ms is None
+    assert sum(c.tensors_in for c in timeline.copies) == sum(
+        c.tensors_out for c in timeline.copies
+    )
+
+
+def test_an_input_living_on_a_device_is_not_copied_from_the_host():
+    # The input lives on CPU:1, where shard 0 runs and results land: the call hands
+    # shard 1 its rows (CPU:1 -> CPU:2) and takes its result back (CPU:2 -> CPU:1),
+    # and nothing else. CPU:0 (the host) sends and receives nothing.
+    f = tfshard.parallelize(
+        lambda s: tf.tanh(s) * 2.0, devices=["cpu:1", "cpu:2"], output_device="cpu:1"
+    )
+    with tf.device("/cpu:1"):
+        x = tf.constant(_rows(64))
+    f(x)
+    timeline = f.timeline(x)
+    assert [(c.device, c.tensors_in, c.tensors_out) for c in timeline.copies] == [
+        ("/device:CPU:1", 1, 1),
+        ("/device:CPU:2", 1, 1),
+    ]
+    assert [s.rows for s in timeline.shards] == [32, 32]
 
 
 def test_the_table_names_every_device_rows_and_parallelism(pure_four):
@@ -183,25 +215,19 @@ def test_the_table_names_every_device_rows_and_parallelism(pure_four):
     assert any(line.split()[:2] == ["gather", DEVICES[0]] for line in lines)
     for device in DEVICES:
         assert sum(device in line for line in lines) >= 2  # its shard, and its copies
-    # Sizes in binary units, as explain and nvidia-smi give them: shards 1..3 each take
-    # in their rows and the 20 weight matrices (5 MiB) and send out 2 or 3 rows (KiB).
-    copies = {c.device: c for c in timeline.copies}
-    for device in DEVICES[1:]:
-        c = copies[device]
-        line = next(line for line in lines if line.split()[:1] == [device])
-        assert line.split()[1:5] == [
-            f"{c.bytes_in / 2**20:.1f}",
-            "MiB",
-            f"{c.bytes_out / 2**10:.1f}",
-            "KiB",
-        ]
+    # Each device's copies line: the tensors it took in and sent out, and no sizes (shared
+    # memory: nothing is copied between logical CPU devices).
+    for c in timeline.copies:
+        line = next(line for line in lines if line.split()[:1] == [c.device])
+        assert line.split()[1:3] == [str(c.tensors_in), str(c.tensors_out)]
+        assert line.endswith("none recorded (shared memory)")
 
 
 def test_shards_traced_in_place_with_replicas_are_recorded_alike():
     # With replicas every shard traces in place (no shared trace): its ops carry
     # its scope, and its cond is lowered, so no graph op names the edges.
     devices = ["cpu:3", "cpu:2", "cpu:1"]
-    f = tfshard.parallelize(lambda s: tf.tanh(s * scale), devices=devices)
+    f = tfshard.parallelize(lambda s: tf.tanh(s * scale), devices=devices, output_device="cpu:3")
     with f.replicas():
         scale = tf.Variable(2.0)
     n = 300
@@ -215,9 +241,8 @@ def test_shards_traced_in_place_with_replicas_are_recorded_alike():
     assert all(s.ops > 0 and s.busy_ms > 0 for s in timeline.shards)
     copies = {c.device: c for c in timeline.copies}
     for device in ("/device:CPU:2", "/device:CPU:1"):
-        # Its outputs, and the few bytes of its cond's predicate.
-        assert 0 <= copies[device].bytes_out - 100 * WIDTH * 4 <= 16
-        assert copies[device].bytes_in >= 100 * WIDTH * 4
+        # Its rows in and its outputs out (with, traced in place, its cond's predicate).
+        assert copies[device].tensors_in >= 1 and copies[device].tensors_out >= 1
 
 
 def test_an_empty_batch_and_a_batch_smaller_than_the_devices(pure_four):
@@ -228,10 +253,10 @@ def test_an_empty_batch_and_a_batch_smaller_than_the_devices(pure_four):
     assert [s.rows for s in empty.shards] == [0, 0, 0, 0]
 
 
-def test_a_keras_model_is_recorded_with_its_weights_untouched():
+def test_a_keras_model_is_recorded_and_its_inference_leaves_its_weights():
     model = tf.keras.Sequential([tf.keras.Input([8]), tf.keras.layers.Dense(4)])
     before = [w.copy() for w in model.get_weights()]
-    f = tfshard.parallelize(model, devices=FOUR[:2])
+    f = tfshard.parallelize(model, devices=FOUR[:2], output_device="cpu:0")
     timeline = f.timeline(np.ones([16, 8], np.float32))
     assert [s.rows for s in timeline.shards] == [8, 8]
     assert all(s.ops > 0 for s in timeline.shards)
@@ -240,16 +265,21 @@ def test_a_keras_model_is_recorded_with_its_weights_untouched():
 
 
 def test_compiled_shards_count_their_one_kernel_as_busy():
-    # With XLA each shard is one call whose ops the record does not list.
+    # With XLA each shard is one call whose ops the record does not list. On a loaded
+    # machine the profiler has been seen to miss a compiled call's events (its thread's
+    # events for the whole call were absent from the XSpace): each shard is judged on the
+    # best of three records.
     f = _pure(FOUR, jit_compile=True)
-    timeline = f.timeline(_rows(256))
-    assert [s.rows for s in timeline.shards] == [64, 64, 64, 64]
-    for s in timeline.shards:
-        assert s.ops >= 1 and s.busy_ms > 0.5, s
+    f(_rows(256))  # compiled in a call of its own
+    timelines = [f.timeline(_rows(256)) for _ in range(3)]
+    assert [s.rows for s in timelines[0].shards] == [64, 64, 64, 64]
+    for k in range(4):
+        best = max((t.shards[k] for t in timelines), key=lambda s: s.busy_ms)
+        assert best.ops >= 1 and best.busy_ms > 0.5, best
 
 
 def test_a_dataset_records_one_batch_the_first_or_the_one_asked_for():
-    f = tfshard.parallelize(tf.sin, devices=FOUR)
+    f = tfshard.parallelize(tf.sin, devices=FOUR, output_device="cpu:0")
     dataset = tf.data.Dataset.from_tensor_slices(_rows(10)).batch(4)
     assert [s.rows for s in f.timeline(dataset).shards] == [1, 1, 1, 1]
     last = f.timeline(dataset, batch_index=2)  # the last batch: 2 rows
@@ -264,14 +294,15 @@ def test_a_dataset_records_one_batch_the_first_or_the_one_asked_for():
 
 def test_a_keras_models_dataset_of_x_and_y_records_x():
     model = tf.keras.Sequential([tf.keras.Input([8]), tf.keras.layers.Dense(4)])
-    f = tfshard.parallelize(model, devices=FOUR[:2])
+    f = tfshard.parallelize(model, devices=FOUR[:2], output_device="cpu:0")
     pairs = (np.ones([6, 8], np.float32), np.zeros([6]))
     dataset = tf.data.Dataset.from_tensor_slices(pairs).batch(6)
     assert [s.rows for s in f.timeline(dataset).shards] == [3, 3]
 
 
-def test_lookup_tables_and_critical_sections_are_copied_and_left_as_they_were():
-    """A function that captures resources other than variables is recorded (issue 30)."""
+def test_tables_and_a_critical_section_end_as_the_call_leaves_them():
+    """A function that captures resources other than variables is recorded (issue 30), and
+    what its call writes is written, once: the record is the call."""
     keys = tf.constant(["a", "b", "c"])
     table = tf.lookup.StaticHashTable(
         tf.lookup.KeyValueTensorInitializer(keys, tf.constant([1.0, 2.0, 3.0])), -1.0
@@ -284,42 +315,80 @@ def test_lookup_tables_and_critical_sections_are_copied_and_left_as_they_were():
 
     def look(words):
         found = table.lookup(words) + tf.cast(mutable.lookup(words) + vocabulary(words), tf.float32)
-        mutable.insert(words, tf.zeros_like(mutable.lookup(words)))  # writes go to the copy
-        section.execute(lambda: counted.assign_add(tf.reduce_sum(found)))
+        mutable.insert(words, tf.zeros_like(mutable.lookup(words)))
+        section.execute(lambda: counted.assign_add(tf.cast(tf.size(words), tf.float32)))
         return found
 
-    f = tfshard.parallelize(look, devices=FOUR[:3], per_sample=False)
+    f = tfshard.parallelize(look, devices=FOUR[:3], per_sample=False, output_device="cpu:0")
     timeline = f.timeline(tf.constant(["a", "b", "z", "c", "a", "b"]))
     assert [s.rows for s in timeline.shards] == [2, 2, 2]
     assert all(s.ops > 0 for s in timeline.shards)
-    assert mutable.lookup(keys).numpy().tolist() == [7, 8, 9] and counted.numpy() == 0.0
-    # The copies hold what the tables held: the recorded run finds what a call finds.
-    read = tfshard.parallelize(
-        lambda w: table.lookup(w) + tf.cast(mutable.lookup(w) + vocabulary(w), tf.float32),
-        devices=FOUR[:3],
-        per_sample=False,
-    )
-    words = tf.constant(["a", "b", "z", "c"])
-    concrete = read.get_concrete_function(words)
-    graph, feeds, setup = timeline_lib._replay(concrete, [words], "read")
-    with tf.compat.v1.Session(graph=graph) as session:
-        session.run(setup.ops, setup.feeds)
-        got = session.run(graph.get_tensor_by_name(concrete.outputs[0].name), feeds)
-    np.testing.assert_array_equal(got, read(words).numpy())
-    np.testing.assert_array_equal(got, [9.0, 10.0, -2.0, 14.0])
+    # Each word the call saw is set to 0 in the mutable table; each row counted once.
+    assert mutable.lookup(tf.constant(["a", "b", "c", "z"])).numpy().tolist() == [0, 0, 0, 0]
+    assert counted.numpy() == 6.0
 
 
-def test_a_resource_it_cannot_copy_is_refused_naming_its_ops():
+def test_a_function_reading_a_queue_is_recorded():
     queue = tf.queue.FIFOQueue(4, tf.float32, shapes=[[]])
+    queue.enqueue(1.0)
     f = tfshard.parallelize(
-        lambda x: x * tf.cast(queue.size(), x.dtype), devices=FOUR[:2], per_sample=False
+        lambda x: x * tf.cast(queue.size(), x.dtype),
+        devices=FOUR[:2],
+        per_sample=False,
+        output_device="cpu:0",
     )
-    with pytest.raises(tfshard.ArgumentError, match=r"used by QueueSizeV2.*a queue, iterator"):
-        f.timeline(np.ones([4], np.float32))
+    timeline = f.timeline(np.ones([4], np.float32))
+    assert [s.rows for s in timeline.shards] == [2, 2]
+    assert all(s.ops > 0 for s in timeline.shards)
+
+
+def test_a_profile_of_your_own_running_is_named_with_the_fix(pure_four, tmp_path):
+    tf.profiler.experimental.start(str(tmp_path))
+    try:
+        with pytest.raises(
+            tfshard.TfshardError,
+            match=r"dense_stack.timeline\(\): TensorFlow's profiler is already running .*"
+            r"stop your trace first \(tf.profiler.experimental.stop\(\)\)",
+        ):
+            pure_four.timeline(_rows(8))
+    finally:
+        tf.profiler.experimental.stop()
+    assert [s.rows for s in pure_four.timeline(_rows(8)).shards] == [2, 2, 2, 2]
+
+
+def test_the_xspace_fields_are_tensorflows():
+    """The fields the timeline decodes have the numbers and types of TSL's xplane.proto."""
+    xplane = pytest.importorskip(
+        "tensorflow.tsl.profiler.protobuf.xplane_pb2", reason="TF's own XSpace classes"
+    )
+    ours = timeline_lib.xspace_message().DESCRIPTOR
+    theirs = xplane.XSpace.DESCRIPTOR
+    checked = 0
+
+    def repeated(field):  # protobuf 7 has no `label`
+        if hasattr(field, "is_repeated"):
+            return field.is_repeated
+        return field.label == field.LABEL_REPEATED
+
+    def same(a, b):
+        nonlocal checked
+        for field in a.fields:
+            other = b.fields_by_name[field.name]
+            assert (field.number, field.type, repeated(field)) == (
+                other.number,
+                other.type,
+                repeated(other),
+            ), field.full_name
+            checked += 1
+            if field.message_type is not None:
+                same(field.message_type, other.message_type)
+
+    same(ours, theirs)
+    assert checked >= 20
 
 
 def test_auto_weights_are_recorded_with_the_plan_in_use():
-    f = tfshard.parallelize(tf.identity, devices=FOUR[:2], weights="auto")
+    f = tfshard.parallelize(tf.identity, devices=FOUR[:2], weights="auto", output_device="cpu:0")
     assert [s.rows for s in f.timeline(np.ones([6], np.float32)).shards] == [3, 3]
 
 

@@ -481,14 +481,16 @@ class ShardedFunction:
         batched: bool | None = None,
         **kwargs: Any,
     ) -> timeline_lib.Timeline:
-        """Runs one call with these arguments and returns what ran where and when.
+        """Makes one call with these arguments and returns what ran where and when.
 
-        The record is TensorFlow's own (the step stats of the call's graph, run
-        in a session of its own with a full trace; see `tfshard.timeline`), so
-        it answers "did my devices run at once, and where did the time go?"
-        without TensorBoard. The call's results are not returned, and writes
-        to variables and lookup tables go to copies: the function's own are
-        left as they were.
+        The record is TensorFlow's own (its profiler's trace of the call; see
+        `tfshard.timeline`), so it answers "did my devices run at once, and
+        where did the time go?" without TensorBoard. The call is the one
+        ``f(x)`` makes, with the inputs and resources where they live, run
+        once: what it writes (a variable, a lookup table) it writes, as
+        ``f(x)`` would; its results are not returned. Call ``f(x)`` once
+        before to record a warm call (a first call's record holds its first
+        run's costs).
 
         Args:
           *args: the arguments you would call the function with; a
@@ -506,9 +508,10 @@ class ShardedFunction:
           ``print`` it for a table, ``.plot(path)`` for a PNG.
 
         Raises:
-          ArgumentError: a device on another machine, a dataset with fewer
-            batches than `batch_index`, or a captured resource that is neither
-            a variable, a lookup table nor a critical section.
+          ArgumentError: a device on another machine, or a dataset with fewer
+            batches than `batch_index`.
+          TfshardError: TensorFlow's profiler is running already (a trace of
+            your own: stop it first).
 
         >>> f = tfshard.parallelize(tf.sin, devices=["cpu:0", "cpu:1"])
         >>> print(f.timeline(np.zeros([6], np.float32)))  # doctest: +ELLIPSIS
@@ -531,11 +534,13 @@ class ShardedFunction:
                     )
             call = arguments.classify(args, kwargs)
         engine = self._engine()
+        concrete = engine.trace(call)  # traced before the record starts
         return timeline_lib.record(
-            engine.trace(call),
-            engine.inputs(call),
+            lambda: engine.call(call),
+            concrete,
             devices=self.devices,
             rows=None if call.rows is None else engine.plan(call.rows),
+            output=engine.output,
             name=self.__name__,
         )
 

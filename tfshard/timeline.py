@@ -1,4 +1,4 @@
-"""A run's record: what ran where and when in one call, from TensorFlow's own step stats.
+"""A run's record: what ran where and when in one call, from TensorFlow's own profiler.
 
 ``f.timeline(x)`` (`tfshard.ShardedFunction.timeline`) answers "did my devices
 run at once, and where did the time go?" without TensorBoard::
@@ -10,23 +10,30 @@ run at once, and where did the time go?" without TensorBoard::
     >>> timeline.parallelism > 0
     True
 
-How it records: the call's traced graph (`ShardedFunction.get_concrete_function`)
-runs in a TF1 session of its own (`tf.compat.v1.Session`) with
-``RunOptions(trace_level=FULL_TRACE)``, and the run's step stats give each op's
-device, start and end after placement. The session gets this process's
-devices and thread settings; the resources the function captures are copied
-into it as they are now (a variable's value, a lookup table's contents, a
-critical section's mutex), so the record's run reads the same weights and
-tables and writes none of the user's. The graph runs once to warm up
-(kernels, memory), then once recorded.
+How it records: the call ``f(x)`` makes (its traced graph, on its tensors and
+the resources it captures, where they live) runs once under TensorFlow's
+profiler (`tf.profiler.experimental.start` with host and device tracing),
+and the profile's XSpace gives each op its thread, start and end; on a GPU,
+each kernel and copy on the device. Nothing is replayed: the record is of the
+real call, so a function that updates a variable or a table updates it once,
+as ``f(x)`` would. The graph is traced before the profiler starts; a call
+whose graph never ran yet includes its first run's costs (memory allocated,
+kernels made), so call ``f(x)`` once first to see a warm call.
 
-How ops are attributed to shards: an op traced in place carries its shard's
-name scope (``tfshard_shard_k/``). Shards off the output device call one shared
-trace, whose ops carry no scope: each goes to the shard whose call op
-(``tfshard_shard_k/StatefulPartitionedCall``) ran on the op's device and was
-running when the op started, or, when none ran there, to the one call running
-anywhere at that time; ops that fit no single shard stay unattributed. The
-gather is the ``tfshard_collect/`` scope.
+How the XSpace is read: TensorFlow writes it as a protobuf but ships its
+message classes only in a private module, so this module declares the few
+XSpace messages it reads (field numbers of TSL's ``xplane.proto``) and decodes
+them with the ``protobuf`` package TensorFlow itself depends on.
+
+How ops are attributed: each partition of the call's graph runs as one
+``FunctionRun`` whose id the executor's ``ExecutorState::Process`` events
+carry, so every op is known to run in one partition. A partition's device is
+the one its sends name as their source (a ``_Send``'s rendezvous key names both
+devices), else the device the graph placed its ops on, else the output
+device. An op in a shard's name scope (``tfshard_shard_k/``) is that shard's;
+an op of a function that a shard calls (the shared trace, a cond's branch) is
+the shard's whose call op started it; the gather is the ``tfshard_collect/``
+scope; a GPU kernel belongs to the op its ``tf_op`` stat names.
 
 What the numbers mean: a shard's busy time is the time at least one of its
 ops was running (the union of their intervals; on a GPU, of its kernels on
@@ -39,12 +46,16 @@ whole time.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import os
-from collections.abc import Iterable, Sequence
+import re
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from tfshard import pinning
@@ -52,7 +63,7 @@ from tfshard._explain import format_bytes
 from tfshard._step import COLLECT_SCOPE
 from tfshard.errors import ArgumentError, TfshardError, shard_in
 
-__all__ = ("Copies", "Shard", "Span", "Timeline", "record")
+__all__ = ("Copies", "Shard", "Span", "Timeline", "record", "xspace_message")
 
 _CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 # The executor's plumbing, which computes nothing: markers, arguments, constants,
@@ -105,23 +116,29 @@ class Shard(Span):
 class Copies:
     """What crossed into and out of one device during the call.
 
-    Bytes are the tensors the run sent between devices (the executed
-    partition graphs' send/receive pairs), each tensor counted once per
-    device it went to. Logical CPU devices share the host's
-    memory, so there TF hands tensors over without copying and records no
-    time (`ms` is None); on a GPU, `ms` is the time of the copies on its
-    ``memcpy`` stream.
+    Tensors are counted from the call's sends: each ``_Send`` of the
+    executed partitions hands one tensor from its device to another (a
+    tensor that two devices receive counts once for each). Bytes and time
+    are what a GPU's copy engine recorded (its ``Memcpy`` events: host to
+    device counts in, device to host out, and a copy between devices in for
+    the device whose op made it). Logical CPU devices share the host's
+    memory: TF hands tensors over without copying, and the record has no
+    size or time for them (`bytes_in`, `bytes_out` and `ms` are None).
 
     Attributes:
       device: the device.
-      bytes_in: bytes it received from other devices.
-      bytes_out: bytes it sent to other devices.
-      ms: copy time TF recorded on this device, or None where it records none.
+      tensors_in: tensors it received from other devices.
+      tensors_out: tensors it sent to other devices.
+      bytes_in: bytes copied into its memory (a GPU), or None (a CPU).
+      bytes_out: bytes copied out of its memory (a GPU), or None (a CPU).
+      ms: time of its copies, or None where the record has none (a CPU).
     """
 
     device: str
-    bytes_in: int
-    bytes_out: int
+    tensors_in: int
+    tensors_out: int
+    bytes_in: int | None
+    bytes_out: int | None
     ms: float | None
 
 
@@ -199,12 +216,21 @@ class Timeline:
             )
         if self.copies:
             width = max(len("device"), *(len(c.device) for c in self.copies))
-            lines.append(f"  {'copies':<6}  {'device':<{width}}  {'in':>10}  {'out':>10}  time")
+            lines.append(
+                f"  {'copies':<6}  {'device':<{width}}  {'tensors in':>10}  {'out':>4}  "
+                f"{'bytes in':>10}  {'out':>10}  time"
+            )
             for c in self.copies:
-                ms = "none recorded (shared memory)" if c.ms is None else f"{c.ms:.2f} ms"
+                if c.ms is None:
+                    sizes = f"{'-':>10}  {'-':>10}  none recorded (shared memory)"
+                else:
+                    sizes = (
+                        f"{format_bytes(c.bytes_in or 0):>10}  "
+                        f"{format_bytes(c.bytes_out or 0):>10}  {c.ms:.2f} ms"
+                    )
                 lines.append(
-                    f"  {'':<6}  {c.device:<{width}}  {format_bytes(c.bytes_in):>10}  "
-                    f"{format_bytes(c.bytes_out):>10}  {ms}"
+                    f"  {'':<6}  {c.device:<{width}}  {c.tensors_in:>10}  {c.tensors_out:>4}  "
+                    + sizes
                 )
         lines.append("  lanes: '#' a shard's ops ran, '.' waiting between its first and last op")
         return "\n".join(lines)
@@ -256,31 +282,37 @@ class Timeline:
 
 # ------------------------------------------------------------------ recording
 
-
 def record(
+    call: Callable[[], Any],
     concrete: Any,
-    tensors: Sequence[Any],
     *,
     devices: Sequence[str],
     rows: Sequence[int] | None,
+    output: str,
     name: str,
 ) -> Timeline:
-    """Runs a parallelized function's traced graph once, recorded, and reads the record.
+    """Runs one call under TensorFlow's profiler and reads the record into a `Timeline`.
+
+    The call runs once, as it would without the record: whatever it writes
+    (a variable, a table) is written.
 
     Args:
-      concrete: the call's concrete function (`ShardedFunction.get_concrete_function`).
-      tensors: the graph's inputs for the call, in order (nested composites allowed).
+      call: makes the call, ``f(x)``'s own: the traced graph `concrete` on the
+        call's tensors and the resources it captures.
+      concrete: the concrete function the call runs, traced already (no trace
+        is recorded).
       devices: the shards' devices, in shard order.
       rows: each shard's rows (`ShardedFunction.plan`), or None when unknown.
-      name: the function's name, for the table.
+      output: the output device, where the graph's ops without a device run.
+      name: the function's name, for the table and the errors.
 
     Returns:
-      The `Timeline` of the run.
+      The `Timeline` of the call.
 
     Raises:
-      ArgumentError: a device is on another machine, or the function captures
-        a resource that is neither a variable, a lookup table nor a critical
-        section (a queue, an iterator).
+      ArgumentError: a device is on another machine.
+      TfshardError: TensorFlow's profiler is running already (a trace of the
+        user's), or it wrote no record of the call.
     """
     remote = [d for d in devices if pinning.is_remote(d)]
     if remote:
@@ -288,256 +320,206 @@ def record(
             f"{name}.timeline(): {remote[0]} is on another machine; a timeline records "
             "this process's devices only (run it on the devices of one process)"
         )
-    graph, feeds, setup = _replay(concrete, tensors, name)
-    fetches = [graph.get_tensor_by_name(t.name) for t in concrete.outputs]
-    options = tf.compat.v1.RunOptions(
-        trace_level=tf.compat.v1.RunOptions.FULL_TRACE, output_partition_graphs=True
+    function = concrete.function_def.signature.name
+    placed = {op.name: _local(op.device) for op in concrete.graph.get_operations() if op.device}
+    with tempfile.TemporaryDirectory(prefix="tfshard_timeline_") as logdir:
+        try:
+            # The default options record what a timeline reads: TF's ops on the host
+            # (host_tracer_level 2), a GPU's kernels and copies (device_tracer_level 1),
+            # and no Python (python_tracer_level 0).
+            tf.profiler.experimental.start(logdir)
+        except tf.errors.AlreadyExistsError:
+            raise TfshardError(
+                f"{name}.timeline(): TensorFlow's profiler is already running (a trace of "
+                "your own: tf.profiler.experimental.start, a TensorBoard callback's "
+                "profile_batch); a timeline records with that profiler, so stop your trace "
+                f"first (tf.profiler.experimental.stop()) and call {name}.timeline again"
+            ) from None
+        try:
+            call()
+            tf.test.experimental.sync_devices()  # a GPU's kernels end inside the record
+        finally:
+            tf.profiler.experimental.stop()
+        planes = _load(Path(logdir), name)
+    return _read(planes, function, placed, devices, rows, _local(output), name)
+
+
+def _load(logdir: Path, name: str) -> list[_Plane]:
+    """The planes of the XSpaces the profiler wrote under `logdir` (one file per host)."""
+    paths = sorted(logdir.glob("plugins/profile/*/*.xplane.pb"))
+    if not paths:
+        raise TfshardError(
+            f"{name}.timeline(): TensorFlow's profiler wrote no record under {logdir}; "
+            "a timeline needs TensorFlow's profiler (tf.profiler.experimental)"
+        )
+    planes = []
+    for path in paths:
+        space = xspace_message()()
+        space.ParseFromString(path.read_bytes())
+        planes.extend(_plane(p) for p in space.planes)
+    return planes
+
+
+# -------------------------------------------------------------------- XSpace
+
+
+@functools.cache
+def xspace_message() -> Any:
+    """The message class this module reads a profile's XSpace with (``*.xplane.pb``).
+
+    It declares the fields a timeline reads, with the numbers of TSL's
+    ``xplane.proto`` (``tensorflow.profiler.XSpace``); other fields are
+    skipped when parsing. A map field (a plane's event and stat metadata) is
+    its repeated entries on the wire, declared so: ``key`` and ``value``.
+    """
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    field = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(
+        name="tfshard_xplane.proto", package="tfshard_xplane", syntax="proto3"
     )
-    metadata = tf.compat.v1.RunMetadata()
-    with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
-        if setup.ops:
-            session.run(setup.ops, setup.feeds)
-        session.run(fetches, feeds)  # warm-up: kernels made, memory allocated
-        session.run(fetches, feeds, options, metadata)
-    fed = {tensor: int(np.asarray(value).nbytes) for tensor, value in feeds.items()}
-    return _read(metadata, fed, devices, rows, name)
+    scalars = {
+        "int64": field.TYPE_INT64,
+        "uint64": field.TYPE_UINT64,
+        "double": field.TYPE_DOUBLE,
+        "string": field.TYPE_STRING,
+        "bytes": field.TYPE_BYTES,
+    }
+
+    def message(name: str, fields: Sequence[tuple[str, int, str, bool]], oneof: str = "") -> None:
+        proto = file.message_type.add(name=name)
+        if oneof:
+            proto.oneof_decl.add(name=oneof)
+        for field_name, number, kind, repeated in fields:
+            added = proto.field.add(
+                name=field_name,
+                number=number,
+                label=field.LABEL_REPEATED if repeated else field.LABEL_OPTIONAL,
+            )
+            if kind in scalars:
+                added.type = scalars[kind]
+                if oneof and field_name.endswith("_value"):
+                    added.oneof_index = 0
+            else:
+                added.type = field.TYPE_MESSAGE
+                added.type_name = f".tfshard_xplane.{kind}"
+
+    message("XSpace", [("planes", 1, "XPlane", True)])
+    message(
+        "XPlane",
+        [
+            ("id", 1, "int64", False),
+            ("name", 2, "string", False),
+            ("lines", 3, "XLine", True),
+            ("event_metadata", 4, "EventMetadataEntry", True),
+            ("stat_metadata", 5, "StatMetadataEntry", True),
+        ],
+    )
+    message("EventMetadataEntry", [("key", 1, "int64", False), ("value", 2, "XMetadata", False)])
+    message("StatMetadataEntry", [("key", 1, "int64", False), ("value", 2, "XMetadata", False)])
+    # XEventMetadata and XStatMetadata alike: id 1, name 2.
+    message("XMetadata", [("id", 1, "int64", False), ("name", 2, "string", False)])
+    message(
+        "XLine",
+        [
+            ("id", 1, "int64", False),
+            ("name", 2, "string", False),
+            ("timestamp_ns", 3, "int64", False),
+            ("events", 4, "XEvent", True),
+        ],
+    )
+    message(
+        "XEvent",
+        [
+            ("metadata_id", 1, "int64", False),
+            ("offset_ps", 2, "int64", False),
+            ("duration_ps", 3, "int64", False),
+            ("stats", 4, "XStat", True),
+        ],
+    )
+    message(
+        "XStat",
+        [
+            ("metadata_id", 1, "int64", False),
+            ("double_value", 2, "double", False),
+            ("uint64_value", 3, "uint64", False),
+            ("int64_value", 4, "int64", False),
+            ("str_value", 5, "string", False),
+            ("bytes_value", 6, "bytes", False),
+            ("ref_value", 7, "uint64", False),
+        ],
+        oneof="value",
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    descriptor = pool.FindMessageTypeByName("tfshard_xplane.XSpace")
+    if hasattr(message_factory, "GetMessageClass"):
+        return message_factory.GetMessageClass(descriptor)
+    return message_factory.MessageFactory(pool).GetPrototype(descriptor)  # protobuf < 4.21
 
 
 @dataclasses.dataclass
-class _Setup:
-    """What a session runs once before the call: its copies of the captured resources.
+class _Event:
+    """One event of a plane: its name, times in ns since the epoch, stats by name."""
 
-    Attributes:
-      ops: the copies' initializers (a variable's value, a table's contents).
-      feeds: the values they are initialized from.
-    """
-
-    ops: list[Any] = dataclasses.field(default_factory=list)
-    feeds: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    name: str
+    start: float
+    end: float
+    stats: dict[str, Any]
+    line: int
 
 
-def _replay(concrete: Any, tensors: Sequence[Any], name: str) -> tuple[Any, dict, _Setup]:
-    """A graph to run the call in a session: the traced graph, its captures made local.
+@dataclasses.dataclass
+class _Plane:
+    name: str
+    lines: dict[int, str]  # line id -> name
+    events: list[_Event]
 
-    A session has resources of its own, so each resource the function
-    captures gets a copy there, made from the original's state now: a
-    variable's value, a lookup table's contents (`_table_copy`), a critical
-    section's mutex (it holds no state). Returns the graph, the feeds (inputs
-    and captured tensors), and what makes the copies.
-    """
-    captured = list(concrete.captured_inputs)
-    explicit = concrete.inputs[: len(concrete.inputs) - len(captured)]
-    placeholders = concrete.inputs[len(explicit) :]
-    values = [_to_numpy(v) for v in tf.nest.flatten(list(tensors), expand_composites=True)]
-    if len(values) != len(explicit):
-        raise TfshardError(
-            f"{name}.timeline(): the call has {len(values)} input tensors but its graph "
-            f"takes {len(explicit)}"
-        )
-    variables = {id(v.handle): v for v in concrete.variables}
-    start_values = {id(v): v.numpy() for v in concrete.variables}
-    graph_def = concrete.graph.as_graph_def()
-    # A table's contents are read now, eagerly, before the session's graph is the default.
-    tables = {
-        placeholder.name: _table_contents(value, uses)
-        for placeholder, value in zip(placeholders, captured)
-        if value.dtype == tf.resource and id(value) not in variables
-        and (uses := _uses(graph_def, placeholder.op.name))
-        and all(use.op in _TABLE_OPS for use in uses)
-    }
-    graph = tf.Graph()
-    input_map, feeds, setup = {}, {}, _Setup()
-    with graph.as_default():
-        for placeholder, value in zip(placeholders, captured):
-            if value.dtype != tf.resource:
-                feeds[placeholder.name] = _to_numpy(value)
-                continue
-            variable = variables.get(id(value))
-            copy_name = f"tfshard_timeline_{len(input_map)}"
-            if variable is not None:
-                init = tf.compat.v1.placeholder(variable.dtype, variable.shape)
-                with tf.device(variable.device):
-                    copy = tf.Variable(init, name=copy_name)
-                setup.ops.append(copy.initializer)
-                setup.feeds[init] = start_values[id(variable)]
-                input_map[placeholder.name] = copy.handle
-                # A control input on the capture (a critical section's body waits for
-                # the resources it runs on) waits for the copy's handle instead.
-                input_map[f"^{placeholder.op.name}"] = copy.handle
-                continue
-            uses = _uses(graph_def, placeholder.op.name)
-            if placeholder.name in tables:
-                contents = tables[placeholder.name]
-                input_map[placeholder.name] = _table_copy(value, contents, copy_name, setup)
-                input_map[f"^{placeholder.op.name}"] = input_map[placeholder.name]
-            elif uses and {use.op for use in uses} <= _MUTEX_OPS:
-                with tf.device(value.device):
-                    input_map[placeholder.name] = tf.raw_ops.MutexV2(shared_name=copy_name)
-                input_map[f"^{placeholder.op.name}"] = input_map[placeholder.name]
-            else:
-                ops = sorted({use.op for use in uses}) or ["nothing"]
-                raise ArgumentError(
-                    f"{name}.timeline(): the function captures a resource that is neither "
-                    f"a variable, a lookup table nor a critical section ({placeholder.name}, "
-                    f"used by {', '.join(ops)}: a queue, iterator or the like); a timeline "
-                    "copies those three into its session only"
+
+def _plane(plane: Any) -> _Plane:
+    """A decoded plane: each event with its name and stats resolved, in ns."""
+    names = {entry.key: entry.value.name for entry in plane.event_metadata}
+    stat_names = {entry.key: entry.value.name for entry in plane.stat_metadata}
+    events = []
+    for line in plane.lines:
+        base = float(line.timestamp_ns)
+        for event in line.events:
+            stats = {}
+            for stat in event.stats:
+                kind = stat.WhichOneof("value")
+                value = getattr(stat, kind) if kind else None
+                if kind == "ref_value":  # a string kept once, in the stat metadata
+                    value = stat_names.get(value, "")
+                stats[stat_names.get(stat.metadata_id, "")] = value
+            start = base + event.offset_ps / 1e3
+            events.append(
+                _Event(
+                    names.get(event.metadata_id, ""),
+                    start,
+                    start + event.duration_ps / 1e3,
+                    stats,
+                    line.id,
                 )
-        tf.graph_util.import_graph_def(graph_def, input_map=input_map, name="")
-    for placeholder, value in zip(explicit, values):
-        feeds[placeholder.name] = value
-    return graph, feeds, setup
-
-
-# Ops that use a lookup table, and the attributes naming its key and value dtypes (None:
-# none). Any table answers them as a mutable hash table with its contents does.
-_TABLE_OPS: dict[str, tuple[str, str] | None] = {
-    "LookupTableFindV2": ("Tin", "Tout"),
-    "LookupTableInsertV2": ("Tin", "Tout"),
-    "LookupTableImportV2": ("Tin", "Tout"),
-    "LookupTableExportV2": ("Tkeys", "Tvalues"),
-    "LookupTableRemoveV2": None,
-    "LookupTableSizeV2": None,
-}
-_MUTEX_OPS = frozenset({"MutexLock"})
-# Function-calling ops: the attributes holding the functions, and how many of the
-# op's first inputs are not the functions' arguments (an If's predicate, a Case's index).
-_CALLS = {
-    "PartitionedCall": (("f",), 0),
-    "StatefulPartitionedCall": (("f",), 0),
-    "If": (("then_branch", "else_branch"), 1),
-    "StatelessIf": (("then_branch", "else_branch"), 1),
-    "While": (("cond", "body"), 0),
-    "StatelessWhile": (("cond", "body"), 0),
-    "Case": (("branches",), 1),
-    "StatelessCase": (("branches",), 1),
-}
-
-
-def _uses(graph_def: Any, name: str) -> list[Any]:
-    """The nodes that use the tensor `name` of the graph, followed into the functions that
-    take it (a shared trace's call, a cond's branches, a loop's body): the ops at the end."""
-    library = {f.signature.name: f for f in graph_def.library.function}
-    found: list[Any] = []
-    seen: set[tuple[str, str]] = set()
-
-    def follow(nodes: Sequence[Any], source: str, where: str) -> None:
-        if (where, source) in seen:
-            return
-        seen.add((where, source))
-        for node in nodes:
-            inputs = [i for i in node.input if not i.startswith("^")]
-            for index, given in enumerate(inputs):
-                if given != source and given.split(":")[0] != source:
-                    continue
-                calls = _CALLS.get(node.op)
-                if calls is None:
-                    found.append(node)
-                    continue
-                attrs, skipped = calls
-                for attr in attrs:
-                    value = node.attr[attr]
-                    functions = [f.name for f in value.list.func] or [value.func.name]
-                    for function in functions:
-                        body = library.get(function)
-                        if body is not None and index >= skipped:
-                            arg = body.signature.input_arg[index - skipped].name
-                            follow(body.node_def, arg, function)
-
-    follow(graph_def.node, name, "")
-    return found
-
-
-def _table_contents(handle: Any, uses: Sequence[Any]) -> tuple[Any, Any, Any, Any]:
-    """A captured lookup table's key and value dtypes, keys and values, now (eagerly).
-
-    The dtypes are those the function's table ops name; the contents are read
-    with `LookupTableExportV2`, which every kind of table answers.
-    """
-    typed = [use for use in uses if _TABLE_OPS[use.op] is not None]
-    if not typed:  # only its size is asked: any contents of that size do
-        with tf.device(handle.device):
-            size = int(tf.raw_ops.LookupTableSizeV2(table_handle=handle))
-        return tf.int64, tf.int64, np.arange(size, dtype=np.int64), np.zeros([size], np.int64)
-    key_attr, value_attr = _TABLE_OPS[typed[0].op]
-    key_dtype = tf.as_dtype(typed[0].attr[key_attr].type)
-    value_dtype = tf.as_dtype(typed[0].attr[value_attr].type)
-    with tf.device(handle.device):
-        keys, values = tf.raw_ops.LookupTableExportV2(
-            table_handle=handle, Tkeys=key_dtype, Tvalues=value_dtype
-        )
-    return key_dtype, value_dtype, keys.numpy(), values.numpy()
-
-
-def _table_copy(handle: Any, contents: tuple[Any, ...], name: str, setup: _Setup) -> Any:
-    """A mutable hash table in the session's graph, set up with a captured table's contents
-    (`_table_contents`): the function finds what it would find, and what it inserts goes to
-    the copy."""
-    key_dtype, value_dtype, keys, values = contents
-    with tf.device(handle.device):
-        if values.ndim > 1:
-            table = tf.raw_ops.MutableHashTableOfTensorsV2(
-                key_dtype=key_dtype,
-                value_dtype=value_dtype,
-                value_shape=values.shape[1:],
-                shared_name=name,
             )
-        else:
-            table = tf.raw_ops.MutableHashTableV2(
-                key_dtype=key_dtype, value_dtype=value_dtype, shared_name=name
-            )
-        key_feed = tf.compat.v1.placeholder(key_dtype, keys.shape)
-        value_feed = tf.compat.v1.placeholder(value_dtype, values.shape)
-        setup.ops.append(
-            tf.raw_ops.LookupTableImportV2(table_handle=table, keys=key_feed, values=value_feed)
-        )
-    setup.feeds[key_feed] = keys
-    setup.feeds[value_feed] = values
-    return table
-
-
-def _to_numpy(value: Any) -> Any:
-    if isinstance(value, tf.Variable):
-        value = value.value()
-    if getattr(value, "dtype", None) == tf.resource:
-        raise ArgumentError(
-            "timeline(): an argument is a resource (a variable handle); pass its value"
-        )
-    return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-
-
-def _session_config() -> Any:
-    """A TF1 session config matching this process's devices and thread settings.
-
-    A session reads no `tf.config`: the CPU split, the GPUs' virtual devices,
-    memory growth, soft placement and the thread pools are copied into it.
-    """
-    cpus = len(tf.config.list_logical_devices("CPU"))
-    config = tf.compat.v1.ConfigProto(
-        allow_soft_placement=tf.config.get_soft_device_placement(),
-        device_count={"CPU": cpus},
-        intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
-        inter_op_parallelism_threads=tf.config.threading.get_inter_op_parallelism_threads(),
-    )
-    physical = tf.config.list_physical_devices("GPU")
-    visible = tf.config.get_visible_devices("GPU")
-    if len(visible) != len(physical):
-        config.gpu_options.visible_device_list = ",".join(str(physical.index(d)) for d in visible)
-    for gpu in visible:
-        split = tf.config.get_logical_device_configuration(gpu) or []
-        if split:
-            limits = config.gpu_options.experimental.virtual_devices.add()
-            limits.memory_limit_mb.extend(c.memory_limit for c in split)
-        if tf.config.experimental.get_memory_growth(gpu):
-            config.gpu_options.allow_growth = True
-    return config
+    return _Plane(plane.name, {line.id: line.name for line in plane.lines}, events)
 
 
 # -------------------------------------------------------------------- reading
 
+_OP_EVENT = re.compile(r"([^\s:]+):([A-Za-z0-9_]+)")  # "tfshard_shard_1/Tanh:Tanh"
+_ASYNC_START = "ExecutorState::ProcessAsync::Start"
+_ASYNC_DONE = "ExecutorState::ProcessAsync::Done"
+_PROCESS = "ExecutorState::Process"
+_RUN = "FunctionRun"
+_SENDS = frozenset({"_Send", "_HostSend"})
+_MEMCPY_IN = frozenset({"MemcpyH2D", "MemcpyD2D", "MemcpyP2P"})
+_MEMCPY_OUT = frozenset({"MemcpyD2H"})
+_SIZE = re.compile(r"\bsize:(\d+)")
+
 
 @dataclasses.dataclass
 class _Op:
-    """One op execution in the step stats (times in ms from the run's first op)."""
+    """One op execution of the call (times in ns until `_read` makes them ms from its start)."""
 
     name: str
     op: str
@@ -545,7 +527,19 @@ class _Op:
     start: float
     end: float
     kind: str  # "op" (the executor), "kernel" (a GPU stream), "memcpy"
-    output_bytes: list[int]
+    part: tuple[str, int] | None = None  # ("shard", k), ("gather", 0) or None
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Run:
+    """One run of one partition (or of a function an op called), and where it ran."""
+
+    parent: str | None  # the run whose op started it; None for the call's partitions
+    caller: str  # the op that called it ("" for the call's partitions)
+    votes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    device: str = ""
+    part: tuple[str, int] | None = None
 
 
 def _local(name: str) -> str:
@@ -553,83 +547,155 @@ def _local(name: str) -> str:
     return tf.DeviceSpec(device_type=spec.device_type, device_index=spec.device_index).to_string()
 
 
-def _ops(step_stats: Any) -> list[_Op]:
-    raw = []
-    for stats in step_stats.dev_stats:
-        device, kind = stats.device, "op"
-        if "/memcpy" in device:
-            device, kind = device.split("/memcpy")[0], "memcpy"
-        elif "/stream:" in device:
-            if device.endswith("/stream:all"):
-                continue  # every stream's kernels again, merged
-            device, kind = device.split("/stream:")[0], "kernel"
-        local = _local(device)
-        for node in stats.node_stats:
-            start = (
-                node.all_start_nanos / 1e6 if node.all_start_nanos else node.all_start_micros / 1e3
-            )
-            length = (
-                node.all_end_rel_nanos / 1e6
-                if node.all_end_rel_nanos
-                else node.all_end_rel_micros / 1e3
-            )
-            op = node.timeline_label.split(" = ", 1)[-1].split("(", 1)[0].strip()
-            sizes = [_tensor_bytes(o.tensor_description) for o in node.output]
-            name = node.node_name.split(":", 1)[0]
-            raw.append(_Op(name, op, local, start, start + length, kind, sizes))
-    if raw:
-        base = min(o.start for o in raw)
-        for o in raw:
-            o.start -= base
-            o.end -= base
-    return raw
+def _part(name: str) -> tuple[str, int] | None:
+    """The part of the call a node's name puts it in: a shard's scope, the gather's, or none."""
+    k = shard_in(name)
+    if k is not None:
+        return ("shard", k)
+    if name.startswith(f"{COLLECT_SCOPE}/"):
+        return ("gather", 0)
+    return None
 
 
-def _tensor_bytes(description: Any) -> int:
-    """A recorded output's size: its shape times its dtype's, else what was allocated.
+def _nest(events: list[_Event]) -> list[tuple[_Event, list[_Event]]]:
+    """Each event with the events of its thread it runs inside (outermost first)."""
+    by_line: dict[int, list[_Event]] = collections.defaultdict(list)
+    for event in events:
+        by_line[event.line].append(event)
+    nested = []
+    for line in by_line.values():
+        line.sort(key=lambda e: (e.start, -e.end))
+        stack: list[_Event] = []
+        for event in line:
+            while stack and stack[-1].end <= event.start:
+                stack.pop()
+            nested.append((event, list(stack)))
+            stack.append(event)
+    return nested
 
-    Not the allocation alone: a slice (each piece of a split) reports the
-    buffer it shares with its parent.
+
+def _host_ops(
+    host: list[_Event], function: str, placed: dict[str, str], output: str
+) -> tuple[list[_Op], float | None]:
+    """The executor's ops of the call of `function`, each with its device and part.
+
+    The call's partitions are the ``FunctionRun`` events inside its eager
+    execution (returned with its start); a function an op calls runs as a
+    ``FunctionRun`` inside that op's event; an op runs in the run whose id
+    (``_p``) its enclosing ``ExecutorState::Process`` event consumes (``_c``).
     """
-    dims = [d.size for d in description.shape.dim]
-    if not description.shape.unknown_rank and all(d >= 0 for d in dims):
-        dtype = tf.as_dtype(description.dtype)
-        if dtype.is_numpy_compatible and dtype not in (tf.string, tf.resource, tf.variant):
-            return int(np.prod(dims, dtype=np.int64)) * dtype.size
-    return int(description.allocation_description.requested_bytes)
-
-
-def _attribute(
-    ops: list[_Op], count: int, outer: frozenset[str] = frozenset()
-) -> tuple[list[list[_Op]], list[_Op], list[_Op]]:
-    """Each op to its shard, the gather, or neither (see the module docstring).
-
-    An op of the call's own graph (`outer`: the names in the partition graphs
-    that ran) outside every shard's scope belongs to no shard, whenever it
-    runs; only an op inside a called function (not in `outer`) goes to the
-    shard whose call was running on its device.
-    """
-    shards: list[list[_Op]] = [[] for _ in range(count)]
-    gather, other = [], []
-    calls = [(k, o) for o in ops if o.op in _CALL_OPS and (k := shard_in(o.name)) is not None]
-    for o in ops:
-        k = shard_in(o.name)
-        if k is None and o.name.startswith(f"{COLLECT_SCOPE}/"):
-            gather.append(o)
+    nested = _nest(host)
+    window = [
+        e for e in host if e.stats.get("eager_op") == function or e.name.endswith(f": {function}")
+    ]
+    runs: dict[Any, _Run] = {}
+    raw: list[tuple[str, str, Any, float, float, dict[str, Any], Any]] = []
+    done: dict[Any, float] = {}
+    pending_runs: list[tuple[_Event, list[_Event]]] = []
+    for event, outer in nested:
+        if event.name == _RUN:
+            pending_runs.append((event, outer))
             continue
-        if k is None and o.name not in outer:
-            running = [(j, c) for j, c in calls if c.start <= o.start <= c.end]
-            here = {j for j, c in running if c.device == o.device}
-            anywhere = {j for j, _ in running}
-            if len(here) == 1:
-                k = here.pop()
-            elif not here and len(anywhere) == 1:
-                k = anywhere.pop()
-        if k is not None and k < count:
-            shards[k].append(o)
+        if event.name == _ASYNC_DONE:
+            done[event.stats.get("_c")] = event.end
+            continue
+        if event.name == _ASYNC_START:
+            op_name, op = str(event.stats.get("name", "")), str(event.stats.get("kernel_type", ""))
         else:
-            other.append(o)
-    return shards, gather, other
+            match = _OP_EVENT.fullmatch(event.name)
+            if match is None:
+                continue
+            op_name, op = match.groups()
+        process = next((e for e in reversed(outer) if e.name == _PROCESS), None)
+        if process is None:
+            continue
+        raw.append(
+            (op_name, op, process.stats.get("_c"), event.start, event.end, event.stats, event)
+        )
+    # The call's partitions, then the functions their ops call, in the order they started.
+    op_of = {id(entry[6]): entry for entry in raw}
+    for event, outer in sorted(pending_runs, key=lambda pair: pair[0].start):
+        caller = next((e for e in reversed(outer) if id(e) in op_of), None)
+        if caller is None:
+            inside = any(w.line == event.line and w.start <= event.start <= w.end for w in window)
+            if inside or (not window and event.stats.get("_r")):
+                runs[event.stats.get("_p")] = _Run(None, "")
+            continue
+        op_name, _, parent, *_ = op_of[id(caller)]
+        if parent in runs:
+            runs[event.stats.get("_p")] = _Run(parent, op_name)
+    ops = []
+    for op_name, op, run, start, end, stats, event in raw:
+        if run not in runs:
+            continue
+        if event.name == _ASYNC_START:
+            end = max(end, done.get(stats.get("_p"), end))
+        key = stats.get("key")
+        if op in _SENDS and isinstance(key, str) and ";" in key:
+            runs[run].votes[_local(key.split(";")[0])] += 1
+        elif op_name in placed:
+            runs[run].votes[placed[op_name]] += 1
+        ops.append(_Op(op_name, op, "", start, end, "op", stats=stats))
+        ops[-1].stats["_run"] = run
+    for run in runs.values():  # parents were added first
+        parent = runs.get(run.parent)
+        inherited = parent.device if parent is not None else output
+        run.device = run.votes.most_common(1)[0][0] if run.votes else inherited
+        if parent is not None:
+            run.part = _part(run.caller) or parent.part
+    for o in ops:
+        run = runs[o.stats.pop("_run")]
+        o.device = run.device
+        o.part = _part(o.name) or run.part
+    return ops, min((w.start for w in window), default=None)
+
+
+def _device_ops(planes: list[_Plane], ops: list[_Op], since: float) -> list[_Op]:
+    """A GPU's kernels of the call's ops (the op its ``tf_op`` stat names) and its copies.
+
+    A kernel whose op ran on several devices (a shared trace's op, called by
+    two shards) goes to the device its stream's other kernels ran for. A copy
+    is the call's if it started after the call did (`since`).
+    """
+    where: dict[str, set[tuple[str, Any]]] = collections.defaultdict(set)
+    for o in ops:
+        where[o.name].add((o.device, o.part))
+    found: list[tuple[_Op, set[tuple[str, Any]], tuple[str, int]]] = []
+    for plane in planes:
+        match = re.fullmatch(r"/device:GPU:(\d+)", plane.name)
+        if match is None:
+            continue
+        own = f"/device:GPU:{match.group(1)}"
+        for event in plane.events:
+            named = str(event.stats.get("tf_op", ""))
+            candidates = where.get(named.rsplit(":", 1)[0], set()) if named else set()
+            if event.name in _MEMCPY_IN or event.name in _MEMCPY_OUT:
+                if event.start < since:
+                    continue
+                kind = "memcpy"
+            elif candidates:
+                kind = "kernel"
+            else:
+                continue
+            o = _Op(named or event.name, event.name, own, event.start, event.end, kind)
+            o.stats = event.stats
+            found.append((o, candidates, (id(plane), event.line)))
+    votes: dict[tuple[int, int], collections.Counter] = collections.defaultdict(
+        collections.Counter
+    )
+    for o, candidates, line in found:
+        if o.kind == "kernel" and len(candidates) == 1:
+            votes[line][next(iter(candidates))[0]] += 1
+    device_ops = []
+    for o, candidates, line in found:
+        stream = votes[line].most_common(1)[0][0] if votes[line] else None
+        mine = [c for c in candidates if c[0] == stream] if len(candidates) > 1 else candidates
+        if len(mine) == 1:
+            o.device, o.part = next(iter(mine))
+        elif stream is not None:
+            o.device = stream
+        device_ops.append(o)
+    return device_ops
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -669,56 +735,41 @@ def _span(ops: list[_Op], device: str) -> dict[str, Any]:
     )
 
 
-def _copies(ops: list[_Op], partitions: Sequence[Any], fed: dict[str, int]) -> tuple[Copies, ...]:
-    """Bytes sent between devices, and each device's memcpy time.
-
-    The executed partition graphs list every tensor that crossed: a ``_Recv``
-    on the receiving device for each (tensor, device) pair, whose ``_Send``
-    names the tensor's producer, whose size the step stats give. `fed` gives
-    the sizes of the tensors fed to the session (the call's inputs, captured
-    tensors), which arrive on the host. Control edges carry no data.
-    """
-    produced = {(o.name, o.device): o.output_bytes for o in ops if o.kind == "op"}
-    sends: dict[str, tuple[str, Any]] = {}  # tensor_name -> (device, the _Send's input)
-    client: dict[str, str] = {}  # node name -> the fed tensor it receives
-    receives = []
-    for partition in partitions:
-        for node in partition.node:
-            attr = node.attr
-            if node.op in ("_Send", "_HostSend"):
-                sends[attr["tensor_name"].s.decode()] = (_local(node.device), node.input[0])
-            elif node.op in ("_Recv", "_HostRecv"):
-                if attr["client_terminated"].b:
-                    client[node.name] = attr["tensor_name"].s.decode()
-                else:
-                    receives.append(node)
-    moved: list[tuple[str, str, int]] = []
-    for node in receives:
-        sent = sends.get(node.attr["tensor_name"].s.decode())
-        if sent is None:
-            continue
-        source, producer = sent
-        name, _, slot = producer.partition(":")
-        if "/ctrl/" in name or name.startswith("^"):
-            continue  # a control edge's dummy value
-        if name in client:
-            size = fed.get(client[name], 0)
-        else:
-            sizes = produced.get((name, source), [])
-            index = int(slot or 0)
-            size = sizes[index] if index < len(sizes) else 0
-        moved.append((source, _local(node.attr["recv_device"].s.decode()), size))
-    bytes_in: dict[str, int] = {}
-    bytes_out: dict[str, int] = {}
-    for source, destination, size in moved:
-        bytes_in[destination] = bytes_in.get(destination, 0) + size
-        bytes_out[source] = bytes_out.get(source, 0) + size
-    memcpy: dict[str, float] = {}
+def _copies(ops: list[_Op], device_ops: list[_Op], gpus: bool) -> tuple[Copies, ...]:
+    """Tensors each device sent and received (the sends' keys), and a GPU's copies."""
+    tensors_in: collections.Counter = collections.Counter()
+    tensors_out: collections.Counter = collections.Counter()
     for o in ops:
-        if o.kind == "memcpy":
-            memcpy[o.device] = memcpy.get(o.device, 0.0) + (o.end - o.start)
-    devices = sorted(set(bytes_in) | set(bytes_out) | set(memcpy), key=_device_order)
-    return tuple(Copies(d, bytes_in.get(d, 0), bytes_out.get(d, 0), memcpy.get(d)) for d in devices)
+        key = o.stats.get("key")
+        if o.op in _SENDS and isinstance(key, str) and key.count(";") >= 2:
+            source, _, destination = key.split(";")[:3]
+            tensors_out[_local(source)] += 1
+            tensors_in[_local(destination)] += 1
+    bytes_in: collections.Counter = collections.Counter()
+    bytes_out: collections.Counter = collections.Counter()
+    ms: collections.Counter = collections.Counter()
+    for o in device_ops:
+        if o.kind != "memcpy":
+            continue
+        size = _SIZE.search(str(o.stats.get("memcpy_details", "")))
+        moved = int(size.group(1)) if size else 0
+        (bytes_in if o.op in _MEMCPY_IN else bytes_out)[o.device] += moved
+        ms[o.device] += o.end - o.start
+    devices = set(tensors_in) | set(tensors_out) | set(ms)
+    copies = []
+    for d in sorted(devices, key=_device_order):
+        recorded = gpus and tf.DeviceSpec.from_string(d).device_type == "GPU"
+        copies.append(
+            Copies(
+                device=d,
+                tensors_in=tensors_in[d],
+                tensors_out=tensors_out[d],
+                bytes_in=bytes_in[d] if recorded else None,
+                bytes_out=bytes_out[d] if recorded else None,
+                ms=ms[d] if recorded else None,
+            )
+        )
+    return tuple(copies)
 
 
 def _device_order(name: str) -> tuple[str, int]:
@@ -727,15 +778,36 @@ def _device_order(name: str) -> tuple[str, int]:
 
 
 def _read(
-    metadata: Any,
-    fed: dict[str, int],
+    planes: list[_Plane],
+    function: str,
+    placed: dict[str, str],
     devices: Sequence[str],
     rows: Sequence[int] | None,
+    output: str,
     name: str,
 ) -> Timeline:
-    ops = _ops(metadata.step_stats)
-    outer = frozenset(n.name for g in metadata.partition_graphs for n in g.node)
-    per_shard, gathered, other = _attribute(ops, len(devices), outer)
+    host = [e for p in planes if p.name == "/host:CPU" for e in p.events]
+    ops, since = _host_ops(host, function, placed, output)
+    if not ops:
+        raise TfshardError(
+            f"{name}.timeline(): TensorFlow's profile holds no op of the call "
+            f"({function}); a timeline needs the profiler's host trace of TensorFlow ops"
+        )
+    device_ops = _device_ops(planes, ops, min(o.start for o in ops) if since is None else since)
+    everything = ops + device_ops
+    base = min(o.start for o in everything)
+    for o in everything:
+        o.start, o.end = (o.start - base) / 1e6, (o.end - base) / 1e6
+    timed = ops + [o for o in device_ops if o.kind == "kernel"]
+    per_shard: list[list[_Op]] = [[] for _ in devices]
+    gathered, other = [], []
+    for o in timed:
+        if o.part is not None and o.part[0] == "shard" and o.part[1] < len(devices):
+            per_shard[o.part[1]].append(o)
+        elif o.part is not None and o.part[0] == "gather":
+            gathered.append(o)
+        else:
+            other.append(o)
     shards = tuple(
         Shard(
             **_span(mine, _local(device)),
@@ -746,15 +818,16 @@ def _read(
     )
     gather = None
     if gathered:
-        gather = Span(**_span(gathered, gathered[0].device))
-    leftover = _span(other, "")
+        places = collections.Counter(o.device for o in gathered if o.kind == "op")
+        gather = Span(**_span(gathered, places.most_common(1)[0][0] if places else output))
+    gpus = any(re.fullmatch(r"/device:GPU:\d+", p.name) for p in planes)
     return Timeline(
         name=name,
         shards=shards,
         gather=gather,
-        copies=_copies(ops, metadata.partition_graphs, fed),
-        total_ms=max((o.end for o in ops), default=0.0),
-        unattributed_ms=leftover["busy_ms"],
+        copies=_copies(ops, device_ops, gpus),
+        total_ms=max((o.end for o in everything), default=0.0),
+        unattributed_ms=_span(other, "")["busy_ms"],
     )
 
 
