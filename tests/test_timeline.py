@@ -414,6 +414,84 @@ def test_parallelism_is_busy_over_span():
     assert made((0, 4), (2, 6)).parallelism == pytest.approx(8 / 6)
 
 
+# ------------------------------------------------------------------ GPUs
+
+
+def _gpu_record_of(f, x):
+    """The timeline of a warm call of `f` on `x`."""
+    f(x)
+    return f.timeline(x)
+
+
+def test_a_gpu_records_its_kernels_and_the_copy_of_an_input_on_the_host(one_gpu):
+    f = _pure(["gpu:0"])
+    with tf.device("/cpu:0"):
+        x = tf.constant(_rows(4096))
+    timeline = _gpu_record_of(f, x)
+    shard = timeline.shards[0]
+    assert shard.device == "/device:GPU:0"
+    assert shard.ops > 0 and 0 < shard.busy_ms <= timeline.total_ms
+    copies = {c.device: c for c in timeline.copies}
+    # The input crosses to the GPU: a host-to-device memcpy of its bytes, with its time.
+    assert copies["/device:GPU:0"].bytes_in >= 4096 * WIDTH * 4
+    assert copies["/device:GPU:0"].ms > 0
+
+
+def test_an_input_living_on_the_gpu_is_not_copied_from_the_host(one_gpu):
+    # The same call twice, the input on the host, then on the GPU: only the first
+    # copies the input (issue 38: a replay fed it from the host either way).
+    f = _pure(["gpu:0"])
+    rows = _rows(4096)
+    received = []
+    for where in ("/cpu:0", "/gpu:0"):
+        with tf.device(where):
+            x = tf.constant(rows)
+        timeline = _gpu_record_of(f, x)
+        received.append(sum(c.bytes_in or 0 for c in timeline.copies))
+    assert received[0] - received[1] >= rows.nbytes, received
+
+
+def test_two_gpus_record_each_shard_on_its_gpu(two_gpus):
+    f = _pure(["gpu:0", "gpu:1"])
+    with tf.device("/gpu:0"):
+        x = tf.constant(_rows(4096))
+    timeline = _gpu_record_of(f, x)
+    assert [s.device for s in timeline.shards] == ["/device:GPU:0", "/device:GPU:1"]
+    assert [s.rows for s in timeline.shards] == [2048, 2048]
+    assert all(s.ops > 0 and s.busy_ms > 0 for s in timeline.shards)
+    assert timeline.gather is not None and timeline.gather.device == "/device:GPU:0"
+    copies = {c.device: c for c in timeline.copies}
+    # GPU:1 takes its rows in and sends its result back.
+    assert copies["/device:GPU:1"].tensors_in >= 1 and copies["/device:GPU:1"].tensors_out >= 1
+
+
+def test_a_gpu_profile_names_the_op_of_each_kernel(one_gpu, tmp_path):
+    """What the timeline reads on a GPU: kernels on the GPU's plane, each naming its op."""
+    f = _pure(["gpu:0"])
+    with tf.device("/gpu:0"):
+        x = tf.constant(_rows(1024))
+    f(x)
+    tf.profiler.experimental.start(str(tmp_path))
+    try:
+        f(x)
+        tf.test.experimental.sync_devices()
+    finally:
+        tf.profiler.experimental.stop()
+    space = timeline_lib.xspace_message()()
+    space.ParseFromString(next(tmp_path.glob("plugins/profile/*/*.xplane.pb")).read_bytes())
+    named = []
+    for plane in space.planes:
+        if plane.name != "/device:GPU:0":
+            continue
+        stat_names = {entry.key: entry.value.name for entry in plane.stat_metadata}
+        for line in plane.lines:
+            for event in line.events:
+                for stat in event.stats:
+                    if stat_names.get(stat.metadata_id) == "tf_op":
+                        named.append(stat_names.get(stat.ref_value) or stat.str_value)
+    assert any(op.startswith("tfshard_shard_0/") for op in named), sorted(set(named))[:20]
+
+
 # ------------------------------------------------------------------ plot
 
 
