@@ -1,9 +1,10 @@
 r"""Print what ran where and when in one call: did the devices run at once?
 
-The function is a stack of dense layers for one sample; `f.timeline(x)` runs
-one call and reads TensorFlow's own record of it (step stats): each shard's
-device, rows, start, end and busy time, the gather, the bytes that crossed
-between devices, and the parallelism (1.0: one after another, K: all at once).
+The function is a stack of dense layers for one sample; `f.timeline(x)` makes
+one call, the call ``f(x)`` makes, under TensorFlow's profiler and reads its
+record: each shard's device, rows, start, end and busy time, the gather, the
+tensors that crossed between devices (with their bytes and time on GPUs), and
+the parallelism (1.0: one after another, K: all at once).
 
     python examples/timeline.py                          # GPUs, else 2 logical CPUs
     python examples/timeline.py --virtual_devices=4 --plot=timeline.png
@@ -83,7 +84,8 @@ def make_rows(n: int, width: int, seed: int = 1) -> np.ndarray:
 
 
 def record(f: tfshard.ShardedFunction, x: np.ndarray) -> tfshard.Timeline:
-    """One call of `f` on `x`, recorded (one warm-up call first, so nothing is traced in it)."""
+    """One call of `f` on `x`, recorded (one warm-up call first: the record is of a warm call,
+    with nothing traced or run for the first time in it)."""
     f(x)
     return f.timeline(x)
 

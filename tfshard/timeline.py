@@ -65,7 +65,14 @@ from tfshard.errors import ArgumentError, TfshardError, shard_in
 
 __all__ = ("Copies", "Shard", "Span", "Timeline", "record", "xspace_message")
 
-_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+# Ops that call functions (a call, a cond's If, a loop's While): each runs its function's
+# ops, which the record lists in a run of their own, so the caller only waits.
+_CALL_OPS = frozenset(
+    {
+        "PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While",
+        "StatelessWhile", "Case", "StatelessCase",
+    }
+)  # fmt: skip
 # The executor's plumbing, which computes nothing: markers, arguments, constants,
 # forwarding, control flow, and the rendezvous (a receive waits for its sender).
 _NOT_WORK = frozenset(
