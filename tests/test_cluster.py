@@ -43,10 +43,6 @@ CHILD_ENV = children.environ(
 START_TIMEOUT = 90  # seconds for a child to import TF and get going on a busy machine
 
 
-def _free_port() -> int:
-    return free_ports(1)[0]
-
-
 # ------------------------------------------------------- names, in-process
 
 
@@ -144,7 +140,7 @@ def test_a_failed_connect_gives_the_command_that_starts_each_worker():
 
 
 def test_connect_to_a_closed_port_fails_fast_naming_the_address():
-    port = _free_port()  # Nothing listens there now.
+    (port,) = free_ports(1)  # Nothing listens there now.
     start = time.monotonic()
     with pytest.raises(ClusterError) as raised:
         tfshard.connect({"worker": [f"127.0.0.1:{port}"]}, timeout=2)
@@ -183,7 +179,7 @@ def test_explain_remote_error_ignores_errors_without_a_cluster():
 
 
 def test_explain_remote_error_names_the_dead_worker(monkeypatch):
-    port = _free_port()
+    (port,) = free_ports(1)
     connection = cluster._Connection({"worker": {0: f"127.0.0.1:{port}"}}, "127.0.0.1:9")
     monkeypatch.setattr(cluster, "_connection", connection)
     error = tf.errors.UnavailableError(
@@ -449,20 +445,35 @@ class _Workers:
     """``python -m tfshard.worker`` processes on 127.0.0.1, one per task."""
 
     def __init__(self, count: int) -> None:
+        self.count = count
         self.addresses = [f"127.0.0.1:{port}" for port in free_ports(count)]
         self.cluster = ",".join(self.addresses)
         self.children: dict[int, _Child] = {}
+        self.ready: dict[int, str] = {}  # task -> the line it printed once serving
 
     def start(self, task: int) -> None:
+        self.ready.pop(task, None)
         self.children[task] = _Child(
             [sys.executable, "-m", "tfshard.worker", f"--cluster={self.cluster}", f"--task={task}"]
         )
 
     def wait_ready(self, task: int) -> str:
-        ready = self.children[task].read_until
-        return ready(lambda line: line.startswith(worker.READY), START_TIMEOUT)
+        if task not in self.ready:
+            ready = self.children[task].read_until
+            self.ready[task] = ready(lambda line: line.startswith(worker.READY), START_TIMEOUT)
+        return self.ready[task]
+
+    def serve_every_task(self) -> None:
+        """Starts each task that is not running (never started, killed, or exited)."""
+        for task in range(self.count):
+            child = self.children.get(task)
+            if child is None or child.process.poll() is not None:
+                if child is not None:
+                    self.kill(task)
+                self.start(task)
 
     def kill(self, task: int) -> None:
+        self.ready.pop(task, None)
         self.children.pop(task).kill()
 
     def kill_all(self) -> None:
@@ -470,16 +481,26 @@ class _Workers:
             self.kill(task)
 
 
-@pytest.fixture
-def two_workers():
-    """Two worker servers on free loopback ports; every process killed at the end."""
+@pytest.fixture(scope="module")
+def _served_workers():
+    """The module's two worker servers; every process killed at the end of the module."""
     workers = _Workers(2)
     try:
-        for task in range(2):
-            workers.start(task)
         yield workers
     finally:
         workers.kill_all()
+
+
+@pytest.fixture
+def two_workers(_served_workers):
+    """Two worker servers on free loopback ports, each task running when the test starts.
+
+    Shared by the tests of this module (a worker imports TensorFlow: seconds each): a task
+    a test killed, or left busy and killed at its end, is started again for the next. A
+    worker holds nothing of a client that left: each client connects its own context.
+    """
+    _served_workers.serve_every_task()
+    return _served_workers
 
 
 def _event(child: _Child, name: str, timeout: float = START_TIMEOUT) -> dict:
@@ -743,6 +764,7 @@ def test_calls_after_a_worker_dies_mid_call_fail_at_once_naming_the_shard(two_wo
         assert client.process.wait(timeout=30) == 0, client.tail()
     finally:
         client.kill()
+        two_workers.kill_all()  # the restarted task may still run the endless call
 
 
 # ---------------------------------------------------------------- example
