@@ -13,6 +13,7 @@ editable install points at. `environ` builds that on the library's own rule for 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -55,3 +56,12 @@ def python(code: str, *, timeout: float = 120, **variables: str) -> subprocess.C
         cwd=REPO,
         env=environ(**variables),
     )
+
+
+def as_in_a_terminal() -> None:
+    """A child's ``preexec_fn``: Ctrl-C (SIGINT) does what it does in a terminal.
+
+    A shell's background job (``make test &``, a CI runner's) starts with SIGINT ignored,
+    which its children inherit, and Python then never raises KeyboardInterrupt.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -3,10 +3,9 @@
 Resolution against the devices that exist is tests/test_pinning.py's.
 """
 
-import subprocess
-import sys
 import textwrap
 
+import children
 import pytest
 import tensorflow as tf
 
@@ -112,8 +111,6 @@ def test_parsing_names_does_not_start_tensorflow():
         print(tfshard.virtual_devices(2))  # fails once the runtime has started
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    done = children.python(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == str(["/device:CPU:0", "/device:CPU:1"])

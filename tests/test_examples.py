@@ -153,15 +153,15 @@ def _run(script, *args, env=None):
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     """Every subprocess run of the module, started at once; name -> (rc, stdout, stderr)."""
-    no_driver = dict(os.environ, PATH=str(tmp_path_factory.mktemp("empty_path")))
-    no_driver.pop("TFSHARD_NVIDIA_SMI", None)
+    empty_path = str(tmp_path_factory.mktemp("empty_path"))
+    no_driver = children.environ(without=("TFSHARD_NVIDIA_SMI",), PATH=empty_path)
     started = {"help": _run("parallel_map", "--help")}
     started["zero_virtual_devices"] = _run("parallel_map", "--virtual_devices=0")
     started["unknown_device"] = _run("matmul_scaling", "--devices=cpu:0,gpu:9", "--size=8")
     started["no_nvidia_smi"] = _run(
         "check_utilization", "--duration=0", "--matrix_size=8", env=no_driver
     )
-    quiet = {k: v for k, v in no_driver.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    quiet = children.environ(no_driver, without=("TF_CPP_MIN_LOG_LEVEL",))
     started["no_driver_log"] = _run("matmul_scaling", "--size=8", "--repeats=1", env=quiet)
     results = {}
     for name, process in started.items():

@@ -2,11 +2,12 @@
 
 import ast
 import importlib
-import os
 import pathlib
 import subprocess
 import sys
 import types
+
+import children
 
 import tfshard
 
@@ -87,8 +88,8 @@ def test_errors_form_one_family():
 
 
 def test_importing_tfshard_does_not_import_tensorflow():
-    code = "import sys, tfshard; print('tensorflow' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = children.python("import sys, tfshard; print('tensorflow' in sys.modules)")
+    assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
 
 
@@ -99,7 +100,8 @@ def test_python_m_tfshard_utilization_imports_no_tensorflow():
         "import sys, tfshard.utilization.__main__\n"
         "print('tensorflow' in sys.modules, 'tfshard.parallel' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = children.python(code)
+    assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]
 
 
@@ -199,14 +201,13 @@ def test_every_module_imports_first_with_nothing_of_tfshard_loaded():
         "    except Exception:\n"
         "        print(name, traceback.format_exc())\n"
     )
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run(
         [sys.executable, "-c", code, *_modules()],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=PACKAGE.parent,
-        env=env,
+        env=children.environ(TF_CPP_MIN_LOG_LEVEL="3"),
     )
     assert done.returncode == 0 and not done.stdout, done.stdout + done.stderr[-2000:]
 
@@ -229,9 +230,6 @@ def _readme_block(after: str, language: str) -> str:
 def test_the_readme_first_snippet_runs_as_written_and_prints_its_table():
     code = _readme_block("## What it does", "python")
     shown = _readme_block("The snippet prints", "")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
-    )
+    result = children.python(code, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == shown.strip()

@@ -8,7 +8,6 @@ their results.
 """
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -16,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import children
 import pytest
 from ports import free_addresses
 
@@ -24,14 +24,7 @@ from tfshard import worker
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 90  # seconds for a child to import TF and get going on a busy machine
 # Quiet TF's C++ logs in the children; keep tfshard's own. No TF_CONFIG unless a test sets one.
-ENV = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-ENV.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-
-
-def _as_in_a_terminal() -> None:
-    # A shell's background job (`make test &`) starts with SIGINT ignored, which its
-    # children inherit; a worker in a terminal gets Ctrl-C's default.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+ENV = children.environ(without=("TF_CONFIG",), TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
 
 
 def _start(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -42,7 +35,7 @@ def _start(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         text=True,
         env=env or ENV,
         cwd=ROOT,
-        preexec_fn=_as_in_a_terminal,
+        preexec_fn=children.as_in_a_terminal,  # a worker in a terminal gets Ctrl-C's default
     )
 
 
@@ -163,7 +156,7 @@ def test_a_worker_takes_its_cluster_and_task_from_tf_config_and_ends_on_sigterm(
     worker_address, ps_address = free_addresses(2)
     jobs = {"worker": [worker_address], "ps": [ps_address]}
     config = {"cluster": jobs, "task": {"type": "ps", "index": 0}}
-    process = _start(env={**ENV, "TF_CONFIG": json.dumps(config)})
+    process = _start(env=children.environ(ENV, TF_CONFIG=json.dumps(config)))
     try:
         line = _ready_line(process)
         prefix = f"{worker.READY} /job:ps/replica:0/task:0 at {ps_address}; connect with "
