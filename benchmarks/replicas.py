@@ -23,6 +23,23 @@ medians of interleaved rounds, against ``one_device`` (the model on device 0).
 
 On logical CPU devices a crossing is a memcpy in one memory, so the time it
 costs is far less than over PCIe between GPUs; the bytes are what a GPU pays.
+
+``--first_step`` times training instead, as a new user writes it (a Keras MLP of
+``--depth`` x ``--width`` units and a float32 head of 10 classes, a loss object,
+SGD with momentum, ``--batch`` rows per step on K devices), each way in fresh
+processes (nothing traced before), the median of ``--runs``: the first step
+(from the model and optimizer made to the first loss on the host) and the median
+of steps 5-29:
+
+- ``tfshard``: a parallelized function of a batch returning the loss and its
+  gradients with ``reduce="mean"``, the model and optimizer made in
+  ``f.replicas()``, each step ``tfshard.replicas.apply_gradients``, eagerly.
+- ``mirrored``: the model compiled in `tf.distribute.MirroredStrategy`'s scope
+  on the same devices, ``model.train_on_batch``.
+- ``one_device``: the model compiled on the first device, ``model.train_on_batch``.
+
+  python benchmarks/replicas.py --first_step --width=256 --depth=2
+  python benchmarks/replicas.py --first_step --width=256 --depth=2 --policy=mixed_float16
 """
 
 from __future__ import annotations
@@ -41,6 +58,13 @@ _WIDTH = flags.DEFINE_integer("width", 1024, "MLP units per layer.")
 _DEPTH = flags.DEFINE_integer("depth", 4, "MLP layers.")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds per method.")
 _JSON = flags.DEFINE_string("json", None, "Write the numbers here.")
+_FIRST_STEP = flags.DEFINE_bool("first_step", False, "Time the first training step instead.")
+_RUNS = flags.DEFINE_integer("runs", 3, "--first_step: fresh processes per way.", lower_bound=1)
+_POLICY = flags.DEFINE_string("policy", "float32", "--first_step: the Keras dtype policy.")
+# Set by the parent for a child process: which way's first step it times.
+_WAY = flags.DEFINE_enum("way", None, ["tfshard", "mirrored", "one_device"], "(internal)")
+
+FIRST_STEP_WAYS = ("tfshard", "mirrored", "one_device")
 
 _REPLICA_OP = re.compile(r"^replica_(\d+)/")
 _SHARD_OP = re.compile(r"^shard_(\d+)/")
@@ -193,8 +217,138 @@ def measure(tfshard, tf, keras, np, model_name, k, batch, width, depth, repeats)
     }
 
 
+def first_step(tfshard, tf, keras, np, way, devices, width, depth, batch, steps=30):
+    """One way's training steps in this fresh process: the first's seconds, later ms."""
+    import statistics
+    import time
+
+    rng = np.random.default_rng(0)
+    x = rng.random((batch, width), dtype=np.float32)
+    y = rng.integers(0, 10, batch).astype(np.int32)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def classifier():
+        keras.utils.set_random_seed(1)
+        layers = [keras.Input((width,))]
+        layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+        return keras.Sequential([*layers, keras.layers.Dense(10, dtype="float32")])
+
+    def optimizer():
+        sgd = keras.optimizers.SGD(0.01, momentum=0.9)
+        # As compile wraps it under mixed_float16: scaled losses, unscaled gradients.
+        scaled = keras.mixed_precision.global_policy().name == "mixed_float16"
+        return keras.optimizers.LossScaleOptimizer(sgd) if scaled and way == "tfshard" else sgd
+
+    if way == "tfshard":
+
+        @tfshard.parallelize(devices=devices, per_sample=False, reduce="mean")
+        def loss_and_gradients(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_object(y, model(x))
+                scaled = sgd.scale_loss(loss)  # the loss itself unless a LossScaleOptimizer
+            return loss, tape.gradient(scaled, model.trainable_variables)
+
+        began = time.perf_counter()
+        with loss_and_gradients.replicas():
+            model = classifier()
+            sgd = optimizer()
+
+        def step():
+            loss, grads = loss_and_gradients(x, y)
+            tfshard.replicas.apply_gradients(sgd, zip(grads, model.trainable_variables))
+            return loss
+    else:
+        scope = (
+            tf.distribute.MirroredStrategy(devices).scope()
+            if way == "mirrored"
+            else tf.device(devices[0])
+        )
+        began = time.perf_counter()
+        with scope:
+            model = classifier()
+            model.compile(optimizer=optimizer(), loss=loss_object)
+
+        def step():
+            return model.train_on_batch(x, y)
+
+    built = time.perf_counter()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = float(np.asarray(step()))
+        times.append(time.perf_counter() - start)
+    assert np.isfinite(loss), loss
+    return {
+        "build_s": built - began,
+        "first_s": times[0],
+        "later_ms": 1e3 * statistics.median(times[5:]),
+    }
+
+
+def first_steps(script: str, runs: int, arguments: list[str]) -> dict:
+    """Each way's median over `runs` fresh processes, the ways interleaved."""
+    import statistics
+
+    import _child
+
+    got: dict[str, list[dict]] = {way: [] for way in FIRST_STEP_WAYS}
+    for _ in range(runs):
+        for way in FIRST_STEP_WAYS:
+            got[way].append(_child.measured(script, way, [f"--way={way}", *arguments]))
+    return {
+        way: {key: statistics.median(r[key] for r in results) for key in results[0]}
+        for way, results in got.items()
+    }
+
+
+def main_first_step() -> None:
+    arguments = ["--first_step", f"--devices={_DEVICES.value}", f"--batch={_BATCH.value}",
+                 f"--width={_WIDTH.value}", f"--depth={_DEPTH.value}",
+                 f"--policy={_POLICY.value}"]  # fmt: skip
+    if _WAY.value:
+        import tfshard
+
+        tfshard.virtual_devices(_DEVICES.value)
+        import keras
+        import numpy as np
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.constant(1.0) + 1.0  # TensorFlow's runtime up before anything is timed
+        keras.mixed_precision.set_global_policy(_POLICY.value)
+        devices = [f"/device:CPU:{i}" for i in range(_DEVICES.value)]
+        times = first_step(tfshard, tf, keras, np, _WAY.value, devices, _WIDTH.value,
+                           _DEPTH.value, _BATCH.value)  # fmt: skip
+        print(json.dumps(times), flush=True)
+        return
+    got = first_steps(__file__, _RUNS.value, arguments)
+    print(
+        f"first training step: MLP {_DEPTH.value} x {_WIDTH.value}, {_BATCH.value} rows, "
+        f"SGD with momentum, {_POLICY.value}, {_DEVICES.value} logical CPU devices; "
+        f"median of {_RUNS.value} fresh processes"
+    )
+    print(f"  {'way':<11} {'first s':>8} {'vs mirrored':>12} {'vs one device':>14} "
+          f"{'later ms':>9} {'vs mirrored':>12}")  # fmt: skip
+    mirrored, one = got["mirrored"], got["one_device"]
+    for way, row in got.items():
+        row["first_vs_mirrored"] = row["first_s"] / mirrored["first_s"]
+        row["first_vs_one_device"] = row["first_s"] / one["first_s"]
+        row["later_vs_mirrored"] = row["later_ms"] / mirrored["later_ms"]
+        print(
+            f"  {way:<11} {row['first_s']:>8.2f} {row['first_vs_mirrored']:>11.2f}x "
+            f"{row['first_vs_one_device']:>13.2f}x {row['later_ms']:>9.2f} "
+            f"{row['later_vs_mirrored']:>11.2f}x"
+        )
+    if _JSON.value:
+        with open(_JSON.value, "w") as out:
+            json.dump({"first_step": got, "arguments": arguments}, out, indent=1)
+
+
 def main(argv: list[str]) -> None:
     del argv
+    if _FIRST_STEP.value:
+        main_first_step()
+        return
     import tfshard  # after flags: --help stays fast
 
     tfshard.virtual_devices(_DEVICES.value)

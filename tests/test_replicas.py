@@ -569,3 +569,45 @@ def test_replicate_copies_a_vocabulary_nested_in_a_custom_layer_or_the_layer_its
     lookup = keras.layers.StringLookup()
     lookup.adapt(tf.constant(["x", "y", "x"]))
     np.testing.assert_array_equal(f.replicate(lookup)(texts).numpy(), lookup(texts).numpy())
+
+
+@pytest.mark.parametrize("make_optimizer", ["sgd_momentum", "adam", "loss_scale"])
+def test_the_first_training_step_traces_each_shard_once(make_optimizer):
+    """The optimizer's state is made at the first apply_gradients, in the replicas, and no
+    parallelized function retraces for it: the step's shards are traced once, ever."""
+    keras.utils.set_random_seed(8)
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(6, 4)).astype(np.float32)
+    y = rng.normal(size=(6, 2)).astype(np.float32)
+    traced = []
+
+    @tfshard.parallelize(devices=DEVICES[:2], per_sample=False, reduce="mean")
+    def gradients(x, y):
+        traced.append(tfshard.shard_index())
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        return tape.gradient(loss, model.trainable_variables)
+
+    optimizers = {
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
+    }
+    reference = _mlp()
+    with gradients.replicas():
+        model = _mlp()
+        model.set_weights(reference.get_weights())
+        optimizer = optimizers[make_optimizer]()
+    one_optimizer = optimizers[make_optimizer]()
+    generation = Replicas.generation
+    for _ in range(3):
+        apply_gradients(optimizer, zip(gradients(x, y), model.trainable_variables))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(reference(x) - y))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        one_optimizer.apply_gradients(zip(grads, reference.trainable_variables))
+    assert len(traced) == 2  # one trace per shard, in the first step only
+    assert Replicas.generation == generation  # the optimizer's state retraced nothing
+    assert len(optimizer.variables) == len(one_optimizer.variables)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        numerics.assert_close(got, want)

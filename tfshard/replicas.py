@@ -125,17 +125,25 @@ class Replicas:
         return cls._registry.get(_key(devices))
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator[None]:
-        """Variables created inside get one copy per device (`MirroredStrategy.scope`)."""
+    def scope(self, *, retrace: bool = True) -> Iterator[None]:
+        """Variables created inside get one copy per device (`MirroredStrategy.scope`).
+
+        Args:
+          retrace: whether the functions on these devices retrace at their next
+            call, to read the new variables. False only for variables no
+            function has captured one of in its place: an optimizer's state,
+            made by `apply_gradients`.
+        """
 
         def record(next_creator: Any, **kwargs: Any) -> Any:
             variable = next_creator(**kwargs)
             for made in (variable, *self.strategy.experimental_local_results(variable)):
                 self._made[id(made)] = made
-            # The functions on these devices retrace at their next call: the new
-            # variable may take the place of one they captured (a rebuilt model).
-            with Replicas._lock:
-                Replicas.generation += 1
+            if retrace:
+                # The new variable may take the place of one a function captured
+                # (a rebuilt model): the functions retrace to read it.
+                with Replicas._lock:
+                    Replicas.generation += 1
             return variable
 
         with self.strategy.scope(), tf.variable_creator_scope(record):
@@ -337,6 +345,12 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
         return optimizer.apply_gradients(pairs)
     grads = tuple(g for g, _ in pairs)
     variables = [v for _, v in pairs]
+    if getattr(optimizer, "built", None) is False:
+        # Its state (momentum, Adam's moments), made once, eagerly and in the scope,
+        # as Keras's fit builds it: made inside the step's tf.function, it would trace
+        # the step twice (once to make them), and it makes no function retrace.
+        with tf.init_scope(), owner.scope(retrace=False):
+            optimizer.build(variables)
 
     def step(*grads: Any) -> None:
         first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
@@ -353,7 +367,7 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
             per_optimizer = _compiled.setdefault(optimizer, {})
             key = tuple(id(v) for v in variables)
             if key not in per_optimizer:
-                per_optimizer[key] = tf.function(run)
+                per_optimizer[key] = tf.function(run, autograph=False)
             run = per_optimizer[key]
     run(*grads)
     return optimizer.iterations
