@@ -265,13 +265,13 @@ def test_a_keras_model_is_recorded_and_its_inference_leaves_its_weights():
 
 
 def test_compiled_shards_count_their_one_kernel_as_busy():
-    # With XLA each shard is one call whose ops the record does not list. On a loaded
-    # machine the profiler has been seen to miss a compiled call's events (its thread's
-    # events for the whole call were absent from the XSpace): each shard is judged on the
-    # best of three records.
+    # With XLA each shard is one call whose ops the record does not list. TensorFlow's
+    # profiler leaves one compiled shard's call out of about one record in three here (the
+    # XSpace holds its result's send, not its call): each shard is judged on the best of
+    # five records.
     f = _pure(FOUR, jit_compile=True)
     f(_rows(256))  # compiled in a call of its own
-    timelines = [f.timeline(_rows(256)) for _ in range(3)]
+    timelines = [f.timeline(_rows(256)) for _ in range(5)]
     assert [s.rows for s in timelines[0].shards] == [64, 64, 64, 64]
     for k in range(4):
         best = max((t.shards[k] for t in timelines), key=lambda s: s.busy_ms)

@@ -35,6 +35,10 @@ an op of a function that a shard calls (the shared trace, a cond's branch) is
 the shard's whose call op started it; the gather is the ``tfshard_collect/``
 scope; a GPU kernel belongs to the op its ``tf_op`` stat names.
 
+What the record may lack: with ``jit_compile=True``, TensorFlow's profiler
+leaves a compiled shard's call out of some records (the XSpace holds the
+send of its result but not the call); that shard then shows no ops.
+
 What the numbers mean: a shard's busy time is the time at least one of its
 ops was running (the union of their intervals; on a GPU, of its kernels on
 the device's streams); an op that waits inside its kernel (a lock, a queue,
@@ -614,11 +618,8 @@ def _host_ops(
                 continue
             op_name, op = match.groups()
         process = next((e for e in reversed(outer) if e.name == _PROCESS), None)
-        if process is None:
-            continue
-        raw.append(
-            (op_name, op, process.stats.get("_c"), event.start, event.end, event.stats, event)
-        )
+        run = None if process is None else process.stats.get("_c")
+        raw.append((op_name, op, run, event.start, event.end, event.stats, event))
     # The call's partitions, then the functions their ops call, in the order they started.
     op_of = {id(entry[6]): entry for entry in raw}
     for event, outer in sorted(pending_runs, key=lambda pair: pair[0].start):
@@ -631,29 +632,35 @@ def _host_ops(
         op_name, _, parent, *_ = op_of[id(caller)]
         if parent in runs:
             runs[event.stats.get("_p")] = _Run(parent, op_name)
-    ops = []
+    # An op the record shows outside any executor's Process event (seen under load) is the
+    # call's if it ran during the call: its device is its placement, its part its name's.
+    during = [(w.start, w.end) for w in window]
+    ops, ran_in = [], []
     for op_name, op, run, start, end, stats, event in raw:
-        if run not in runs:
+        if run not in runs and not (
+            run is None and any(a <= start <= b for a, b in during)
+        ):
             continue
         if event.name == _ASYNC_START:
             end = max(end, done.get(stats.get("_p"), end))
         key = stats.get("key")
-        if op in _SENDS and isinstance(key, str) and ";" in key:
+        if run is None:
+            pass
+        elif op in _SENDS and isinstance(key, str) and ";" in key:
             runs[run].votes[_local(key.split(";")[0])] += 1
         elif op_name in placed:
             runs[run].votes[placed[op_name]] += 1
         ops.append(_Op(op_name, op, "", start, end, "op", stats=stats))
-        ops[-1].stats["_run"] = run
+        ran_in.append(runs.get(run))
     for run in runs.values():  # parents were added first
         parent = runs.get(run.parent)
         inherited = parent.device if parent is not None else output
         run.device = run.votes.most_common(1)[0][0] if run.votes else inherited
         if parent is not None:
             run.part = _part(run.caller) or parent.part
-    for o in ops:
-        run = runs[o.stats.pop("_run")]
-        o.device = run.device
-        o.part = _part(o.name) or run.part
+    for o, run in zip(ops, ran_in):
+        o.device = run.device if run is not None else placed.get(o.name, output)
+        o.part = _part(o.name) or (run.part if run is not None else None)
     return ops, min((w.start for w in window), default=None)
 
 
