@@ -40,8 +40,12 @@ def test_a_first_run_warms_up_and_a_device_not_yet_measured_keeps_the_plan():
     balance = Balance(2)
     balance.observe([50, 50], [0.05, 0.5], warm_up=True)
     assert balance.weights is None and balance.measured == 0
-    balance.observe([1, 0], [0.05, 0.0], warm_up=False)  # device 1 got no rows
-    assert balance.weights is None and balance.measured == 1
+    for _ in range(_balance.MIN_SAMPLES):
+        balance.observe([1, 0], [0.05, 0.0], warm_up=False)  # device 1 got no rows
+    assert balance.weights is None and balance.measured == _balance.MIN_SAMPLES
+    _measured(balance, [50, 50], [0.05, 0.5], times=_balance.MIN_SAMPLES - 1)
+    assert balance.weights is None  # device 1 measured twice: one call could mislead
+    assert _measured(balance, [50, 50], [0.05, 0.5], times=1) == (10.0, 1.0)
 
 
 def test_noise_inside_the_band_never_moves_the_plan():
@@ -66,14 +70,15 @@ def test_a_change_that_saves_under_a_quarter_millisecond_is_not_made():
     assert _measured(Balance(2), [10, 10], [1e-4, 3e-4]) is None
     # A shard timed in microseconds times the clock: not counted at all.
     short = Balance(2)
-    short.observe([10, 10], [1e-4, 5e-6], warm_up=False)
+    for _ in range(_balance.MIN_SAMPLES):
+        short.observe([10, 10], [1e-4, 5e-6], warm_up=False)
     assert short.per_row() == [1e-5, None]
 
 
 def test_a_device_keeps_rows_unless_over_fifty_times_slower():
     assert _measured(Balance(2), [50, 50], [0.01, 0.4]) == (40.0, 1.0)
     slow = Balance(2)
-    assert _measured(slow, [50, 50], [0.01, 0.6], times=2) == (60.0, 1.0)  # 2 measurements
+    assert _measured(slow, [50, 50], [0.01, 0.6], times=2) is None  # 2 measurements: even
     assert _measured(slow, [50, 50], [0.01, 0.6], times=1) == (1.0, 0.0)  # 3: useless
     assert slow.integer() == (1, 0)
 
@@ -126,7 +131,8 @@ def test_a_settled_plan_is_measured_one_call_in_every():
     balance = Balance(2)
     due = [balance.due() for _ in range(3)]
     assert due == [True] * 3  # not settled: every call
-    _measured(balance, [75, 25], [0.075, 0.075], times=1)  # a new plan: 3:1
+    _measured(balance, [75, 25], [0.075, 0.075], times=_balance.MIN_SAMPLES)  # a plan: 3:1
+    assert balance.weights == (3.0, 1.0)
     for _ in range(_balance.SETTLED - 1):
         assert balance.due() and not balance.settled
         balance.observe([75, 25], [0.075, 0.075], warm_up=False)
@@ -139,7 +145,7 @@ def test_a_settled_plan_is_measured_one_call_in_every():
 
 def test_a_new_plan_is_measured_every_call_until_it_settles():
     balance = Balance(2)
-    _measured(balance, [75, 25], [0.075, 0.075], times=_balance.SETTLED + 1)
+    _measured(balance, [75, 25], [0.075, 0.075], times=_balance.MIN_SAMPLES + _balance.SETTLED)
     assert balance.settled and balance.weights == (3.0, 1.0)
     # Device 1 gets as fast as device 0 (its window turns over): the plan follows.
     _measured(balance, [75, 25], [0.075, 0.025], times=7)
@@ -219,8 +225,11 @@ def test_explain_shows_the_weights_in_use(measured):
         fresh.explain(x)
     )
     cheap = tfshard.parallelize(tf.identity, devices=CPUS[:2], per_sample=False, weights="auto")
-    cheap._engine().balance.observe([50, 50], [0.001, 0.0011], warm_up=False)
-    assert "weights even (weights='auto', from 1 measurement: no other split" in cheap.explain(x)
+    for _ in range(_balance.MIN_SAMPLES):
+        cheap._engine().balance.observe([50, 50], [0.001, 0.0011], warm_up=False)
+    assert "weights even (weights='auto', from 3 measurements: no other split" in (
+        cheap.explain(x)
+    )
 
 
 def test_a_stream_measures_as_it_runs():

@@ -46,13 +46,14 @@ use, beside whatever else the machine runs then.
   so cheap that its shards' fixed costs (and the machine's jitter) outweigh
   their rows keeps its plan.
 - A device keeps a weight, and so rows, unless it is measured useless: more
-  than `USELESS` (50) times slower per row than the fastest, over at least
-  `MIN_SAMPLES` measurements. A useless device gets no rows from then on
-  (and is not measured again: make a new function to measure it again).
+  than `USELESS` (50) times slower per row than the fastest. A useless device
+  gets no rows from then on (and is not measured again: make a new function
+  to measure it again).
 - The first run of each traced graph warms up (kernels made, memory
   allocated) and is not counted, nor is a shard that took under `SHORTEST`
   (20 us), which times the clock more than the device. Until every device
-  has been measured, the split stays even (or as it was).
+  has been measured `MIN_SAMPLES` (3) times, the split stays even (or as it
+  was).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ BAND = 0.05
 MIN_GAIN = 0.25e-3
 # A device this many times slower per row than the fastest is useless: it gets no rows.
 USELESS = 50.0
-# Measurements of a device needed before it can be found useless.
+# Measurements of each device needed before the plan can change (or a device be found
+# useless): one call's alone could be one slowed by another job.
 MIN_SAMPLES = 3
 # A shard timed under this many seconds tells nothing of its device's speed (the
 # timestamps' resolution is a microsecond, a thread's wake-up ten): not counted.
@@ -261,10 +263,10 @@ class Balance:
         return _plan.integer_weights(weights)
 
     def per_row(self) -> list[float | None]:
-        """Each device's time per row now (the lower quartile of its window), None if not
-        measured."""
+        """Each device's time per row now (the lower quartile of its window), None until
+        it has been measured `MIN_SAMPLES` times."""
         with self._lock:
-            return [_quartile(s) for s in self._per_row]
+            return [_quartile(s) if len(s) >= MIN_SAMPLES else None for s in self._per_row]
 
     @property
     def settled(self) -> bool:
@@ -312,17 +314,17 @@ class Balance:
                 self._steady += 1
 
     def _decide(self) -> None:
+        if any(len(s) < MIN_SAMPLES for s in self._per_row):
+            return  # a device measured too few times yet: keep the plan until it is
         rates = [_quartile(s) for s in self._per_row]
-        if any(m is None for m in rates):
-            return  # a device not measured yet: keep the plan until it is
         now = self._weights or (1.0,) * self._count
         # A device found useless stays so: it is not measured again (not in the call's
         # graph), and the fastest's own noise must not bring it back.
         kept = [m for m, w in zip(rates, now) if w > 0]
         fastest = min(kept)
         best = [
-            0.0 if w == 0 or (m > USELESS * fastest and len(s) >= MIN_SAMPLES) else fastest / m
-            for m, s, w in zip(rates, self._per_row, now)
+            0.0 if w == 0 or m > USELESS * fastest else fastest / m
+            for m, w in zip(rates, now)
         ]
         kept, moved = _finish(now, rates), _finish(best, rates)
         # A device found useless leaves the plan whatever it would save: its few rows
