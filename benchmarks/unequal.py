@@ -11,14 +11,24 @@ Three ways to split each batch, timed in one process on the same data in
 rounds whose order rotates (`_harness.time_rounds`): ``even`` (no weights),
 ``best`` (the fastest of a sweep of static weights, each timed over a few
 rounds first), and ``auto`` (``weights="auto"``, after calls that let it
-measure); and ``alone``, the fast device with every row. The ratios are
+measure and settle); ``same``, static weights equal to those auto settled on
+(what auto costs beyond its plan: its measured calls, one in 25 once
+settled); and ``alone``, the fast device with every row. The ratios are
 medians of per-round ratios. Then the same for a
 stream: ``f(dataset)`` over ``--stream_batches`` batches, the auto function
 fresh, its weights learned within its first stream. Then again with a third
 device (``--third_work``, 1.5x by default).
 
-  python benchmarks/unequal.py                       # 2 devices, then 3
+The census (``--census_threads``): one ``weights="auto"`` function of a fixed
+1:3 cost per row, called ``--census_calls`` times in all from 1 and from 8
+threads, each device doing one thing at a time (a lock, and a sleep of 10 or
+30 us a row: no core is used, so the machine's other jobs move little but the
+clock), and how its plan moved: changes, the weight ratios seen, the final
+weights, how many calls were measured.
+
+  python benchmarks/unequal.py                       # 2 devices, then 3, then the census
   python benchmarks/unequal.py --batch=4096 --repeats=21 --json=unequal.json
+  python benchmarks/unequal.py --third_work=0 --census_threads=   # 2 devices only
 
 The ideal weights are the inverse work, ``[3, 1]`` (and ``[3, 1, 2]``); on two
 cores a third device shares a core with another, so the best weights there are
@@ -44,7 +54,11 @@ _THIRD = flags.DEFINE_integer("third_work", 3, "The same for a third device (0: 
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds per method.")
 _SWEEP_REPEATS = flags.DEFINE_integer("sweep_repeats", 3, "Rounds per point of the sweep.")
 _STREAM = flags.DEFINE_integer("stream_batches", 8, "Batches of the stream.")
-_AUTO_CALLS = flags.DEFINE_integer("auto_calls", 12, "Calls auto gets to measure first.")
+_AUTO_CALLS = flags.DEFINE_integer("auto_calls", 30, "Calls auto gets to measure and settle.")
+_CENSUS_THREADS = flags.DEFINE_list(
+    "census_threads", ["1", "8"], "Threads of each census run (none: no census)."
+)
+_CENSUS_CALLS = flags.DEFINE_integer("census_calls", 400, "Calls of each census run, in all.")
 _WAIT = flags.DEFINE_float(
     "wait_for_idle", 60.0, "Seconds to wait, before each scenario, for other processes to go quiet."
 )
@@ -126,9 +140,11 @@ def compare(
     for _ in range(auto_calls):
         auto(x)
     learned = auto.weights
+    # Static weights equal to auto's: what its measuring costs beyond its plan.
+    same = parallel(None if learned is None else list(learned))
     # The fastest device alone, all rows: what an even split can fall behind.
     alone = tfshard.parallelize(fn, devices=devices[:1], per_sample=False)
-    methods = {"even": even, "best": best, "auto": auto, "alone": alone}
+    methods = {"even": even, "best": best, "auto": auto, "same": same, "alone": alone}
     for name, method in methods.items():
         error = harness.relative_error(want, method(x).numpy())
         assert error < 1e-5, (name, error)
@@ -155,8 +171,11 @@ def compare(
         "sweep": {name: harness.median(t) for name, t in sweep.items()},
         "best_weights": list(best.weights),
         "calls": _summary(
-            harness, calls, {"even": None, "best": best.weights, "auto": learned, "alone": None}
+            harness,
+            calls,
+            {"even": None, "best": best.weights, "auto": learned, "same": learned, "alone": None},
         ),
+        "auto_over_same": harness.paired_ratio(calls["auto"], calls["same"]),
         "auto_weights_after_calls": list(learned) if learned else None,
         "auto_weights_final": list(auto.weights) if auto.weights else None,
         "stream": _summary(
@@ -182,8 +201,10 @@ def _summary(harness, times, weights) -> dict[str, Any]:
 
 
 def targets(harness, result) -> list[dict[str, Any]]:
-    """Issue 30's: auto within 1.15x of the best static weights, 1.5x faster than even."""
-    found = []
+    """Issue 30's: auto within 1.15x of the best static weights, 1.5x faster than even;
+    issue 39's: settled, within 1.05x of the same static weights."""
+    found = [harness.target("calls: auto over the same static", result["auto_over_same"],
+                            "<=", 1.05)]  # fmt: skip
     for where in ("calls", "stream"):
         auto = result[where]["auto"]
         found.append(
@@ -259,6 +280,8 @@ def format_result(result: dict[str, Any], batch: int) -> str:
                 shown += " (sweep)"
             elif name == "auto":
                 shown += " (measured)"
+            elif name == "same":
+                shown += " (static)"
             lines.append(
                 f"    {name:<6} {shown:<28} {row['median_ms']:>9.2f} "
                 f"{row['even_over_this']:>9.2f}x {row['this_over_best']:>9.2f}x"
@@ -270,6 +293,81 @@ def format_result(result: dict[str, Any], batch: int) -> str:
         verdict = "met" if t["met"] else "NOT met"
         lines.append(
             f"  target {t['name']} {t['op']} {t['threshold']}: {t['value']:.2f} ({verdict})"
+        )
+    return "\n".join(lines)
+
+
+def census(tf, tfshard, devices: Sequence[str], threads: int, calls: int) -> dict[str, Any]:
+    """One ``weights="auto"`` function of a fixed 1:3 cost called `calls` times in all from
+    `threads` threads: how its plan moved (see the module docstring)."""
+    import re
+    import threading
+    import time
+
+    import numpy as np
+
+    per_row, locks = (10e-6, 30e-6), [threading.Lock() for _ in devices]
+
+    def on_device(block, k):
+        with locks[int(k)]:  # the device does one thing at a time
+            time.sleep(len(block) * per_row[int(k)])
+        return block
+
+    def fixed_cost(block):
+        out = tf.numpy_function(
+            on_device, [block, tfshard.shard_index()], tf.float32, stateful=False
+        )
+        return tf.ensure_shape(out, block.shape)
+
+    f = tfshard.parallelize(fixed_cost, devices=devices, per_sample=False, weights="auto")
+    x = tf.constant(np.ones([512, 4], np.float32))
+    lock, seen = threading.Lock(), []
+
+    def caller(n: int) -> None:
+        for _ in range(n):
+            f(x)
+            with lock:
+                seen.append(f.weights)
+
+    each = [calls // threads + (1 if k < calls % threads else 0) for k in range(threads)]
+    started = time.perf_counter()
+    workers = [threading.Thread(target=caller, args=(n,)) for n in each]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - started
+    plans = [seen[0]] + [b for a, b in zip(seen, seen[1:]) if a != b]
+    ratios = [w[0] / w[1] if w[1] else float("inf") for w in seen if w is not None]
+    late = seen[len(seen) // 4 :]
+    measured = re.search(r"(\d+) measurements?", f.explain(x))
+    return {
+        "threads": threads,
+        "calls": len(seen),
+        "plan_changes": len(plans) - 1,
+        "changes_in_last_three_quarters": sum(1 for a, b in zip(late, late[1:]) if a != b),
+        "ratio_min": min(ratios) if ratios else None,
+        "ratio_median": float(np.median(ratios)) if ratios else None,
+        "ratio_max": max(ratios) if ratios else None,
+        "final_weights": None if f.weights is None else list(f.weights),
+        "measured_calls": int(measured.group(1)) if measured else None,
+        "ms_per_call": 1e3 * seconds / max(len(seen), 1),
+    }
+
+
+def format_census(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["census: a fixed 1:3 cost per row, 512 rows a call, each device one thing at a time",
+             f"  {'threads':>7} {'calls':>6} {'changes':>8} {'last 3/4':>8} "
+             f"{'ratios min / median / max':>27} {'final':>14} {'measured':>9}"]  # fmt: skip
+    for r in rows:
+        ratios = "-" if r["ratio_min"] is None else (
+            f"{r['ratio_min']:.2f} / {r['ratio_median']:.2f} / {r['ratio_max']:.2f}"
+        )  # fmt: skip
+        final = "even" if r["final_weights"] is None else _weights(r["final_weights"])
+        lines.append(
+            f"  {r['threads']:>7} {r['calls']:>6} {r['plan_changes']:>8} "
+            f"{r['changes_in_last_three_quarters']:>8} {ratios:>27} {final:>14} "
+            f"{r['measured_calls']!s:>9}"
         )
     return "\n".join(lines)
 
@@ -311,6 +409,11 @@ def main(argv: list[str]) -> None:
         )
         report["scenarios"].append(result)
         print(format_result(result, _BATCH.value), flush=True)
+    if _CENSUS_THREADS.value:
+        rows = [census(tf, tfshard, devices[:2], int(t), _CENSUS_CALLS.value)
+                for t in _CENSUS_THREADS.value]  # fmt: skip
+        report["census"] = rows
+        print(format_census(rows), flush=True)
     report["environment"]["load_average_end"] = _harness.load_average()
     environment = report["environment"]
     start, end = environment["load_average_start"], environment["load_average_end"]
