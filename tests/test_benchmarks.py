@@ -410,12 +410,13 @@ def test_unequal_compares_even_the_best_static_weights_and_auto(bench, two_devic
     )
     assert result["devices"] == two_devices and result["ideal_weights"] == [3.0, 1.0]
     assert result["best_weights"] in ([1.0, 1.0], [3.0, 1.0])
-    assert set(result["calls"]) == {"even", "best", "auto", "alone"}
+    assert set(result["calls"]) == {"even", "best", "auto", "same", "alone"}
     assert set(result["stream"]) == {"even", "best", "auto"} and result["stream_rows"] == 192
     for where in ("calls", "stream"):
         assert result[where]["best"]["this_over_best"] == pytest.approx(1.0)
         assert all(row["median_ms"] > 0 for row in result[where].values())
     assert [t["name"] for t in result["targets"]] == [
+        "calls: auto over the same static",
         "calls: auto over best",
         "calls: even over auto",
         "stream: auto over best",
@@ -424,3 +425,7 @@ def test_unequal_compares_even_the_best_static_weights_and_auto(bench, two_devic
     table = unequal.format_result(result, 64)
     assert "ideal weights [3, 1]" in table and "(sweep)" in table and "(measured)" in table
     json.dumps(result)
+    # The census: one auto function called from threads; every call counted.
+    row = unequal.census(tf, tfshard, two_devices, threads=2, calls=12)
+    assert row["calls"] == 12 and row["threads"] == 2 and 0 < row["measured_calls"] <= 12
+    assert "census" in unequal.format_census([row])
