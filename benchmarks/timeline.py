@@ -8,6 +8,7 @@ returns when its ops are done) and the total of ``f.timeline(x)``, alternately,
 target is at most 1.2) and the tensors the record's copies counted:
 
   python benchmarks/timeline.py              # the table, and --json=FILE for the numbers
+  PYTHONPATH=../other-checkout python benchmarks/timeline.py   # another version of tfshard
 
 The bed: the CPU split into 4 logical devices (`_harness.setup_devices`), a
 stack of ``--layers`` tanh layers of ``--width`` on ``--rows`` rows, whole
@@ -82,7 +83,11 @@ def measure(f: Any, x: Any, repeats: int) -> dict[str, Any]:
         "timeline_total_ms": total_ms,
         "ratio": total_ms / call_ms,
         "timeline_wall_ms": statistics.median(recorded),
-        "copies": {c.device: [c.tensors_in, c.tensors_out] for c in timeline.copies},
+        # (getattr: a version of tfshard before tensors were counted can be measured too)
+        "copies": {
+            c.device: [getattr(c, "tensors_in", None), getattr(c, "tensors_out", None)]
+            for c in timeline.copies
+        },
     }
 
 
