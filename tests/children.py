@@ -4,7 +4,7 @@ A child must find the packages the test process found, however it found them: Te
 through PYTHONPATH (the GPU machine's recipe), a venv, a ``pip install -e``, or an entry
 pytest put on ``sys.path``; and it must import this checkout's tfshard, not another one an
 editable install points at. `environ` builds that on the library's own rule for its workers
-(`tfshard.processes._child_environ`); never set ``PYTHONPATH`` by hand (``{**os.environ,
+(`tfshard.processes.child_environ`); never set ``PYTHONPATH`` by hand (``{**os.environ,
 "PYTHONPATH": repo}`` drops the entries the test process found TensorFlow through).
 
     subprocess.run([sys.executable, script], env=children.environ(TF_CPP_MIN_LOG_LEVEL="3"))
@@ -38,7 +38,7 @@ def environ(
         A new dict whose PYTHONPATH has this checkout first, then every ``sys.path`` entry of
         this process its interpreter would not add by itself, then `base`'s PYTHONPATH.
     """
-    env = processes._child_environ([str(REPO)], os.environ if base is None else base)
+    env = processes.child_environ([str(REPO)], os.environ if base is None else base)
     for name in without:
         env.pop(name, None)
     env.update(variables)

@@ -34,22 +34,23 @@ How it works, and why:
   TensorFlow takes memory as it needs it instead of nearly all of the GPU at
   start, which would leave the next worker none.
 - Each worker finds the packages this process found, however it found them
-  (`_child_environ`): ``spawn`` gives it this process's ``sys.path``, and its
+  (`child_environ`): ``spawn`` gives it this process's ``sys.path``, and its
   ``PYTHONPATH`` holds the entries of ``sys.path`` its interpreter would not add
   by itself, so the Python processes a worker starts find them too.
 - Each worker sends back its result, or its exception and traceback, through
   its own pipe. The first failure, an exit without a result, or the timeout
-  stops every other worker (SIGTERM, then SIGKILL for what still runs 5 s
-  later) and raises `WorkerError` naming the worker's device. No worker
-  outlives the call, whatever happens, also on KeyboardInterrupt, and neither
-  does a process a worker started: each worker leads its own session
+  stops every other worker (SIGTERM, then SIGKILL for what still runs
+  ``grace`` seconds later, 5 by default) and raises `WorkerError` naming the
+  worker's device. No worker outlives the call, whatever happens, also on
+  KeyboardInterrupt, and neither does a process a worker started: each
+  worker leads its own session
   (``os.setsid``), and the whole process group is signalled, also after a
   normal exit (POSIX only).
 - With a session of its own, a worker is out of reach of a Ctrl-C in a
   terminal once it runs ``fn`` (one still starting gets it and stops). The
   Ctrl-C reaches the parent, which stops the workers the same way: workers
   that exit on SIGTERM are gone at once, and the call raises
-  KeyboardInterrupt. A second Ctrl-C during the 5 s given to workers that
+  KeyboardInterrupt. A second Ctrl-C during the grace given to workers that
   ignore SIGTERM kills every worker's process group at once.
 
 `fn`, the arguments and the results travel by pickle: `fn` must be a function
@@ -79,7 +80,7 @@ import tensorflow as tf
 from tfshard import _device_names, _gpu_ids, pinning
 from tfshard.errors import ArgumentError, DeviceError, WorkerError
 
-__all__ = ("WorkerError", "run_per_device")
+__all__ = ("Placement", "WorkerError", "child_environ", "placements", "run_per_device")
 
 _log = logging.getLogger("tfshard")
 
@@ -87,7 +88,8 @@ _VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 _PYTHONPATH_ENV = "PYTHONPATH"
 _GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"
 # How long a stopped (SIGTERM) worker may take to exit before it is killed, and
-# how long a worker that reported its result may take to exit by itself.
+# how long a worker that reported its result may take to exit by itself: the default of
+# run_per_device's grace=.
 _GRACE_S = 5.0
 # Workers are spawned one at a time while CUDA_VISIBLE_DEVICES is swapped. Module
 # state because what it guards is: os.environ is the process's, and a spawned
@@ -95,7 +97,9 @@ _GRACE_S = 5.0
 _spawn_lock = threading.Lock()
 
 
-class _Placement(NamedTuple):
+class Placement(NamedTuple):
+    """Where one worker of `run_per_device` runs (`placements` lists them)."""
+
     label: str  # what the user gave, for messages
     visible: str  # the worker's CUDA_VISIBLE_DEVICES
     # Variables set in the worker's environment, CUDA_VISIBLE_DEVICES among them.
@@ -104,17 +108,41 @@ class _Placement(NamedTuple):
     memory_limit_mb: int | None = None
 
 
-def _placements(devices: Sequence[Any] | None, count: int) -> list[_Placement]:
+def placements(
+    count: int, devices: Sequence[_device_names.DeviceSpecLike] | None = None
+) -> list[Placement]:
+    """Where `run_per_device` runs `count` workers on `devices`, without starting any.
+
+    Args:
+      count: the number of workers, an int >= 1.
+      devices: as `run_per_device` takes them: None, or one device per worker.
+
+    Returns:
+      One `Placement` per worker, in order: the device as given (``label``), the worker's
+      ``CUDA_VISIBLE_DEVICES`` (``visible``), every variable set in its environment
+      (``environ``), and the memory limit it gives its ``GPU:0`` (``memory_limit_mb``).
+
+    Raises:
+      ArgumentError: `count` or `devices` has the wrong type or length.
+      DeviceError: a device is not a local GPU or the CPU, or does not exist.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ArgumentError(f"count={count!r}: give the number of workers, an int >= 1")
+    _check_devices(devices, count, "count is")
+    return _placements(devices, count)
+
+
+def _placements(devices: Sequence[Any] | None, count: int) -> list[Placement]:
     """Where each worker runs, and the environment that shows it only its device.
 
-    ``devices`` is None or has ``count`` entries (`_check_arguments` saw to it).
+    ``devices`` is None or has ``count`` entries (`_check_devices` saw to it).
     """
     layout = _gpu_ids.logical_gpus(tf)
     gpus = len(layout)
     if devices is None:
         if not gpus:
             _log.info("no GPU: the %d worker(s) run on the CPU", count)
-            return [_Placement("cpu", "", {_VISIBLE_ENV: ""})] * count
+            return [Placement("cpu", "", {_VISIBLE_ENV: ""})] * count
         if gpus < count:
             raise DeviceError(
                 f"{count} workers but this process has {gpus} GPU(s); pass devices= with "
@@ -137,14 +165,14 @@ def _placements(devices: Sequence[Any] | None, count: int) -> list[_Placement]:
 
 def _gpu_placements(
     devices: Sequence[Any], indices: Sequence[int | None], layout: Sequence[_gpu_ids.LogicalGpu]
-) -> list[_Placement]:
+) -> list[Placement]:
     """Maps logical GPU k to its physical GPU, then to the parent's entry for it."""
     entries = _gpu_ids.cuda_visible_entries(os.environ)
     physical = [None if i is None else layout[i].physical for i in indices]
     placements = []
     for spec, index, ordinal in zip(devices, indices, physical):
         if index is None or ordinal is None:
-            placements.append(_Placement(str(spec), "", {_VISIBLE_ENV: ""}))
+            placements.append(Placement(str(spec), "", {_VISIBLE_ENV: ""}))
             continue
         visible = entries[ordinal] if entries is not None else str(ordinal)
         environ = {_VISIBLE_ENV: visible}
@@ -153,7 +181,7 @@ def _gpu_placements(
             # Each TensorFlow takes nearly all of a GPU's memory at start; the second
             # worker on it would fail to allocate.
             environ[_GROWTH_ENV] = "true"
-        placements.append(_Placement(str(spec), visible, environ, limit))
+        placements.append(Placement(str(spec), visible, environ, limit))
     return placements
 
 
@@ -226,6 +254,7 @@ def run_per_device(
     shared: Mapping[str, Any] | None = None,
     devices: Sequence[_device_names.DeviceSpecLike] | None = None,
     timeout: float | None = None,
+    grace: float = _GRACE_S,
 ) -> list[Any]:
     """Runs ``fn(per_device_args[i], **shared)`` in one new process per device.
 
@@ -248,6 +277,8 @@ def run_per_device(
         every worker on a machine without GPUs.
       timeout: seconds the whole run may take, a finite number > 0; None for
         no limit.
+      grace: seconds a worker gets to exit by itself, after it reported its
+        result and again after SIGTERM, before it is killed; a finite number >= 0.
 
     Returns:
       The workers' return values, in `per_device_args` order.
@@ -263,7 +294,7 @@ def run_per_device(
       KeyboardInterrupt: Ctrl-C; every worker has been stopped by then (a
         second Ctrl-C kills those still running at once).
     """
-    shared, timeout = _check_arguments(fn, per_device_args, shared, devices, timeout)
+    shared, timeout = _check_arguments(fn, per_device_args, shared, devices, timeout, grace)
     count = len(per_device_args)
     placements = _placements(devices, count)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -285,19 +316,19 @@ def run_per_device(
                 _start(process, placement, i)
             finally:
                 writer.close()  # The worker holds the other end; EOF then means it died.
-        results = _collect(processes, readers, placements, deadline, timeout)
+        results = _collect(processes, readers, placements, deadline, timeout, grace)
         finished = True
         return results
     finally:
         try:
-            _stop(processes, wait=finished)
+            _stop(processes, wait=finished, grace=grace)
         finally:
             for reader in readers:
                 reader.close()
 
 
 def _check_arguments(
-    fn: Any, per_device_args: Any, shared: Any, devices: Any, timeout: Any
+    fn: Any, per_device_args: Any, shared: Any, devices: Any, timeout: Any, grace: Any
 ) -> tuple[dict[str, Any], float | None]:
     """Checks run_per_device's arguments before any worker starts.
 
@@ -326,17 +357,12 @@ def _check_arguments(
         raise ArgumentError(
             f"shared has keys {bad_keys!r}; its keys are keyword-argument names of fn, like 'steps'"
         )
-    if devices is not None:
-        if isinstance(devices, str | bytes | int) or not isinstance(devices, Sequence):
-            raise ArgumentError(
-                f"devices={devices!r}: pass a list with one device per worker, "
-                "e.g. ['gpu:0', 'cpu']"
-            )
-        if len(devices) != len(per_device_args):
-            raise ArgumentError(
-                f"devices has {len(devices)} entries but per_device_args has "
-                f"{len(per_device_args)}; give one device per worker"
-            )
+    _check_devices(devices, len(per_device_args), "per_device_args has")
+    if isinstance(grace, bool) or not isinstance(grace, numbers.Real) or not 0 <= grace < math.inf:
+        raise ArgumentError(
+            f"grace={grace!r}: give the seconds a worker gets to exit before it is killed, "
+            "a finite number >= 0"
+        )
     if timeout is None:
         return shared, None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
@@ -351,7 +377,21 @@ def _check_arguments(
     return shared, timeout
 
 
-def _child_environ(
+def _check_devices(devices: Any, count: int, counted: str) -> None:
+    """`devices` is None or a sequence of `count` entries (`counted` says whose count)."""
+    if devices is None:
+        return
+    if isinstance(devices, str | bytes | int) or not isinstance(devices, Sequence):
+        raise ArgumentError(
+            f"devices={devices!r}: pass a list with one device per worker, e.g. ['gpu:0', 'cpu']"
+        )
+    if len(devices) != count:
+        raise ArgumentError(
+            f"devices has {len(devices)} entries but {counted} {count}; give one device per worker"
+        )
+
+
+def child_environ(
     first: Sequence[str] = (), environ: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """`environ` (default: this process's) for a Python child that imports what this one does.
@@ -389,8 +429,8 @@ def _child_environ(
     return environ
 
 
-def _start(process: Any, placement: _Placement, index: int) -> None:
-    variables = {_PYTHONPATH_ENV: _child_environ()[_PYTHONPATH_ENV], **placement.environ}
+def _start(process: Any, placement: Placement, index: int) -> None:
+    variables = {_PYTHONPATH_ENV: child_environ()[_PYTHONPATH_ENV], **placement.environ}
     with _spawn_lock:
         saved = {name: os.environ.get(name) for name in variables}
         os.environ.update(variables)
@@ -410,16 +450,17 @@ def _start(process: Any, placement: _Placement, index: int) -> None:
                     os.environ[name] = value
 
 
-def _where(i: int, count: int, placement: _Placement) -> str:
+def _where(i: int, count: int, placement: Placement) -> str:
     return f"worker {i} of {count} on {placement.label} ({_VISIBLE_ENV}={placement.visible!r})"
 
 
 def _collect(
     processes: list[Any],
     readers: list[multiprocessing.connection.Connection],
-    placements: list[_Placement],
+    placements: list[Placement],
     deadline: float | None,
     timeout: float | None,
+    grace: float,
 ) -> list[Any]:
     count = len(processes)
     results: list[Any] = [None] * count
@@ -443,7 +484,7 @@ def _collect(
             if obj in alive:
                 i = alive.pop(obj)
                 if id(readers[i]) in waiting and not readers[i].poll():
-                    raise _died(processes[i], i, count, placements[i])
+                    raise _died(processes[i], i, count, placements[i], grace)
                 continue  # Its report is in the pipe; read below or on the next turn.
             i = waiting.get(id(obj))
             if i is None:
@@ -451,7 +492,7 @@ def _collect(
             try:
                 report = pickle.loads(readers[i].recv_bytes())
             except EOFError:
-                raise _died(processes[i], i, count, placements[i]) from None
+                raise _died(processes[i], i, count, placements[i], grace) from None
             except Exception as error:  # noqa: BLE001 - unpickling runs user code.
                 raise WorkerError(
                     f"{_where(i, count, placements[i])} returned a result this process "
@@ -473,8 +514,8 @@ def _collect(
     return results
 
 
-def _died(process: Any, i: int, count: int, placement: _Placement) -> WorkerError:
-    process.join(_GRACE_S)
+def _died(process: Any, i: int, count: int, placement: Placement, grace: float) -> WorkerError:
+    process.join(grace)
     code = process.exitcode
     if code is not None and code < 0:
         try:
@@ -493,13 +534,13 @@ def _died(process: Any, i: int, count: int, placement: _Placement) -> WorkerErro
     )
 
 
-def _stop(processes: list[Any], wait: bool) -> None:
+def _stop(processes: list[Any], wait: bool, grace: float) -> None:
     """Ends every worker and what it started: SIGTERM, then SIGKILL.
 
     Each worker leads its own process group (`_worker_main`), so signalling
     the group also reaches the processes the worker started, which outlive
     the worker itself otherwise. With `wait` (every worker reported), the
-    workers first get the grace period to exit by themselves; what they leave
+    workers first get `grace` seconds to exit by themselves; what they leave
     running is ended all the same.
 
     A Ctrl-C while it waits skips the rest of that wait: during the workers'
@@ -518,7 +559,7 @@ def _stop(processes: list[Any], wait: bool) -> None:
     try:
         if wait:
             try:
-                _wait_for_exit(started, [], time.monotonic() + _GRACE_S)
+                _wait_for_exit(started, [], time.monotonic() + grace)
             except KeyboardInterrupt:
                 interrupted = True  # the user is done waiting: on to SIGTERM
         for process in started:
@@ -526,7 +567,7 @@ def _stop(processes: list[Any], wait: bool) -> None:
                 process.terminate()  # also before the worker made its group
         for group in groups:
             _signal_group(group, signal.SIGTERM)
-        _wait_for_exit(started, groups, time.monotonic() + _GRACE_S)
+        _wait_for_exit(started, groups, time.monotonic() + grace)
     except KeyboardInterrupt:
         interrupted = True
     finally:
