@@ -132,7 +132,9 @@ class Copies:
     tensor that two devices receive counts once for each). Bytes and time
     are what a GPU's copy engine recorded (its ``Memcpy`` events: host to
     device counts in, device to host out, and a copy between devices in for
-    the device whose op made it). Logical CPU devices share the host's
+    the device whose op made it; a copy whose op the record does not name
+    goes to the GPU whose plane holds it, the card's first logical device
+    where one card is split). Logical CPU devices share the host's
     memory: TF hands tensors over without copying, and the record has no
     size or time for them (`bytes_in`, `bytes_out` and `ms` are None).
 
@@ -292,6 +294,7 @@ class Timeline:
 
 
 # ------------------------------------------------------------------ recording
+
 
 def record(
     call: Callable[[], Any],
