@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tfshard
-from tfshard import _plan, errors
+from tfshard import _plan, collect, errors
 from tfshard.errors import ArgumentError, ShardError
 
 CPUS = tuple(f"/device:CPU:{i}" for i in range(4))
@@ -278,11 +278,20 @@ def test_rows_error_names_the_output_the_shard_and_its_rows():
     message = _failed_check(
         [2, 1, 2], [2, 2, 2], f"{errors.ROWS_DIFFER} outputs['y'] :end (each shard's ...)"
     )
-    error = errors.rows_error("step", CPUS[:3], message)
+    error = errors.rows_error("step", CPUS[:3], message, tuple(collect.REDUCTIONS))
     assert isinstance(error, ArgumentError)
     assert str(error).startswith(
         "step: outputs['y'] on shard 1 (/device:CPU:1) has 1 rows for 2; with per_sample=False"
     )
+
+
+def test_rows_error_offers_the_reductions_of_collects_table():
+    error = errors.rows_error("f", CPUS[:2], f"{errors.ROWS_DIFFER} outputs :end", ("sum", "x"))
+    assert str(error).endswith("(a shard's value: pass reduce='sum'/'x')")
+    table = errors.rows_error(
+        "f", CPUS[:2], f"{errors.ROWS_DIFFER} outputs :end", tuple(collect.REDUCTIONS)
+    )
+    assert str(table).endswith(f"pass reduce={collect.reduction_names()})")
 
 
 def test_inputs_error_names_the_argument_whose_rows_differ():
@@ -293,7 +302,9 @@ def test_inputs_error_names_the_argument_whose_rows_differ():
 
 
 def test_assert_parsers_without_the_vectors_still_say_what_failed():
-    rows = errors.rows_error("f", CPUS[:2], f"{errors.ROWS_DIFFER} outputs :end")
+    rows = errors.rows_error(
+        "f", CPUS[:2], f"{errors.ROWS_DIFFER} outputs :end", tuple(collect.REDUCTIONS)
+    )
     assert str(rows).startswith("f: outputs has the wrong number of rows; with per_sample=False")
     inputs = errors.inputs_error("f", f"{errors.INPUTS_DIFFER} a, b :end")
     assert "f: the split arguments have different numbers of rows;" in str(inputs)

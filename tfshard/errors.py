@@ -1,28 +1,35 @@
-"""The one family of errors tfshard raises, and reading TensorFlow's error text.
+"""The one family of errors tfshard raises, and the one reader of TensorFlow's error text.
 
 Every error derives from `TfshardError`. Errors caused by bad input also derive
 from `ValueError`, so code that already catches `ValueError` keeps working;
 errors about the state of the machine (no driver, TensorFlow already started)
 derive from `RuntimeError`.
 
-All parsing of a TensorFlow error's message lives here: which shard failed
+Every error TensorFlow raises becomes tfshard's message here, and nowhere else.
+The rooms that meet one say what they know and hand it over: the engine a
+call's function, devices and rows (`Failed`, `call_failure`), a shard's trace
+what the function was given (`Traced`, `trace_error`), the cluster which
+workers answer (`remote_cause`, `lost_contact`), a stream the fields of its
+element (`fields_differ`), a write what is on disk (`write_stopped`,
+`write_error`). Reading TF's text is this module's alone: which shard failed
 (`failing_shard`), what tfshard's own in-graph checks printed (`rows_error`,
 `inputs_differ`), whether pfor failed to stack (`pfor_stack_failure`), what XLA
-could not compile (`xla_failure`, the one line `user_frames` shows for it), and which
-workers a remote error names (`remote_tasks`, `grpc_reason`), and that error's
-text without gRPC's repetitions (`trimmed_remote`). The callers add
-what they know (devices, rows, the cluster); this module knows TF's formats.
+could not compile (`xla_failure`), and which workers a remote error names
+(`remote_tasks`, `grpc_reason`, `trimmed_remote`).
 
-This module imports no TensorFlow: `tfshard.utilization` uses it without TF.
+This module imports no TensorFlow (`tfshard.utilization` uses it without TF)
+and no other module of tfshard: what it needs from one (the names ``reduce=``
+takes, from `tfshard.collect`) comes in as an argument.
 """
 
 from __future__ import annotations
 
+import errno as errnos
 import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 # Frames in this folder are tfshard's own: a shard's error leaves them out.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -73,6 +80,8 @@ _NOT_CAUSE_RE = re.compile(
 )
 # gRPC's codes for a peer that could not be reached in time: UNAVAILABLE, DEADLINE_EXCEEDED.
 _TRANSPORT_CODES = frozenset({14, 4})
+# TensorFlow's code of `tf.errors.ResourceExhaustedError` (its `error_code`): out of memory.
+_RESOURCE_EXHAUSTED = 8
 
 
 class TfshardError(Exception):
@@ -219,6 +228,313 @@ def user_frames(message: str) -> str:
             kept.extend([lines[i], *frames, ""])
         i = end
     return "\n".join(kept)
+
+
+# ------------------------------------------------ what the other rooms hand over
+
+
+class Failed(NamedTuple):
+    """What the engine knows of a call that TensorFlow failed; `call_failure` words it.
+
+    Attributes:
+      name: the parallelized function's name.
+      devices: the shards' devices, in shard order.
+      rows_of: shard k's rows, in words (``rows [2:4) of 8``, or a stream's
+        ``its slice of the batch``).
+      memory_hint: what to do about shard k running out of memory.
+      reductions: the names ``reduce=`` takes (`tfshard.collect.REDUCTIONS`).
+      vectorized: the shards mapped the function with `tf.vectorized_map`
+        (``per_sample=True``, ``ragged=False``), where ``ragged=True`` is the fix
+        for what pfor cannot stack.
+      element: the split arguments are the fields of a dataset's element (a
+        stream's batch), whose fix is in the dataset.
+      remote: what the cluster says of the error (a worker down and the way
+        back), or None when it is not about the cluster.
+      lost: the shards on workers found down, one line, or None.
+    """
+
+    name: str
+    devices: Sequence[str]
+    rows_of: Callable[[int], str]
+    memory_hint: Callable[[int], str]
+    reductions: Sequence[str]
+    vectorized: bool
+    element: bool = False
+    remote: str | None = None
+    lost: str | None = None
+
+
+def call_failure(error: Any, failed: Failed) -> Exception:
+    """The error to raise for a call TensorFlow failed with `error` (a `tf.errors.OpError`).
+
+    tfshard's own in-graph checks become an `ArgumentError` with the fix
+    (`rows_error`, `inputs_error`, `fields_differ`). Shards on workers found
+    down come first, then the remedy, then TF's text without gRPC's
+    repetitions. A failure in a shard is a `ShardError` of TF's type naming
+    the shard, its device and rows, and TF's text without tfshard's frames; a
+    shard out of memory gets the remedies that give it fewer rows at once.
+    pfor's failure to stack per-sample results gets ``ragged=True``.
+    """
+    message = error.message
+    if ROWS_DIFFER in message:
+        return rows_error(failed.name, failed.devices, message, failed.reductions)
+    if INPUTS_DIFFER in message:
+        if failed.element:
+            return fields_differ(failed.name, inputs_differ(message))
+        return inputs_error(failed.name, message)
+    hint = failed.remote
+    if hint is not None and failed.lost is not None:
+        return shard_error(
+            error, f"{failed.lost}\n{hint}\nTensorFlow's error: {trimmed_remote(message)}"
+        )
+    k = failing_shard(message)
+    wrapped = error
+    if k is not None:
+        shard = f"{failed.name}: shard {k} on {failed.devices[k]} ({failed.rows_of(k)})"
+        text = f"failed: {user_frames(message)}"
+        if getattr(error, "error_code", None) == _RESOURCE_EXHAUSTED:
+            # The remedy first: TensorFlow's text runs to dozens of lines.
+            text = (
+                f"failed: it ran out of memory. {failed.memory_hint(k)}\n"
+                f"TensorFlow's error: {user_frames(message)}"
+            )
+        wrapped = shard_error(error, f"{shard} {text}")
+    elif xla_failure(message):  # TF cut its text before a shard was named
+        wrapped = shard_error(error, f"{failed.name} failed: {user_frames(message)}")
+    if hint is None and failed.vectorized and pfor_stack_failure(message):
+        hint = (
+            "It failed inside tf.vectorized_map (pfor), which cannot vectorize every op "
+            "(string ops and shapes that vary by sample among them): pass ragged=True "
+            "to map the function over one sample at a time (tf.map_fn) instead"
+        )
+    if hint is not None:
+        wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
+    return wrapped
+
+
+def fields_differ(name: str, differ: str) -> ArgumentError:
+    """The fields of a dataset's element have different rows (`differ` says which): the
+    fix is in the dataset."""
+    return ArgumentError(
+        f"{name}: the fields of one dataset element have different numbers of rows "
+        f"({differ}); every field is split along its first dimension, so they must match: "
+        "batch zipped datasets alike"
+    )
+
+
+class Traced(NamedTuple):
+    """What a shard's trace knew when the user's function raised; `trace_error` words it.
+
+    Attributes:
+      name: the parallelized function's name.
+      per_sample: the function ran on one sample (else on one shard's rows).
+      shapes: each split argument's shape as the function got it.
+      listed: an argument that is a Python list of arrays, as ``(name in prose,
+        name in code, count)``, or None.
+      one_sample: a Keras model's one input given as one sample without its
+        batch dimension, as ``(name in prose, name in code, the model's input
+        shape, the sample's shape)``, or None.
+      several: the call has several arguments (``broadcast=`` applies).
+    """
+
+    name: str
+    per_sample: bool
+    shapes: Sequence[Any]
+    listed: tuple[str, str, int] | None
+    one_sample: tuple[str, str, list[Any], list[Any]] | None
+    several: bool
+
+
+def trace_error(error: Exception, traced: Traced) -> ArgumentError:
+    """The user's function raised `error` (a ValueError or TypeError) while traced on a
+    shard: what failed, on what, and the first remedy that applies.
+
+    In order: the function makes a variable at each trace (a Keras layer made
+    inside it); an argument is a Python list of arrays (samples meant as one
+    batch); a Keras model was given one sample without its batch dimension;
+    else what tfshard gave the function, and the options that change it
+    (``per_sample``, ``broadcast``).
+    """
+    name = traced.name
+    what = "one sample" if traced.per_sample else "one shard"
+    shapes = ", ".join(str(shape) for shape in traced.shapes)
+    return ArgumentError(
+        f"{name} failed while being traced on {what} (split argument shapes "
+        f"{shapes}): {type(error).__name__}: {error}\n{_trace_hint(error, traced)}"
+    )
+
+
+def _trace_hint(error: Exception, traced: Traced) -> str:
+    name = traced.name
+    if creates_variables(str(error)):
+        return (
+            f"{name} makes a variable each time it is traced: a Keras layer created inside "
+            "the function (keras.layers.Dropout(0.1)(x)) or a tf.Variable. Create it once, "
+            "outside the function, and call it inside (dropout = keras.layers.Dropout(0.1) "
+            "before; dropout(x, training=True) in the function)"
+        )
+    if traced.listed is not None:
+        arg, code, count = traced.listed
+        return (
+            f"{arg} is a Python list of {count} arrays, which tfshard takes as {count} "
+            "separate arguments, each split along its first axis. If they are samples, "
+            f"stack them into one batch first: np.stack({code}) (or tf.stack({code}))"
+        )
+    if traced.one_sample is not None:
+        arg, code, expected, sample = traced.one_sample
+        return (
+            f"{arg} looks like one sample without its batch dimension: {name} takes "
+            f"batches of shape {expected}, and tfshard split {arg} along its first "
+            f"axis into rows of {sample}. Add the batch dimension: {code}[None] "
+            f"(np.expand_dims({code}, 0)), or pass a batch of samples"
+        )
+    hints = []
+    if traced.per_sample:
+        hints.append(
+            f"{name} ran on one sample at a time (one row of each split argument, shapes "
+            f"{', '.join(str(list(shape)) for shape in traced.shapes)}). If it expects a whole "
+            "batch, pass per_sample=False; if an argument is itself one sample, give it a "
+            "batch dimension (x[None])"
+        )
+    else:
+        hints.append(
+            f"{name} ran on one shard: a block of rows of each split argument (the first "
+            "dimension, None, is the shard's rows)"
+        )
+    if traced.several:
+        hints.append("if an argument must reach every shard whole, name it in broadcast=(...)")
+    return "; ".join(hints)
+
+
+class RemoteCause(NamedTuple):
+    """What a TF error says of the cluster's workers (`remote_cause`).
+
+    Attributes:
+      tasks: the ``(job, task)`` of each worker of the cluster it names.
+      reason: gRPC's own reason, or None.
+    """
+
+    tasks: frozenset[tuple[str, int]]
+    reason: str | None
+
+
+def remote_cause(
+    message: str,
+    addresses: Mapping[str, tuple[str, int]],
+    tasks: Sequence[tuple[str, int]] | frozenset[tuple[str, int]],
+    *,
+    unavailable: bool,
+) -> RemoteCause | None:
+    """The workers a failed call's TF error names and gRPC's reason; None when the
+    error says nothing of the network.
+
+    Args:
+      message: the TF error's message.
+      addresses: ``host:port`` -> ``(job, task)`` of the connected cluster.
+      tasks: the cluster's tasks (a message also names this client, /job:localhost).
+      unavailable: the error is TF's UnavailableError or DeadlineExceededError.
+    """
+    named = frozenset(task for task in remote_tasks(message, addresses) if task in tasks)
+    if not unavailable and (not named or peer_answered(message)):
+        return None  # a shard's own error that crossed from a worker says nothing of the network
+    return RemoteCause(named, grpc_reason(message))
+
+
+def lost_contact(
+    cause: RemoteCause,
+    *,
+    down: str | None,
+    addresses: Mapping[tuple[str, int], str],
+    reconnect: str,
+) -> str:
+    """What a call that lost contact with the cluster means, and what to do.
+
+    Args:
+      cause: what its error said (`remote_cause`).
+      down: the cluster's words for the workers found down now and how to
+        restart them, or None when every worker answers.
+      addresses: each task's ``host:port``.
+      reconnect: how to connect again.
+    """
+    if down:
+        return (
+            f"{down} and run the call again (it returned nothing; a function that updates "
+            "variables may have updated them on the shards that finished)"
+        )
+    where = (
+        ", ".join(f"/job:{j}/task:{t} at {addresses[j, t]}" for j, t in sorted(cause.tasks))
+        or "a worker"
+    )
+    detail = f" ({cause.reason})" if cause.reason else ""
+    return (
+        f"the call lost contact with {where}{detail}, but every worker answers now: if it "
+        f"restarted, its state from before is gone, so call {reconnect} and retry the call"
+    )
+
+
+class OnDisk(NamedTuple):
+    """Where a stopped write stands (`write_stopped`).
+
+    Attributes:
+      path: the write's directory.
+      rows: the rows committed.
+      batches: the batches committed.
+      next_row: the dataset's row the batch being computed starts at.
+      next_batch: that batch's index in the dataset.
+    """
+
+    path: str
+    rows: int
+    batches: int
+    next_row: int
+    next_batch: int
+
+    def resume(self, call: str, joint: str = "; ") -> str:
+        """What is on disk, and that calling `call` again resumes after it."""
+        on_disk = f"{self.rows} rows ({self.batches} batches) are on disk in {self.path!r}"
+        return f"{on_disk}{joint}call {call} again to resume after them"
+
+
+def write_stopped(error: BaseException, call: str, disk: OnDisk) -> BaseException:
+    """The error to raise for a write `call` that `error` stopped, once its rows are committed.
+
+    An OSError (a full disk, a file size limit, a file that cannot be
+    written) becomes a `WriteError` saying what failed and how to go on; an
+    error of the function (a `ShardError`) is raised again with the dataset's
+    rows it was computing and how to resume; any other error is raised as it
+    is, with a note saying how much is on disk.
+    """
+    if isinstance(error, OSError):
+        return write_error(error, call, disk.resume(call, ": "))
+    if isinstance(error, ShardError) and hasattr(error, "node_def"):  # a tf.errors.OpError
+        where = f"batch {disk.next_batch} of the dataset, whose rows start at row {disk.next_row}"
+        then = disk.resume(call, ": ")
+        return shard_error(error, f"{error.message}\n{call} stopped in {where}; {then}")
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(f"tfshard: {disk.resume(call)}")
+    return error
+
+
+# What to do about the OSErrors a write meets, by errno.
+_OS_REASONS = {
+    errnos.ENOSPC: ": the disk is full; free some space",
+    errnos.EDQUOT: ": the disk quota is used up; free some space",
+    errnos.EFBIG: ": the file size limit (ulimit -f) is reached; raise it",
+    errnos.EACCES: ": no permission to write there; choose another path",
+    errnos.EROFS: ": the file system is read-only; choose another path",
+}
+
+
+def write_error(error: OSError, call: str, then: str) -> WriteError:
+    """`error` as a WriteError: what failed, what to do about it, then `then`.
+
+    It keeps the OSError's ``errno``, ``strerror`` and ``filename``.
+    """
+    reason = _OS_REASONS.get(error.errno, "")
+    where = f" ({error.filename})" if error.filename else ""
+    failed = WriteError(f"{call}: {error.strerror or error}{where}{reason}; {then}")
+    failed.errno, failed.strerror, failed.filename = error.errno, error.strerror, error.filename
+    return failed
 
 
 # ------------------------------------------------------ reading TF's messages
@@ -403,13 +719,16 @@ def inputs_error(name: str, message: str) -> ArgumentError:
     )
 
 
-def rows_error(name: str, devices: Sequence[str], message: str) -> ArgumentError:
+def rows_error(
+    name: str, devices: Sequence[str], message: str, reductions: Sequence[str]
+) -> ArgumentError:
     """The failed check that whole shards return one row per row (`ROWS_DIFFER`), named.
 
     Args:
       name: the parallelized function's name.
       devices: the shards' devices, in shard order.
       message: the TF error's message.
+      reductions: the names ``reduce=`` takes (`tfshard.collect.REDUCTIONS`).
     """
     path = _assert_text(message, ROWS_DIFFER)
     got, want, k = _assert_vectors(message)
@@ -420,7 +739,7 @@ def rows_error(name: str, devices: Sequence[str], message: str) -> ArgumentError
         f"{name}: {path}{where or ' has the wrong number of rows'}; with "
         "per_sample=False each output must have one row per input row to be gathered "
         "in order (return a [rows, ...] tensor), or be of fixed shape under reduce= "
-        "(a shard's value: pass reduce='sum'/'mean'/'max'/'min')"
+        f"(a shard's value: pass reduce={'/'.join(map(repr, reductions))})"
     )
 
 
