@@ -29,23 +29,12 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tfshard import _arguments, _balance, _trees, cluster, pinning
+from tfshard import _arguments, _balance, _trees, cluster, collect, pinning
 from tfshard._autograph import autographed
 from tfshard._options import Options
 from tfshard._plan import host_cpu, plan_rows
 from tfshard._step import Step
-from tfshard.errors import (
-    INPUTS_DIFFER,
-    ROWS_DIFFER,
-    failing_shard,
-    inputs_error,
-    pfor_stack_failure,
-    rows_error,
-    shard_error,
-    trimmed_remote,
-    user_frames,
-    xla_failure,
-)
+from tfshard.errors import Failed, call_failure, shard_error
 from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
 
 
@@ -570,54 +559,37 @@ class Engine:
             tf.size(leaves[0]).numpy()
 
     def call_error(
-        self, error: tf.errors.OpError, rows: int | None, weights: tuple[int, ...] | None = None
+        self,
+        error: tf.errors.OpError,
+        rows: int | None,
+        weights: tuple[int, ...] | None = None,
+        *,
+        element: bool = False,
     ) -> Exception:
-        """A failed call's error, naming the shard and, for a dead worker, the remedy.
+        """A failed call's error, as `errors.call_failure` words what the engine knows.
 
-        Shards on a worker found down come first, then the remedy, then TF's
-        own text without gRPC's repetitions (`trimmed_remote`). A shard out of
-        memory gets the remedies that give it fewer rows at once.
+        The engine knows the function, its devices, each shard's rows and
+        memory limit, and asks the cluster whether a worker is down.
 
         Args:
           error: what TensorFlow raised.
           rows: the call's rows when known (None: a batch of a stream).
           weights: the integer weights its plan used (None: those in use).
+          element: the split arguments are a dataset element's fields (a stream).
         """
-        if ROWS_DIFFER in error.message:
-            return rows_error(self.name, self.devices, error.message)
-        if INPUTS_DIFFER in error.message:
-            return inputs_error(self.name, error.message)
         hint = cluster.explain_remote_error(error)  # None unless a worker is down
-        lost = self.lost_shards(rows, "failed", weights) if hint is not None else None
-        if lost is not None:
-            trimmed = trimmed_remote(error.message)
-            return shard_error(error, f"{lost}\n{hint}\nTensorFlow's error: {trimmed}")
-        k = failing_shard(error.message)
-        wrapped = error
-        if k is not None:
-            where = self.rows_of(k, rows, weights)
-            shard = f"{self.name}: shard {k} on {self.devices[k]} ({where})"
-            text = f"failed: {user_frames(error.message)}"
-            if isinstance(error, tf.errors.ResourceExhaustedError):
-                # The remedy first: TensorFlow's text runs to dozens of lines.
-                text = (
-                    f"failed: it ran out of memory. {self.memory_hint(k)}\n"
-                    f"TensorFlow's error: {user_frames(error.message)}"
-                )
-            wrapped = shard_error(error, f"{shard} {text}")
-        elif xla_failure(error.message):  # TF cut its text before a shard was named
-            wrapped = shard_error(error, f"{self.name} failed: {user_frames(error.message)}")
-        pfor_stack = pfor_stack_failure(error.message)
-        per_sample, ragged = self.options.per_sample, self.options.ragged
-        if hint is None and per_sample and not ragged and pfor_stack:
-            hint = (
-                "It failed inside tf.vectorized_map (pfor), which cannot vectorize every op "
-                "(string ops and shapes that vary by sample among them): pass ragged=True "
-                "to map the function over one sample at a time (tf.map_fn) instead"
-            )
-        if hint is not None:
-            wrapped = shard_error(wrapped, f"{wrapped.message}\n{hint}")
-        return wrapped
+        failed = Failed(
+            name=self.name,
+            devices=self.devices,
+            rows_of=lambda k: self.rows_of(k, rows, weights),
+            memory_hint=self.memory_hint,
+            reductions=tuple(collect.REDUCTIONS),
+            vectorized=self.options.per_sample and not self.options.ragged,
+            element=element,
+            remote=hint,
+            lost=self.lost_shards(rows, "failed", weights) if hint is not None else None,
+        )
+        return call_failure(error, failed)
 
     def memory_hint(self, k: int) -> str:
         """What to do about shard k running out of memory: fewer rows at once, or fewer rows."""
