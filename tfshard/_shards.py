@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfshard import _arguments, _graph, _kinds, _trees, collect
 from tfshard._autograph import is_keras_layer
 from tfshard._plan import host_assert, row_count, rows
-from tfshard.errors import ROWS_DIFFER, ArgumentError, TfshardError, creates_variables
+from tfshard.errors import ROWS_DIFFER, ArgumentError, TfshardError, Traced, trace_error
 from tfshard.position import Position, seen
 
 
@@ -56,77 +56,48 @@ def shard_of(
         except TfshardError:
             raise
         except (ValueError, TypeError) as error:
-            what = "one sample" if per_sample else "one shard"
-            shapes = ", ".join(str(r.shape) for r in rows_in)
-            hint = trace_hint(error, fn, template, rows_in, name=name, per_sample=per_sample)
-            raise ArgumentError(
-                f"{name} failed while being traced on {what} (split argument shapes "
-                f"{shapes}): {type(error).__name__}: {error}\n{hint}"
-            ) from error
+            traced = trace_facts(fn, template, rows_in, name=name, per_sample=per_sample)
+            raise trace_error(error, traced) from error
         return to_tensors(outputs, name)
 
     return vectorized(call, example, ragged) if per_sample else whole_shard(call)
 
 
-def trace_hint(
-    error: Exception,
+def trace_facts(
     fn: Callable[..., Any],
     template: _arguments.Template,
     rows_in: Sequence[Any],
     *,
     name: str,
     per_sample: bool,
-) -> str:
-    """What to do about a function that failed while traced on a shard, for this case.
+) -> Traced:
+    """What a shard's trace knows when the function fails in it, for `errors.trace_error`.
 
-    In order, the first that applies: the function makes a variable at each
-    trace (a Keras layer made inside it); an argument is a Python list of
-    arrays (samples meant as one batch); a Keras model was given one sample
-    without its batch dimension; else what tfshard gave the function, and the
-    options that change it (`per_sample`, `broadcast`).
+    Whether an argument is a Python list of arrays (samples meant as one
+    batch), whether a Keras model was given one sample without its batch
+    dimension, what tfshard gave the function, and whether ``broadcast=``
+    applies.
     """
-    if creates_variables(str(error)):
-        return (
-            f"{name} makes a variable each time it is traced: a Keras layer created inside "
-            "the function (keras.layers.Dropout(0.1)(x)) or a tf.Variable. Create it once, "
-            "outside the function, and call it inside (dropout = keras.layers.Dropout(0.1) "
-            "before; dropout(x, training=True) in the function)"
-        )
     listed = template.listed()
+    listing = None
     if listed:
         arg, count = listed[0]
         arg, code = _plainly(arg) if is_keras_layer(fn) else (arg, arg)
-        return (
-            f"{arg} is a Python list of {count} arrays, which tfshard takes as {count} "
-            "separate arguments, each split along its first axis. If they are samples, "
-            f"stack them into one batch first: np.stack({code}) (or tf.stack({code}))"
-        )
+        listing = (arg, code, count)
     expected = _model_input_shape(fn)
     sample = None if expected is None or len(rows_in) != 1 else rows_in[0].shape
+    one_sample = None
     if sample is not None and not per_sample and sample[1:] == expected[2:]:
         arg, code = _plainly(template.split_paths()[0])
-        return (
-            f"{arg} looks like one sample without its batch dimension: {name} takes "
-            f"batches of shape {list(expected)}, and tfshard split {arg} along its first "
-            f"axis into rows of {list(sample[1:])}. Add the batch dimension: {code}[None] "
-            f"(np.expand_dims({code}, 0)), or pass a batch of samples"
-        )
-    hints = []
-    if per_sample:
-        hints.append(
-            f"{name} ran on one sample at a time (one row of each split argument, shapes "
-            f"{', '.join(str(list(r.shape)) for r in rows_in)}). If it expects a whole "
-            "batch, pass per_sample=False; if an argument is itself one sample, give it a "
-            "batch dimension (x[None])"
-        )
-    else:
-        hints.append(
-            f"{name} ran on one shard: a block of rows of each split argument (the first "
-            "dimension, None, is the shard's rows)"
-        )
-    if template.split_count > 1 or len(template.names) > 1:
-        hints.append("if an argument must reach every shard whole, name it in broadcast=(...)")
-    return "; ".join(hints)
+        one_sample = (arg, code, list(expected), list(sample[1:]))
+    return Traced(
+        name=name,
+        per_sample=per_sample,
+        shapes=[r.shape for r in rows_in],
+        listed=listing,
+        one_sample=one_sample,
+        several=template.split_count > 1 or len(template.names) > 1,
+    )
 
 
 def _plainly(arg: str) -> tuple[str, str]:
