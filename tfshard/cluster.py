@@ -61,13 +61,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfshard import _device_names
-from tfshard.errors import (
-    ArgumentError,
-    ClusterError,
-    grpc_reason,
-    peer_answered,
-    remote_tasks,
-)
+from tfshard.errors import ArgumentError, ClusterError, lost_contact, remote_cause
 
 __all__ = (
     "cluster_spec",
@@ -682,28 +676,19 @@ def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> st
     if connection is None or not isinstance(error, tf.errors.OpError):
         return None
     text = str(getattr(error, "message", "") or error)
-    by_address = {a: (j, t) for j, ts in connection.jobs.items() for t, a in ts.items()}
-    # Tasks of the cluster only: a message also names this client (/job:localhost).
-    named = {(j, t) for j, t in remote_tasks(text, by_address) if t in connection.jobs.get(j, {})}
+    jobs = connection.jobs
+    by_address = {a: (j, t) for j, ts in jobs.items() for t, a in ts.items()}
     unavailable = isinstance(error, tf.errors.UnavailableError | tf.errors.DeadlineExceededError)
-    if not unavailable and (not named or peer_answered(text)):
-        return None  # a shard's own error that crossed from a worker says nothing of the network
-    reason = grpc_reason(text)
+    tasks = frozenset(by_address.values())
+    cause = remote_cause(text, by_address, tasks, unavailable=unavailable)
+    if cause is None:
+        return None
     down = connection.find_down(probe_timeout)
-    if down:
-        return (
-            _down_hint(connection, down)
-            + " and run the call again (it returned nothing; a function that updates variables "
-            "may have updated them on the shards that finished)"
-        )
-    where = (
-        ", ".join(f"/job:{j}/task:{t} at {connection.address(j, t)}" for j, t in sorted(named))
-        or "a worker"
-    )
-    detail = f" ({reason})" if reason else ""
-    return (
-        f"the call lost contact with {where}{detail}, but every worker answers now: if it "
-        f"restarted, its state from before is gone, so call {_RECONNECT} and retry the call"
+    return lost_contact(
+        cause,
+        down=_down_hint(connection, down) if down else None,
+        addresses={task: connection.address(*task) for task in tasks},
+        reconnect=_RECONNECT,
     )
 
 
