@@ -56,7 +56,7 @@ from tfshard._balance import Timing
 from tfshard._engine import Engine
 from tfshard._plan import Planned, host_cpu, rows
 from tfshard._step import Step
-from tfshard.errors import INPUTS_DIFFER, ArgumentError, inputs_differ
+from tfshard.errors import ArgumentError, fields_differ
 
 # Keywords that belong to tfshard, not to the function, in a call on a dataset.
 DATASET_OPTIONS = ("batch_size", "batched", "progress")
@@ -516,9 +516,7 @@ class Runner:
         except tf.errors.OpError as error:
             if meter:
                 meter.stopped(error)
-            if INPUTS_DIFFER in error.message:
-                raise _fields_differ(engine.name, inputs_differ(error.message)) from None
-            raise engine.call_error(error, None) from None
+            raise engine.call_error(error, None, element=True) from None
         except BaseException as error:  # Ctrl-C between calls: say where it stopped
             if meter:
                 meter.stopped(error)
@@ -608,7 +606,7 @@ def _batches(
             paths = _trees.paths("element", structure)
             k = next(i for i, n in enumerate(counts) if n != counts[0])
             differ = f"{paths[k]} has {counts[k]} rows but {paths[0]} has {counts[0]}"
-            raise _fields_differ(arguments.name, differ)
+            raise fields_differ(arguments.name, differ)
         call = arguments.classify((*_split_element(element), *args), kwargs)
         result = run(call, before)
         batch_rows = counts[0]
@@ -618,15 +616,6 @@ def _batches(
         yield result, batch_rows
     if meter:
         meter.close()
-
-
-def _fields_differ(name: str, differ: str) -> ArgumentError:
-    """The fields of a dataset's element have different rows: the fix is in the dataset."""
-    return ArgumentError(
-        f"{name}: the fields of one dataset element have different numbers of rows "
-        f"({differ}); every field is split along its first dimension, so they must match: "
-        "batch zipped datasets alike"
-    )
 
 
 def _reported(items: Iterator[Any], meter: _stream.Progress | None) -> Iterator[Any]:

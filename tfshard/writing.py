@@ -79,7 +79,13 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import _kinds, _stream, _trees
-from tfshard.errors import ArgumentError, ShardError, WriteError, shard_error
+from tfshard.errors import (
+    ArgumentError,
+    OnDisk,
+    WriteError,
+    write_error,
+    write_stopped,
+)
 
 FORMAT = "tfshard.write"
 VERSION = 2
@@ -276,40 +282,21 @@ def _stopped(
 ) -> BaseException:
     """The error to raise for a write stopped by `error`, once what was written is committed.
 
-    An OSError (a full disk, a file size limit, a file that cannot be written)
-    becomes a `WriteError` saying what failed and how to go on; an error of the
-    function (a `ShardError`) is raised again with the dataset's rows it was
-    computing and how to resume; any other error is raised as it is, with a
-    note saying how much is on disk.
+    An ArgumentError says what to change (resuming as it is would not help)
+    and is raised as it is; any other is worded by `errors.write_stopped` with
+    where the write stands on disk, which the meter says too.
     """
     with contextlib.suppress(OSError):  # the disk may refuse this too: the last commit stands
         store.commit(due=False)
     if meter:
         meter.stopped(error)
-    if isinstance(error, ArgumentError):  # says what to change: resuming as it is would not
+    if isinstance(error, ArgumentError):
         return error
-    on_disk = f"{store.rows} rows ({store.batches} batches) are on disk in {store.path!r}"
-    resume = f"call {call} again to resume after them"
+    rows, batches = store.written
+    disk = OnDisk(store.path, store.rows, store.batches, next_row=rows, next_batch=batches)
     if meter:
-        meter.say(f"{on_disk}; {resume}")
-    if isinstance(error, OSError):
-        return _write_error(error, call, f"{on_disk}: {resume}")
-    if isinstance(error, ShardError) and isinstance(error, tf.errors.OpError):
-        rows, batches = store.written
-        where = f"in batch {batches} of the dataset, whose rows start at row {rows}"
-        return shard_error(error, f"{error.message}\n{call} stopped {where}; {on_disk}: {resume}")
-    if hasattr(error, "add_note"):  # Python 3.11+
-        error.add_note(f"tfshard: {on_disk}; {resume}")
-    return error
-
-
-def _write_error(error: OSError, call: str, then: str) -> WriteError:
-    """`error` as a WriteError: what failed, what to do about it, then `then`."""
-    reason = _OS_REASONS.get(error.errno, "")
-    where = f" ({error.filename})" if error.filename else ""
-    failed = WriteError(f"{call}: {error.strerror or error}{where}{reason}; {then}")
-    failed.errno, failed.strerror, failed.filename = error.errno, error.strerror, error.filename
-    return failed
+        meter.say(disk.resume(call))
+    return write_stopped(error, call, disk)
 
 
 class _Locks:
@@ -368,16 +355,6 @@ class _Locks:
 _locks = _Locks()
 
 
-# What to do about the OSErrors a write meets, by errno.
-_OS_REASONS = {
-    errnos.ENOSPC: ": the disk is full; free some space",
-    errnos.EDQUOT: ": the disk quota is used up; free some space",
-    errnos.EFBIG: ": the file size limit (ulimit -f) is reached; raise it",
-    errnos.EACCES: ": no permission to write there; choose another path",
-    errnos.EROFS: ": the file system is read-only; choose another path",
-}
-
-
 def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
     """What `ShardedFunction.write` wrote: the outputs' structure, memory-mapped.
 
@@ -417,7 +394,7 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
             "it again (f.write(dataset, path, overwrite=True))"
         ) from None
     except OSError as error:
-        raise _write_error(error, call, "nothing was read") from None
+        raise write_error(error, call, "nothing was read") from None
     if manifest is None:
         raise ArgumentError(
             f"{call}: no {MANIFEST} there, so it holds no write; make one with "
@@ -522,7 +499,7 @@ class _Store:
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as error:
-            raise _write_error(error, call, "nothing was written") from None
+            raise write_error(error, call, "nothing was written") from None
         lock = _locks.take(path, call)
         try:
             store = cls._opened(path, function, source, overwrite, call)
@@ -578,7 +555,7 @@ class _Store:
         try:
             _replace(os.path.join(path, MANIFEST), _encoded(manifest))  # a full disk fails here
         except OSError as error:
-            raise _write_error(error, call, "nothing was written") from None
+            raise write_error(error, call, "nothing was written") from None
         for file in old:  # the old write's data, after its manifest
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, file))
