@@ -852,13 +852,21 @@ def _read(
 
 
 def _lane(span: Span, end: float) -> str:
-    """`span` as characters over [0, end]: '#' busy, '.' idle inside its span, ' ' outside."""
+    """`span` as characters over [0, end]: '#' busy, '.' idle inside its span, ' ' outside.
+
+    A cell is busy when a quarter of it was; a span whose work is shorter than that
+    anywhere still shows one '#', where most of it ran.
+    """
     cells = []
     step = end / _LANE_WIDTH
+    covered = [
+        sum(max(0.0, min((i + 1) * step, y) - max(i * step, x)) for x, y in span.intervals)
+        for i in range(_LANE_WIDTH)
+    ]
+    most = max(range(_LANE_WIDTH), key=covered.__getitem__)
     for i in range(_LANE_WIDTH):
         a, b = i * step, (i + 1) * step
-        covered = sum(max(0.0, min(b, y) - max(a, x)) for x, y in span.intervals)
-        if span.ops and covered >= 0.25 * step:
+        if span.ops and (covered[i] >= 0.25 * step or (i == most and covered[i] > 0)):
             cells.append("#")
         elif span.ops and span.start_ms < b and a < span.end_ms:
             cells.append(".")
