@@ -8,6 +8,7 @@ weights are 3:1.
 """
 
 import re
+import threading
 import time
 
 import numerics
@@ -130,7 +131,7 @@ def test_a_fixed_cost_ratio_under_one_sided_noise_keeps_one_plan():
 def test_a_settled_plan_is_measured_one_call_in_every():
     balance = Balance(2)
     due = [balance.due() for _ in range(3)]
-    assert due == [True] * 3  # not settled: every call
+    assert due == ["split"] * 3  # not settled: every call
     _measured(balance, [75, 25], [0.075, 0.075], times=_balance.MIN_SAMPLES)  # a plan: 3:1
     assert balance.weights == (3.0, 1.0)
     for _ in range(_balance.SETTLED - 1):
@@ -139,7 +140,7 @@ def test_a_settled_plan_is_measured_one_call_in_every():
     assert balance.due() and not balance.settled
     balance.observe([75, 25], [0.075, 0.075], warm_up=False)
     assert balance.settled
-    due = [balance.due() for _ in range(3 * _balance.EVERY)]
+    due = [balance.due() is not None for _ in range(3 * _balance.EVERY)]
     assert due == ([False] * (_balance.EVERY - 1) + [True]) * 3
 
 
@@ -151,6 +152,40 @@ def test_a_new_plan_is_measured_every_call_until_it_settles():
     _measured(balance, [75, 25], [0.075, 0.025], times=7)
     assert balance.weights == (1.0, 1.0) and not balance.settled
     assert all(balance.due() for _ in range(_balance.EVERY))
+
+
+def test_the_fastest_device_alone_holds_every_row_where_the_split_does_not_pay():
+    balance = Balance(2)
+    assert _measured(balance, [50, 50], [0.01, 0.02], times=_balance.MIN_SAMPLES) == (2.0, 1.0)
+    # The split's whole calls take 40 ms a 100 rows (a slow link: more than its shards).
+    for _ in range(_balance.MIN_SAMPLES):
+        assert balance.due() == "split" and balance.plan_for("split") == (2, 1)
+        balance.observe([67, 33], [0.0134, 0.0132], warm_up=False, call_seconds=0.04)
+    # Then the fastest device alone is weighed, its whole calls 20 ms.
+    assert balance.due() == "alone" and balance.plan_for("alone") == (1, 0)
+    balance.observe_alone(0, 100, 0.5, warm_up=True)  # its graph's first run: not counted
+    for _ in range(_balance.MIN_SAMPLES):
+        balance.observe_alone(0, 100, 0.02, warm_up=False)
+    assert balance.weights == (1.0, 0.0) and balance.integer() == (1, 0)
+    # The split is still weighed in turn, by its own weights; once it ends calls sooner
+    # (the link got faster: 10 ms), it is the plan again.
+    assert balance.due() == "split" and balance.plan_for("split") == (2, 1)
+    balance.observe([67, 33], [0.0067, 0.0066], warm_up=False, call_seconds=0.01)
+    assert balance.weights == (2.0, 1.0)
+
+
+def test_the_split_stays_where_it_pays():
+    balance = Balance(2)
+    _measured(balance, [50, 50], [0.01, 0.02], times=_balance.MIN_SAMPLES)
+    for _ in range(_balance.MIN_SAMPLES):
+        balance.observe([67, 33], [0.0134, 0.0132], warm_up=False, call_seconds=0.014)
+    for _ in range(_balance.MIN_SAMPLES):
+        balance.observe_alone(0, 100, 0.02, warm_up=False)  # alone: 20 ms against 14
+    assert balance.weights == (2.0, 1.0)
+    # Noise inside the band keeps the split: alone 13.5 ms against the split's 14.
+    for _ in range(_balance.MIN_SAMPLES):
+        balance.observe_alone(0, 100, 0.0135, warm_up=False)
+    assert balance.weights == (2.0, 1.0)
 
 
 def test_the_plan_follows_a_device_that_changes_speed():
@@ -259,20 +294,55 @@ def _measurements(f, x):
     return int(re.search(r"(\d+) measurements?", f.explain(x)).group(1))
 
 
-def test_calls_between_measured_ones_run_the_unmeasured_graph():
+def test_calls_between_measured_ones_run_the_unmeasured_graph(monkeypatch):
     f = tfshard.parallelize(tf.identity, devices=CPUS[:2], weights="auto")
     x = np.arange(8, dtype=np.float32)
-    for _ in range(1 + _balance.SETTLED):  # the first warms the measured graph up
-        np.testing.assert_array_equal(f(x).numpy(), x)
-    assert _measurements(f, x) == _balance.SETTLED  # settled: nothing to gain here
+    balance = f._engine().balance
+    # Settled by given timings: two alike devices, the plan even all along.
+    _measured(balance, [4, 4], [1e-3, 1e-3], times=_balance.MIN_SAMPLES + _balance.SETTLED)
+    assert balance.settled and balance.weights is None
+    due, observed = [], []
+    for name in ("observe", "observe_alone"):
+        method = getattr(balance, name)
+        monkeypatch.setattr(
+            balance, name, lambda *a, _m=method, **k: (observed.append(a), _m(*a, **k))[1]
+        )
+    asked = balance.due
+    monkeypatch.setattr(balance, "due", lambda: (due.append(asked()), due[-1])[1])
     for _ in range(2 * _balance.EVERY):
         np.testing.assert_array_equal(f(x).numpy(), x)
-    assert _measurements(f, x) == _balance.SETTLED + 2
+    # Each call asked once; one in EVERY measured (its shards timed), the others not.
+    assert len(due) == 2 * _balance.EVERY
+    assert [d is not None for d in due] == ([False] * (_balance.EVERY - 1) + [True]) * 2
+    assert len(observed) == 2
     # The graph of the calls between: the outputs alone, no timestamp, no fed weights.
     graph = f.get_concrete_function(x)
     assert isinstance(graph.structured_outputs, tf.Tensor)
     assert [t.dtype for t in graph.inputs if t.dtype != tf.resource] == [tf.float32]
     assert not [op for op in graph.graph.get_operations() if op.type == "StatefulPartitionedCall"]
+
+
+def test_a_call_where_the_split_does_not_pay_runs_on_the_fastest_device_alone():
+    """Two shards that take their turns on one link (a lock), 4 ms each whatever their
+    rows: a split call takes twice what one device alone does."""
+    link = threading.Lock()
+
+    def through_the_link(block):
+        with link:
+            time.sleep(0.004)
+        return block
+
+    def serial(block):
+        out = tf.numpy_function(through_the_link, [block], tf.float32, stateful=False)
+        return tf.ensure_shape(out, block.shape)
+
+    f = tfshard.parallelize(serial, devices=CPUS[:2], per_sample=False, weights="auto")
+    x = np.random.default_rng(8).normal(size=[64, 4]).astype(np.float32)
+    for _ in range(40):
+        np.testing.assert_array_equal(f(x).numpy(), x)
+    assert f.weights in ((1.0, 0.0), (0.0, 1.0)), f.weights
+    assert sorted(f.plan(64)) == [0, 64]
+    assert "holds every row" in f.explain(x)
 
 
 def test_timing_is_four_ops_per_shard_and_keeps_the_shards_unchained():

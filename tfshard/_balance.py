@@ -243,7 +243,14 @@ class Balance:
         self._per_row: list[collections.deque[float]] = [
             collections.deque(maxlen=WINDOW) for _ in range(count)
         ]
-        self._weights: tuple[float, ...] | None = None
+        # Whole calls' seconds per row: of the split in use, and of each device alone.
+        self._split_calls: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._alone_calls: list[collections.deque[float]] = [
+            collections.deque(maxlen=WINDOW) for _ in range(count)
+        ]
+        self._split: tuple[float, ...] | None = None  # the split's weights (None: even)
+        self._alone: int | None = None  # the device that holds every row, where that pays
+        self._last = "alone"  # what the last measured call measured
         self._rows = 0  # the last measured call's rows
         self.measured = 0  # measurements counted so far
         self.changes = 0  # times the plan changed
@@ -252,15 +259,30 @@ class Balance:
 
     @property
     def weights(self) -> tuple[float, ...] | None:
-        """The weights in use (the slowest device with rows at 1), or None: even so far."""
-        return self._weights
+        """The weights in use (the slowest device with rows at 1), or None: even so far.
+
+        Where the fastest device alone ends a call sooner than the split, it is
+        weighted 1 and the others 0."""
+        if self._alone is not None:
+            return tuple(1.0 if k == self._alone else 0.0 for k in range(self._count))
+        return self._split
 
     def integer(self) -> tuple[int, ...]:
         """The weights in use as the plan takes them (`_plan.integer_weights`); even: all 1."""
-        weights = self._weights
-        if weights is None:
-            return (1,) * self._count
-        return _plan.integer_weights(weights)
+        return _integer(self.weights, self._count)
+
+    def plan_for(self, kind: str | None) -> tuple[int, ...]:
+        """The integer weights a call of this `kind` (`due`) plans by: those in use
+        (None), the split's ("split", also while the fastest device holds every row),
+        or the fastest device alone ("alone")."""
+        with self._lock:
+            if kind == "split":
+                return _integer(self._split, self._count)
+            if kind == "alone":
+                fastest = self._fastest()
+                if fastest is not None:
+                    return tuple(int(k == fastest) for k in range(self._count))
+            return self.integer()
 
     def per_row(self) -> list[float | None]:
         """Each device's time per row now (the lower quartile of its window), None until
@@ -275,20 +297,37 @@ class Balance:
         has nothing to gain from another plan)."""
         return self._steady >= SETTLED
 
-    def due(self) -> bool:
-        """Whether the next call is measured: every call until the plan is `settled`, then
-        one in `EVERY` (the first after it settles is not). Each call asks once."""
-        with self._lock:
-            if not self.settled:
-                self._since = 0
-                return True
-            self._since += 1
-            if self._since < EVERY:
-                return False
-            self._since = 0
-            return True
+    def due(self) -> str | None:
+        """What the next call measures: every call until the plan is `settled`, then one
+        in `EVERY` (the first after it settles is not); None for a call not measured.
 
-    def observe(self, rows: Sequence[int], seconds: Sequence[float], warm_up: bool) -> None:
+        A measured call times the split's shards and the whole call ("split"),
+        or the whole call on the fastest device alone ("alone"): once every
+        device has been measured, the two take turns until each has
+        `MIN_SAMPLES` measurements of its own, and so on, one each in turn.
+        Each call asks once.
+        """
+        with self._lock:
+            if self.settled:
+                self._since += 1
+                if self._since < EVERY:
+                    return None
+            self._since = 0
+            fastest = self._fastest()
+            kept = sum(1 for w in (self._split or (1.0,) * self._count) if w > 0)
+            if fastest is None or kept < 2 or len(self._split_calls) < MIN_SAMPLES:
+                return "split"
+            if len(self._alone_calls[fastest]) < MIN_SAMPLES:
+                return "alone"
+            return "alone" if self._last == "split" else "split"
+
+    def observe(
+        self,
+        rows: Sequence[int],
+        seconds: Sequence[float],
+        warm_up: bool,
+        call_seconds: float | None = None,
+    ) -> None:
         """Counts one measurement: each shard's rows and seconds in one call (or loop call).
 
         Args:
@@ -296,6 +335,8 @@ class Balance:
           seconds: each shard's seconds, from its rows ready to its outputs ready.
           warm_up: the graph ran for the first time, so its times include making
             kernels and memory: not counted.
+          call_seconds: the whole call's seconds, from before it started to its
+            outputs ready (a call of the split in use), or None: not known (a stream).
         """
         if warm_up:
             return
@@ -304,20 +345,46 @@ class Balance:
                 if n > 0 and s >= SHORTEST:
                     samples.append(float(s) / int(n))
             self._rows = sum(int(n) for n in rows)
-            self.measured += 1
-            before = self._weights
-            self._decide()
-            if self._weights != before:
-                self.changes += 1
-                self._steady = 0
-            else:
-                self._steady += 1
+            if call_seconds is not None and self._rows > 0:
+                self._split_calls.append(float(call_seconds) / self._rows)
+            self._last = "split"
+            self._count_one(self._decide)
+
+    def observe_alone(self, device: int, rows: int, seconds: float, warm_up: bool) -> None:
+        """Counts one whole call of `rows` rows on `device` alone, which took `seconds`
+        from before it started to its outputs ready (the first run of its graph: not)."""
+        if warm_up or rows <= 0:
+            return
+        with self._lock:
+            self._alone_calls[device].append(float(seconds) / int(rows))
+            self._rows = int(rows)
+            self._last = "alone"
+            self._count_one(self._choose)
+
+    def _count_one(self, decide: Callable[[], None]) -> None:
+        before = self.weights
+        decide()
+        self.measured += 1
+        if self.weights != before:
+            self.changes += 1
+            self._steady = 0
+        else:
+            self._steady += 1
+
+    def _fastest(self) -> int | None:
+        """The device of least time per row among those kept, or None: not every device
+        measured `MIN_SAMPLES` times yet."""
+        if any(len(s) < MIN_SAMPLES for s in self._per_row):
+            return None
+        now = self._split or (1.0,) * self._count
+        rates = [(_quartile(s), k) for k, (s, w) in enumerate(zip(self._per_row, now)) if w > 0]
+        return min(rates)[1]
 
     def _decide(self) -> None:
         if any(len(s) < MIN_SAMPLES for s in self._per_row):
             return  # a device measured too few times yet: keep the plan until it is
         rates = [_quartile(s) for s in self._per_row]
-        now = self._weights or (1.0,) * self._count
+        now = self._split or (1.0,) * self._count
         # A device found useless stays so: it is not measured again (not in the call's
         # graph), and the fastest's own noise must not bring it back.
         kept = [m for m, w in zip(rates, now) if w > 0]
@@ -331,7 +398,29 @@ class Balance:
         # (under 2 %) are within the noise, and its copies and fixed costs are not.
         useless = [w == 0 for w in best] != [w == 0 for w in now]
         if useless or (kept > (1.0 + BAND) * moved and (kept - moved) * self._rows >= MIN_GAIN):
-            self._weights = _shown(best)
+            self._split = _shown(best)
+            self._split_calls.clear()  # whole calls of the old split tell nothing of the new
+        self._choose()
+
+    def _choose(self) -> None:
+        """The fastest device alone, or the split: whichever ends a whole call `BAND` and
+        `MIN_GAIN` sooner than the other (each known from `MIN_SAMPLES` calls)."""
+        fastest = self._fastest() if self._alone is None else self._alone
+        if fastest is None:
+            return
+        alone, split = self._alone_calls[fastest], self._split_calls
+        if len(alone) < MIN_SAMPLES or len(split) < MIN_SAMPLES:
+            return
+        alone_s, split_s = _quartile(alone), _quartile(split)
+        if self._alone is None:
+            if split_s > (1.0 + BAND) * alone_s and (split_s - alone_s) * self._rows >= MIN_GAIN:
+                self._alone = fastest
+        elif alone_s > (1.0 + BAND) * split_s and (alone_s - split_s) * self._rows >= MIN_GAIN:
+            self._alone = None
+
+
+def _integer(weights: tuple[float, ...] | None, count: int) -> tuple[int, ...]:
+    return (1,) * count if weights is None else _plan.integer_weights(weights)
 
 
 def _quartile(samples: Sequence[float]) -> float | None:

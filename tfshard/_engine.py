@@ -24,6 +24,7 @@ per plan that calls run unmeasured (a settled plan stays settled).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -380,27 +381,59 @@ class Engine:
         the balance says it is due (`Balance.due`), alone among this function's calls."""
         if self.balance is None or body == "per_shard" or not tf.executing_eagerly():
             # Inside a user's tf.function there is nothing to read: never measured.
-            return self._run_graph(call, body, offset, measured=False)
-        with self._turns.call(self.balance.due()) as measured:
-            return self._run_graph(call, body, offset, measured=measured)
+            return self._run_graph(call, body, offset, None)
+        kind = self.balance.due()
+        if kind == "alone" and (body != "call" or call.rows is None):
+            kind = "split"  # a whole call's rows are needed to weigh it against the split
+        with self._turns.call(kind is not None) as measured:
+            return self._run_graph(call, body, offset, kind if measured else None)
 
     def _run_graph(
-        self, call: _arguments.Call, body: str, offset: int | None, measured: bool
+        self, call: _arguments.Call, body: str, offset: int | None, kind: str | None
     ) -> Any:
-        """Runs the measured or unmeasured graph of `body`; a measured one's timing observed."""
-        weights = self.plan_weights()  # read once: the graph, its feeds and errors agree
+        """Runs `body`'s graph for a measured call of this `kind` (`Balance.due`: the split
+        timed, or the fastest device alone) or, None, the unmeasured graph of the plan in
+        use; what a measured call took goes to the balance."""
+        # Read once: the graph, its feeds and errors agree.
+        weights = self.plan_weights() if kind is None else self.balance.plan_for(kind)
         held = self._held(call.rows, weights)
+        measured = kind == "split"
         traced = self._traced(call, body, offset=offset is not None, measured=measured, **held)
         feeds = self.feeds(offset, held["shards"], weights, traced.feed.weights)
+        began = time.perf_counter()
         result = self.execute(traced.graph, [*call.tensors, *feeds], call.rows, weights)
         result = traced.rebuilt(result)
-        if not traced.timed:
+        timing = None
+        if traced.timed:
+            result, timing = result
+        if kind is None:
             return result
-        result, timing = result
-        self.observe(timing, id(traced.graph), held["shards"])
+        self._finished(result)
+        took = time.perf_counter() - began
+        if timing is not None:
+            self.observe(timing, id(traced.graph), held["shards"], took)
+        elif kind == "alone" and held["shards"] is not None and len(held["shards"]) == 1:
+            warm_up = id(traced.graph) not in self._warm
+            self._warm.add(id(traced.graph))
+            self.balance.observe_alone(held["shards"][0], int(call.rows), took, warm_up)
         return result
 
-    def observe(self, timing: Any, graph: int, shards: tuple[int, ...] | None = None) -> None:
+    def _finished(self, result: Any) -> None:
+        """Waits for a measured call's outputs: one element of one of them read on the host
+        (on a GPU a call returns once its kernels are queued)."""
+        for leaf in tf.nest.flatten(result, expand_composites=True):
+            if isinstance(leaf, tf.Tensor) and leaf.dtype.is_numpy_compatible:
+                with tf.device(self.output):
+                    tf.reshape(leaf, [-1])[:1].numpy()
+                return
+
+    def observe(
+        self,
+        timing: Any,
+        graph: int,
+        shards: tuple[int, ...] | None = None,
+        seconds: float | None = None,
+    ) -> None:
         """Gives the shards' timing of a run of a graph to `balance` (eager values only).
 
         Args:
@@ -409,16 +442,18 @@ class Engine:
           graph: which graph ran (its first run warms up, `Balance.observe`).
           shards: the devices the graph holds (`holding`), or None for every one;
             a device left out counts as a shard of no rows.
+          seconds: the whole call's seconds, to its outputs ready, or None: not
+            known (a stream's loop).
         """
         if self.balance is None or not tf.executing_eagerly():
             return
         warm_up = graph not in self._warm
         self._warm.add(graph)
-        rows, seconds = timing.rows.numpy().tolist(), timing.seconds.numpy().tolist()
+        rows, times = timing.rows.numpy().tolist(), timing.seconds.numpy().tolist()
         if shards is not None:
             count = len(self.devices)
-            rows, seconds = _spread(rows, shards, count), _spread(seconds, shards, count)
-        self.balance.observe(rows, seconds, warm_up)
+            rows, times = _spread(rows, shards, count), _spread(times, shards, count)
+        self.balance.observe(rows, times, warm_up, seconds)
 
     def _traced(
         self,
