@@ -263,15 +263,11 @@ def test_cores_script_measures_the_machines_own_ceiling(tmp_path):
 
 
 def _script(
-    tmp_path: Path,
-    script: str,
-    *flags: str,
-    env: dict[str, str] | None = None,
-    without: tuple[str, ...] = (),
+    tmp_path: Path, script: str, *flags: str, without: tuple[str, ...] = (), **variables: str
 ) -> tuple[subprocess.CompletedProcess, Any]:
     """Runs benchmarks/<script> as a user does, in its own process; (process, its JSON).
 
-    `env` (default this process's) less `without` is the script's environment.
+    Its environment is this process's less `without`, with `variables` set.
     """
     out = tmp_path / f"{script}.json"
     proc = subprocess.run(
@@ -280,7 +276,7 @@ def _script(
         text=True,
         timeout=300,
         cwd=tmp_path,
-        env=children.environ(env, without=without),
+        env=children.environ(without=without, **variables),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
@@ -333,8 +329,7 @@ def test_replicas_script_counts_the_weight_bytes_that_cross(tmp_path):
     # The script measures logical CPU devices; a GPU in its process is no part of it (on the
     # H100 its default-device one_device ran in TF32 and failed its own check, 3.3e-4).
     flags = ("--devices=3", "--batch=5", "--width=16", "--depth=2", "--repeats=1")
-    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    _, numbers = _script(tmp_path, "replicas.py", *flags, env=no_gpu)
+    _, numbers = _script(tmp_path, "replicas.py", *flags, CUDA_VISIBLE_DEVICES="")
     crossing = {row["method"]: row["crossing_bytes"] for row in numbers["rows"]}
     weights = 2 * (16 * 16 + 16) * 4  # two Dense(16) layers of float32
     assert numbers["weight_bytes"] == weights

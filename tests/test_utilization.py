@@ -227,7 +227,7 @@ def test_hung_nvidia_smi_is_killed(nvidia_smi_driver_hangs):
         UtilizationError, match=r"did not answer within 0\.5 s and was killed; the driver"
     ):
         utilization.query(timeout=0.5)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20  # the fake hangs 30 s: it was killed, not waited for
     pid = int((nvidia_smi_driver_hangs / "pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -245,7 +245,7 @@ def test_hung_nvidia_smi_is_killed_with_what_it_started(
     start = time.monotonic()
     with pytest.raises(UtilizationError, match=r"did not answer within 2 s and was killed"):
         utilization.query(wrapper, timeout=2)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 20  # the fake hangs 30 s: it was killed, not waited for
     assert process_gone(int((nvidia_smi_driver_hangs / "pid").read_text()))
 
 
