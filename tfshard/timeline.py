@@ -783,7 +783,7 @@ def _copies(ops: list[_Op], device_ops: list[_Op], gpus: bool) -> tuple[Copies, 
                 tensors_out=tensors_out[d],
                 bytes_in=bytes_in[d] if recorded else None,
                 bytes_out=bytes_out[d] if recorded else None,
-                ms=ms[d] if recorded else None,
+                ms=float(ms[d]) if recorded else None,
             )
         )
     return tuple(copies)
