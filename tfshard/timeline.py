@@ -314,7 +314,9 @@ def record(
       call: makes the call, ``f(x)``'s own: the traced graph `concrete` on the
         call's tensors and the resources it captures.
       concrete: the concrete function the call runs, traced already (no trace
-        is recorded).
+        is recorded). With ``weights="auto"`` a call may run another graph of
+        the function (measured, or one device alone): the record's eager
+        function call is the call then.
       devices: the shards' devices, in shard order.
       rows: each shard's rows (`ShardedFunction.plan`), or None when unknown.
       output: the output device, where the graph's ops without a device run.
@@ -602,6 +604,8 @@ def _host_ops(
     window = [
         e for e in host if e.stats.get("eager_op") == function or e.name.endswith(f": {function}")
     ]
+    if not window:  # the call ran another graph of the function (weights="auto" measuring)
+        window = [e for e in host if e.stats.get("is_func") and e.name == "EagerExecute"]
     runs: dict[Any, _Run] = {}
     raw: list[tuple[str, str, Any, float, float, dict[str, Any], Any]] = []
     done: dict[Any, float] = {}
