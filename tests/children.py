@@ -65,3 +65,19 @@ def as_in_a_terminal() -> None:
     which its children inherit, and Python then never raises KeyboardInterrupt.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def finished(
+    started: Mapping[str, subprocess.Popen], timeout: float = 180
+) -> dict[str, tuple[int, str, str]]:
+    """Waits for every process of `started`, started at once so their TensorFlow starts
+    overlap, each with its output piped as text.
+
+    Returns:
+      name -> (exit status, stdout, stderr).
+    """
+    runs = {}
+    for name, process in started.items():
+        out, err = process.communicate(timeout=timeout)
+        runs[name] = (process.returncode, out, err)
+    return runs

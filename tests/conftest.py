@@ -49,6 +49,19 @@ def no_replicas_outside(monkeypatch):
 
 
 @pytest.fixture
+def built_on_the_cpu_bed():
+    """Eager variables, models and references made in the test live on /device:CPU:0.
+
+    TensorFlow's default device is GPU:0 on a machine with a GPU: a model built there would
+    make every CPU shard read its weights remotely, and its reference would run in TF32. A
+    file about the CPU bed uses it for every test:
+    ``pytestmark = pytest.mark.usefixtures("built_on_the_cpu_bed")``.
+    """
+    with tf.device("/device:CPU:0"):
+        yield
+
+
+@pytest.fixture
 def one_gpu():
     """Skips (or, with TFSHARD_REQUIRE_GPU=1, fails) without a GPU."""
     _gpu_or_skip(1)

@@ -163,11 +163,7 @@ def cli_runs(tmp_path_factory):
     )
     quiet = children.environ(no_driver, without=("TF_CPP_MIN_LOG_LEVEL",))
     started["no_driver_log"] = _run("matmul_scaling", "--size=8", "--repeats=1", env=quiet)
-    results = {}
-    for name, process in started.items():
-        stdout, stderr = process.communicate(timeout=180)
-        results[name] = (process.returncode, stdout, stderr)
-    return results
+    return children.finished(started)
 
 
 def _user_lines(stderr):

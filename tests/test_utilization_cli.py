@@ -145,7 +145,7 @@ _CLI_RUNS = {
 def cli_runs(tmp_path_factory) -> dict[str, tuple[int, str, str, Path]]:
     """Runs `python -m tfshard.utilization` for each case; (status, stdout, stderr, state)."""
     fake.executable()
-    started = {}
+    started, states = {}, {}
     for case, (scenario, *args) in _CLI_RUNS.items():
         state = tmp_path_factory.mktemp(case)
         base = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "TFSHARD_"))}
@@ -163,12 +163,9 @@ def cli_runs(tmp_path_factory) -> dict[str, tuple[int, str, str, Path]]:
             stderr=subprocess.PIPE,
             text=True,
         )
-        started[case] = (process, state)
-    runs = {}
-    for case, (process, state) in started.items():
-        out, err = process.communicate(timeout=120)
-        runs[case] = (process.returncode, out, err, state)
-    return runs
+        started[case] = process
+        states[case] = state
+    return {case: (*run, states[case]) for case, run in children.finished(started, 120).items()}
 
 
 def test_cli_flags_watch_count_json_threshold(cli_runs):

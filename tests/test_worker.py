@@ -81,10 +81,7 @@ def failed_runs():
     }
     try:
         started = {case: _start(*flags) for case, flags in cases.items()}
-        runs = {}
-        for case, process in started.items():
-            out, err = process.communicate(timeout=START_TIMEOUT * 2)
-            runs[case] = (process.returncode, out, err)
+        runs = children.finished(started, START_TIMEOUT * 2)
     finally:
         busy.close()
     runs["busy_address"] = busy_address
