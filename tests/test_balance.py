@@ -164,12 +164,18 @@ def test_the_fastest_device_alone_holds_every_row_where_the_split_does_not_pay()
     # Then the fastest device alone is weighed, its whole calls 20 ms.
     assert balance.due() == "alone" and balance.plan_for("alone") == (1, 0)
     balance.observe_alone(0, 100, 0.5, warm_up=True)  # its graph's first run: not counted
-    for _ in range(_balance.MIN_SAMPLES):
+    # Known from 3 calls, and found faster in 3 comparisons in a row.
+    for _ in range(2 * _balance.MIN_SAMPLES - 2):
         balance.observe_alone(0, 100, 0.02, warm_up=False)
+        assert balance.weights == (2.0, 1.0)
+    balance.observe_alone(0, 100, 0.02, warm_up=False)
     assert balance.weights == (1.0, 0.0) and balance.integer() == (1, 0)
     # The split is still weighed in turn, by its own weights; once it ends calls sooner
-    # (the link got faster: 10 ms), it is the plan again.
+    # (the link got faster: 10 ms) three times in a row, it is the plan again.
     assert balance.due() == "split" and balance.plan_for("split") == (2, 1)
+    for _ in range(_balance.MIN_SAMPLES - 1):
+        balance.observe([67, 33], [0.0067, 0.0066], warm_up=False, call_seconds=0.01)
+        assert balance.weights == (1.0, 0.0)
     balance.observe([67, 33], [0.0067, 0.0066], warm_up=False, call_seconds=0.01)
     assert balance.weights == (2.0, 1.0)
 
@@ -183,7 +189,7 @@ def test_the_split_stays_where_it_pays():
         balance.observe_alone(0, 100, 0.02, warm_up=False)  # alone: 20 ms against 14
     assert balance.weights == (2.0, 1.0)
     # Noise inside the band keeps the split: alone 13.5 ms against the split's 14.
-    for _ in range(_balance.MIN_SAMPLES):
+    for _ in range(2 * _balance.MIN_SAMPLES):
         balance.observe_alone(0, 100, 0.0135, warm_up=False)
     assert balance.weights == (2.0, 1.0)
 

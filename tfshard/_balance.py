@@ -251,6 +251,7 @@ class Balance:
         self._split: tuple[float, ...] | None = None  # the split's weights (None: even)
         self._alone: int | None = None  # the device that holds every row, where that pays
         self._last = "alone"  # what the last measured call measured
+        self._leaning = 0  # comparisons in a row that would change alone for split or back
         self._rows = 0  # the last measured call's rows
         self.measured = 0  # measurements counted so far
         self.changes = 0  # times the plan changed
@@ -403,20 +404,25 @@ class Balance:
         self._choose()
 
     def _choose(self) -> None:
-        """The fastest device alone, or the split: whichever ends a whole call `BAND` and
-        `MIN_GAIN` sooner than the other (each known from `MIN_SAMPLES` calls)."""
+        """The fastest device alone, or the split: the other one once it is found to end a
+        whole call `BAND` and `MIN_GAIN` sooner (each known from `MIN_SAMPLES` calls) in
+        `MIN_SAMPLES` comparisons in a row, so that two near alike do not take turns."""
         fastest = self._fastest() if self._alone is None else self._alone
         if fastest is None:
             return
         alone, split = self._alone_calls[fastest], self._split_calls
         if len(alone) < MIN_SAMPLES or len(split) < MIN_SAMPLES:
             return
-        alone_s, split_s = _quartile(alone), _quartile(split)
-        if self._alone is None:
-            if split_s > (1.0 + BAND) * alone_s and (split_s - alone_s) * self._rows >= MIN_GAIN:
-                self._alone = fastest
-        elif alone_s > (1.0 + BAND) * split_s and (alone_s - split_s) * self._rows >= MIN_GAIN:
-            self._alone = None
+        now, other = (_quartile(split), _quartile(alone))
+        if self._alone is not None:
+            now, other = other, now
+        if now > (1.0 + BAND) * other and (now - other) * self._rows >= MIN_GAIN:
+            self._leaning += 1
+        else:
+            self._leaning = 0
+        if self._leaning >= MIN_SAMPLES:
+            self._alone = fastest if self._alone is None else None
+            self._leaning = 0
 
 
 def _integer(weights: tuple[float, ...] | None, count: int) -> tuple[int, ...]:
