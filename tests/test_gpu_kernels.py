@@ -18,8 +18,11 @@ bare, rows open or exact, in chunks of max_rows, sample by sample, and a
 dataset's traced loop with bare or guarded shards), all dtypes in one graph:
 
 - the plan (row counts, sizes, offsets, the empty-shard predicate, asserts)
-  runs on the output device's host CPU, so no call waits for a GPU to learn
-  its sizes;
+  runs where the batch is (GPU:0 for a call, the host for a stream), in int32
+  ops whose every argument TF keeps in host memory there, so no call waits for
+  a GPU to learn its sizes, copies them to or from one, or sends them to the
+  host; every size and count outside the shards is such an op
+  (`_shape_math`);
 - the split cuts the batch where it is (GPU:0 for a call; the host, where the
   iterator leaves it, for a stream, each piece then crossing once to its
   shard's GPU): every op that its values reach before a shard takes them runs
@@ -327,10 +330,10 @@ def _scope(name: str) -> tuple[str, int | None]:
     return "", None
 
 
-# The plan's ops and checks, outside every shard: on the host.
+# The plan's ops and checks, outside every shard: where the batch is.
 _PLAN_OPS = {
-    "Assert", "Range", "FloorDiv", "FloorMod", "Cumsum", "Unpack", "Less", "Greater", "Sub",
-    "AddV2",
+    "Assert", "FloorDiv", "FloorMod", "Unpack", "Less", "Greater", "Sub", "AddV2", "Sum", "Mul",
+    "Maximum", "Minimum", "Equal", "Max", "Abs", "Pack",
 }  # fmt: skip
 # Ops whose output is not the values of their input (what tf.shape and friends read).
 _METADATA = {"Shape", "ShapeN", "Size", "Rank"}
@@ -349,6 +352,47 @@ def _feeding_the_shards(nodes: list[Node]) -> set[str]:
                 seen.add(source)
                 todo.append(source)
     return seen
+
+
+def _shape_math(nodes: list[Node]) -> set[str]:
+    """The nodes that compute from shapes only (sizes, counts, bounds, predicates): a
+    Shape-like op or a constant, and every node all of whose inputs are such nodes."""
+    by_name = {n.name: n for n in nodes}
+    known: dict[str, bool] = {}
+
+    def of_shapes(name: str) -> bool:
+        if name in known:
+            return known[name]
+        known[name] = False  # a cycle (a loop's back edge) is not shape math
+        node = by_name[name]
+        if node.op in _METADATA or node.op == "Const":
+            known[name] = True
+        elif node.inputs and all(s is not None for s in node.inputs):
+            known[name] = all(of_shapes(s) for s in node.inputs)
+        return known[name]
+
+    return {n.name for n in nodes if of_shapes(n.name)}
+
+
+def _int_math(node: Node) -> bool:
+    """Whether `node` computes int32 or bool values (every output), from int32 or bool
+    inputs: a size, count, bound or predicate (not a Shape, whose input it never reads)."""
+    if node.op in _METADATA or not set(_dtypes(node.attrs)) <= {"int32", "bool"}:
+        return False
+    outputs = op_def_registry.get(node.op).output_arg
+    for arg in outputs:
+        enum = arg.type or (node.attrs[arg.type_attr].type if arg.type_attr else None)
+        if enum is None or tf.as_dtype(enum) not in (tf.int32, tf.bool):
+            return False
+    return bool(outputs)
+
+
+def _args_on_device(node: Node) -> set[str]:
+    """The arguments and outputs `node` holds in device memory on a GPU."""
+    op_def = op_def_registry.get(node.op)
+    kernel = _gpu_kernel(node.op, node.attrs)
+    args = {a.name for a in [*op_def.input_arg, *op_def.output_arg]}
+    return args if kernel is None else args - set(kernel.host_memory_arg)
 
 
 def _in_host_memory(node: Node, arg: str) -> bool:
@@ -475,6 +519,7 @@ def test_every_op_stays_where_it_is_placed_on_gpus(per_sample, mode, form):
     misplaced = _split_problems(nodes, dtypes, stream)
     plan = _feeding_the_shards(nodes)
     assert stream or any(n.op in _PLAN_OPS for n in nodes if n.name in plan), "no plan found"
+    sizes = _shape_math(nodes)
     missing, in_host_memory = set(), set()
     for node in nodes:
         kind, k = _scope(node.name)
@@ -488,10 +533,20 @@ def test_every_op_stays_where_it_is_placed_on_gpus(per_sample, mode, form):
         elif kind == "feed":
             # A stream's plan and split on the host, each shard's piece copied to its GPU.
             want = {HOST if k is None else GPUS[k]}
-        # (a) the plan and every check on the host CPU (a stream's: in its feed); what
-        # only finishes the result (a mean's count of rows) is the output device's.
+        # (a) the plan and every check where the batch is (a stream's: in its feed,
+        # on the host); what only finishes the result (a mean's count of rows) is the
+        # output device's.
         elif not stream and node.op in _PLAN_OPS and (node.name in plan or node.op == "Assert"):
-            want = {HOST}
+            want = {GPUS[0]}
+        # (d) every size, count and predicate outside the shards (int32 and bool shape
+        # math) holds all its arguments in host memory: nothing of it copies to or
+        # from a GPU, nor waits for one.
+        # (A stream's loop is its own: its plan and split run on the host.)
+        plan_math = not stream and kind != "shard" and node.name in sizes
+        if plan_math and _int_math(node) and _type(node.device) == "GPU":
+            on_device = _args_on_device(node)
+            if on_device:
+                misplaced.add(f"{kind or 'plan'} {_op(node)} holds {sorted(on_device)} on a GPU")
         if want is not None and node.device and node.device not in want:
             misplaced.add(f"{kind or 'plan'} {_op(node)} on {node.device}, not {sorted(want)}")
         if _type(node.device) != "GPU" or node.op in ("Placeholder", "NoOp", "_Arg", "_Retval"):
@@ -503,7 +558,11 @@ def test_every_op_stays_where_it_is_placed_on_gpus(per_sample, mode, form):
         if kernel is None:
             missing.add(_op(node))
             continue
-        held = DATA_ARGS.get(node.op, set()) & set(kernel.host_memory_arg)
+        # Sizes and counts are int32 in host memory by design ((d); a stream's batch
+        # takes its plan's sizes as arguments): no user's values pass through an op
+        # of int32 alone outside a shard (an int32 batch is split as float32).
+        counts = node.name in sizes or set(_dtypes(node.attrs)) == {"int32"}
+        held = set() if counts else DATA_ARGS.get(node.op, set()) & set(kernel.host_memory_arg)
         # Inside a shard, int32 ops are pfor's shape arithmetic; a loop's own are its
         # counters (the batch's index into the stream's TensorLists).
         counter = stream and not kind and _dtypes(node.attrs) == ["int32"]
@@ -513,18 +572,23 @@ def test_every_op_stays_where_it_is_placed_on_gpus(per_sample, mode, form):
     assert (sorted(misplaced), sorted(missing | in_host_memory)) == ([], sorted(gaps))
 
 
-def test_the_plan_runs_on_the_host_and_the_split_where_the_batch_is():
+def test_the_plan_and_the_split_run_where_the_batch_is():
     nodes = _traced("float32", True, "gather")
     top = [n for n in nodes if "/" not in n.name or n.name.startswith(("split", "tfshard_rows"))]
     by_op = collections.defaultdict(set)
     for node in top:
         by_op[node.op].add(node.device)
-    # The row count: a Shape where the batch is (its output is in host memory),
-    # everything computed from it on the host.
+    # The row count: a Shape where the batch is (its int32 output is in host memory),
+    # everything computed from it there in int32, every argument in host memory:
+    # nothing on the host's CPU, nothing copied to or from the GPU.
     assert by_op["Shape"] == {GPUS[0]}
     assert by_op["SplitV"] == {GPUS[0]}
-    for op in ("FloorDiv", "FloorMod", "Range", "Unpack"):
-        assert by_op[op] == {HOST}, op
+    plan = [n for n in top if n.op in ("FloorDiv", "FloorMod", "AddV2", "Unpack")]
+    assert {n.op for n in plan} == {"FloorDiv", "FloorMod", "AddV2", "Unpack"}
+    for node in plan:
+        assert node.device == GPUS[0] and _dtypes(node.attrs) == ["int32"], node
+        assert not _args_on_device(node), node
+    assert HOST not in {n.device for n in nodes}
     # The empty-shard guard: each shard takes its rows as an int32 scalar (a
     # function on a GPU takes one in host memory), its GPU's Greater reads and
     # writes int32 in host memory, and If (and the Switch it lowers to) reads

@@ -118,6 +118,43 @@ def test_the_python_plan_is_the_graphs(n, weights):
     assert _plan.plan_rows(n, count, weights) == in_graph
 
 
+_INT32_PLANS = {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 10_000) | st.integers(2**31 - 10_000, 2**31 - 1),
+    weights=st.none()
+    | st.lists(st.integers(0, 50), min_size=1, max_size=6).filter(any)
+    | st.lists(st.integers(0, 20_000), min_size=2, max_size=3).filter(
+        lambda w: any(w) and _plan.int32_weights(tuple(w)) is not None
+    ),
+)
+def test_the_int32_plan_where_the_batch_is_is_the_pythons(n, weights):
+    """`plan_sizes_int32` (even, or small-total static weights, reduced by their gcd)
+    is `plan_rows` for every row count an int32 holds, the largest included."""
+    count = len(weights) if weights else 3
+    weights = tuple(weights) if weights else None
+    reduced = _plan.int32_weights(weights)
+    assert _plan.planned_where_the_batch_is(weights)
+    plan = _INT32_PLANS.get((count, reduced))
+    if plan is None:  # one trace per device count and weights: the rows are an input
+        plan = _INT32_PLANS[(count, reduced)] = tf.function(
+            lambda n: _plan.plan_sizes_int32(n, count, reduced), autograph=False
+        ).get_concrete_function(tf.TensorSpec([], tf.int32))
+    sizes = plan(tf.constant(n, tf.int32))
+    assert sizes.dtype == tf.int32
+    assert sizes.numpy().tolist() == _plan.plan_rows(n, count, weights)
+
+
+def test_weights_of_a_large_total_and_fed_weights_are_planned_on_the_host():
+    assert _plan.int32_weights((3, 6)) == (1, 2)
+    assert _plan.int32_weights((2**23, 2**23 + 1)) is None  # a total of 2**24 + 1
+    assert not _plan.planned_where_the_batch_is((2**23, 2**23 + 1))
+    assert not _plan.planned_where_the_batch_is(tf.constant([1, 1], tf.int64))
+    assert _plan.planned_where_the_batch_is(None)
+
+
 _FED_PLANS = {}
 
 
@@ -187,10 +224,10 @@ def test_every_dtype_is_split_into_numpys_slices(sizes, dtype):
     if split is None:  # one trace per device count and dtype: rows and sizes are open
         split = _SPLITS[(count, dtype)] = tf.function(
             lambda t, s: _plan.split(t, s, count, CPUS[0]), autograph=False
-        ).get_concrete_function(tf.TensorSpec([None, 2], dtype), tf.TensorSpec([count], tf.int64))
+        ).get_concrete_function(tf.TensorSpec([None, 2], dtype), tf.TensorSpec([count], tf.int32))
     x = _extremes(dtype, sum(sizes))
     with tf.device(CPUS[1]):
-        pieces = split(tf.constant(x), tf.constant(sizes, tf.int64))
+        pieces = split(tf.constant(x), tf.constant(sizes, tf.int32))
     ends = np.cumsum(sizes)
     for piece, start, end in zip(pieces, ends - sizes, ends):
         assert piece.dtype == tf.as_dtype(dtype)

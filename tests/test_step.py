@@ -41,18 +41,20 @@ def test_each_shard_runs_on_its_device():
 # What the plan runs: the row count's arithmetic, the sizes and the empty-shard
 # predicate. Its Shape op runs where the batch is (on a GPU its output is in
 # host memory); tests/test_gpu_kernels.py checks the same graph built for GPUs.
-_PLAN_OPS = {"FloorDiv", "FloorMod", "Range", "Less", "Unpack", "Cumsum"}
+_PLAN_OPS = {"FloorDiv", "FloorMod", "Range", "Less", "Unpack", "Cumsum", "AddV2"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "uint8", "int64"])  # SplitV, slices, bitcast
 @pytest.mark.parametrize("per_sample", [True, False])
-def test_when_run_the_plan_runs_on_the_host_and_each_shard_on_its_device(
+def test_when_run_the_plan_runs_where_the_batch_is_and_each_shard_on_its_device(
     dtype, per_sample, executed_nodes
 ):
     """Run, not just traced: the devices each node ran on, from the step stats.
 
     The output is CPU:1 so that its host, CPU:0, is a device no shard uses,
-    as the host CPU is on a GPU machine; the batch lives on CPU:3.
+    as the host CPU is on a GPU machine; the batch lives on CPU:3, where the
+    plan runs (in int32, which a GPU holds in host memory), and nothing runs
+    on the host.
     """
     devices = CPUS[1:]
     fn = (lambda s: s[:2]) if per_sample else (lambda x: x[:, :2])
@@ -71,7 +73,10 @@ def test_when_run_the_plan_runs_on_the_host_and_each_shard_on_its_device(
         for name, op, d in ran
         if op in _PLAN_OPS and name in top and not name.startswith("tfshard_shard_")
     }
-    assert plan == {"/device:CPU:0"}, plan
+    assert plan == {"/device:CPU:3"}, plan
+    # The check of the outputs' rows where they land (the gather's counts are there).
+    checks = {d for name, op, d in ran if name.startswith("tfshard_rows/") and op == "Assert"}
+    assert checks == (set() if per_sample else {"/device:CPU:1"}), checks
     # Shards off the output device run one shared function, its nodes named as
     # in the function (cond/... for the empty-shard guard's branches) and run
     # once on each of their devices.
@@ -79,7 +84,7 @@ def test_when_run_the_plan_runs_on_the_host_and_each_shard_on_its_device(
     assert shared == set(devices[1:]), shared
     for k, device in enumerate(devices):
         # A lowered cond's Switches and pivots run beside what they forward (the
-        # predicate on the host, the rows where the batch is); they compute nothing.
+        # predicate where the plan is, the rows where the batch is); they compute nothing.
         shard = {
             d
             for name, op, d in ran

@@ -69,6 +69,17 @@ def uncarried(value: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return value if value.dtype == dtype else tf.cast(value, dtype)
 
 
+def prefix_sums(sizes: tf.Tensor, count: int, exclusive: bool) -> tf.Tensor:
+    """The running sums of an int32 ``[count]`` vector (each shard's first row, or end).
+
+    A product with a constant triangle and a Sum, not Cumsum: TensorFlow's int32
+    Cumsum on a GPU holds its values in device memory, these ops in host memory.
+    """
+    lower = [[1 if (j < k if exclusive else j <= k) else 0 for j in range(count)]
+             for k in range(count)]  # fmt: skip
+    return tf.reduce_sum(sizes[None, :] * tf.constant(lower, tf.int32), axis=1)
+
+
 def placed(device: str | None) -> contextlib.AbstractContextManager:
     """`tf.device(device)`; where `device` is None or "" (a tensor of a graph, whose
     device Python does not know: a stream's batch), the caller's own device scope.
@@ -134,31 +145,29 @@ class Dense:
         return tf.shape(t, out_type=tf.int64)[0]
 
     @staticmethod
-    def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
-        """The rows as an int64 scalar on `host`; only a Shape op runs on `device`
-        (none where the rows are static)."""
+    def row_count(t: Any, device: str | None) -> tf.Tensor:
+        """The rows as an int32 scalar, from a Shape op on `device` (held in host memory
+        on a GPU), or a constant where the rows are static."""
         if t.shape.rank and t.shape[0] is not None:
-            with tf.device(host):
-                return tf.constant(t.shape[0], tf.int64)
+            with placed(device):
+                return tf.constant(t.shape[0], tf.int32)
         with placed(device):
-            shape = tf.shape(t, out_type=tf.int64)
-        with tf.device(host):
-            return shape[0]
+            return tf.shape(t, out_type=tf.int32)[0]
 
     @staticmethod
-    def split(t: Any, sizes: tf.Tensor, count: int, host: str) -> list[Any]:
-        """`t` cut into `count` pieces of `sizes` rows where it lives (offsets on `host`)."""
+    def split(t: Any, sizes: tf.Tensor, count: int, where: str) -> list[Any]:
+        """`t` cut into `count` pieces of `sizes` rows where it lives (bounds on `where`)."""
         # [N, ...] -> count x [n_k, ...]
         if t.dtype in SLICED_DTYPES:
             # A GPU StridedSlice reads its bounds and strides from host memory: all made
-            # on the host, with the plan's ops (a stride made where `t` is would cross
-            # back to the host for every piece), and no slicing of values there.
-            with tf.device(host):
-                ends = tf.cumsum(sizes)
+            # in int32 with the plan's ops, where its sizes are (a stride made in device
+            # memory would cross back to the host for every piece).
+            with placed(where):
+                ends = prefix_sums(sizes, count, exclusive=False)
                 # [K] -> K x [1]
                 begins = tf.unstack(tf.reshape(ends - sizes, [count, 1]), num=count)
                 ends = tf.unstack(tf.reshape(ends, [count, 1]), num=count)
-                strides = tf.ones([1], tf.int64)
+                strides = tf.ones([1], tf.int32)
             return [tf.strided_slice(t, b, e, strides) for b, e in zip(begins, ends)]
         same_size = t.dtype.is_integer and t.dtype.size in _SAME_SIZE_FLOAT
         if t.dtype in SPLIT_DTYPES or not same_size:
@@ -276,17 +285,15 @@ class Ragged:
         return tf.cast(t.nrows(), tf.int64)
 
     @staticmethod
-    def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
+    def row_count(t: Any, device: str | None) -> tf.Tensor:
         with placed(device):
-            shape = tf.shape(t.row_splits, out_type=tf.int64)
-        with tf.device(host):
-            return shape[0] - 1
+            return tf.shape(t.row_splits, out_type=tf.int32)[0] - 1
 
     @staticmethod
-    def split(t: Any, sizes: tf.Tensor, count: int, host: str) -> list[Any]:
-        with tf.device(host):
-            ends = tf.cumsum(tf.cast(sizes, t.row_splits.dtype))
-            starts = ends - tf.cast(sizes, t.row_splits.dtype)
+    def split(t: Any, sizes: tf.Tensor, count: int, where: str) -> list[Any]:
+        with placed(where):
+            ends = prefix_sums(sizes, count, exclusive=False)
+            starts = ends - sizes
         return [t[starts[k] : ends[k]] for k in range(count)]
 
     @staticmethod

@@ -1,16 +1,23 @@
 """Plan and split: how many rows each shard gets, and those rows cut out of the batch.
 
 The first step of every call and of every batch of a stream: `plan` counts
-the rows of the split arguments on the host and turns them into one size per
-shard (`plan_sizes`, the same arithmetic as `plan_rows` in Python), and
-`split` cuts each argument where it lives::
+the rows of the split arguments and turns them into one size per shard
+(`plan_sizes`, the same arithmetic as `plan_rows` in Python), and `split`
+cuts each argument where it lives::
 
-    [N, ...] --plan (host)--> sizes [K] --split (where x lives)--> K x [n_k, ...]
+    [N, ...] --plan (where the batch is, int32)--> sizes [K] --split (there)--> K x [n_k, ...]
 
 Sizes come from ``tf.shape(x)[0]`` at run time, so a trace with open rows
 serves every batch size (where the rows are static, as in a per-sample
-function's graph for its first size, they are constants); all of it is int64
-arithmetic on the host, which never waits for a GPU.
+function's graph for its first size, they are constants). The plan is int32
+arithmetic placed where the batch lives, of ops whose every argument
+TensorFlow keeps in host memory there (int32 on a GPU is host memory, as its
+shape arithmetic is): on a GPU nothing of it waits for the device or copies
+to it, and on any device nothing of it crosses to another, so a call needs
+no more transfers than a hand-written ``tf.split`` where the batch is.
+Weights fed at run time (``weights="auto"``), or static weights whose total
+is too large for exact int32 arithmetic, are planned in int64 on the host
+instead (`device_plan`), and only their int32 sizes cross to the split.
 """
 
 from __future__ import annotations
@@ -61,6 +68,57 @@ def integer_weights(weights: Sequence[float] | None) -> tuple[int, ...] | None:
     return tuple(round(float(w) / top / total * WEIGHT_SCALE) for w in values)
 
 
+# The largest total of static weights whose plan is exact int32 arithmetic: the
+# products ``(n % total) * w_k`` stay below ``total**2 < 2**31`` (`device_plan`).
+INT32_TOTAL = 46340
+
+
+def int32_weights(weights: tuple[int, ...] | tf.Tensor | None) -> tuple[int, ...] | None:
+    """Static weights divided by their greatest common divisor (the same plan), where
+    their total is then at most `INT32_TOTAL`; None for weights that are not."""
+    if weights is None or isinstance(weights, tf.Tensor):
+        return None
+    divisor = math.gcd(*weights)
+    reduced = tuple(w // divisor for w in weights)
+    return reduced if sum(reduced) <= INT32_TOTAL else None
+
+
+def planned_where_the_batch_is(weights: tuple[int, ...] | tf.Tensor | None) -> bool:
+    """Whether a plan of these weights is int32 arithmetic where the batch is
+    (`plan_sizes_int32`): even, or static with a small total (`int32_weights`);
+    else it is int64 on the host (`plan_sizes`)."""
+    return weights is None or int32_weights(weights) is not None
+
+
+def plan_sizes_int32(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) -> tf.Tensor:
+    """`plan_sizes` of an int32 row count `n`, as an int32 vector, exact for any ``n < 2**31``.
+
+    Every op is one whose GPU kernel holds its int32 arguments in host memory
+    (no Cast, Cumsum, Select or All): a plan placed on a GPU runs on the host's
+    memory there. `weights`: None, or static weights with a total of at most
+    `INT32_TOTAL` (`device_plan`).
+    """
+    if weights is None:
+        # n // K + 1 for the first n % K shards: (n % K + K - 1 - k) // K is 1 exactly then.
+        later = tf.constant([count - 1 - k for k in range(count)], tf.int32)
+        return n // count + (n % count + later) // count
+    total = sum(weights)
+    w = tf.constant(weights, tf.int32)
+    # n * w // total without n * w: n = q * total + r, and r * w < total**2 < 2**31.
+    q, r = n // total, n % total
+    part = r * w
+    base = q * w + part // total
+    remainder = part % total
+    left = n - tf.reduce_sum(base)  # 0 <= left < count
+    # A leftover row each to the largest remainders, ties to the lower index: shard k's
+    # key beats shard j's where its remainder is larger, or equal at a lower index.
+    key = remainder * count + tf.constant([count - 1 - k for k in range(count)], tf.int32)
+    # rank[k]: how many shards beat shard k (keys differ, so each difference is >= 1 or <= -1).
+    beats = tf.minimum(tf.maximum(key[None, :] - key[:, None], 0), 1)
+    rank = tf.reduce_sum(beats, axis=1)
+    return base + tf.minimum(tf.maximum(left - rank, 0), 1)
+
+
 def plan_sizes(
     n: tf.Tensor, count: int, weights: tuple[int, ...] | tf.Tensor | None
 ) -> tf.Tensor:
@@ -70,7 +128,8 @@ def plan_sizes(
     get the extra row. Weighted, each shard gets the floor of its quota
     ``n * w_k / sum(w)`` and the rows left over go one each to the largest
     remainders (ties to the lower index): largest-remainder rounding. Equal
-    weights give the unweighted plan.
+    weights give the unweighted plan. `plan_sizes_int32` is the same plan in
+    int32, for the plans made where the batch is.
 
     Args:
       n: the rows, a scalar tensor.
@@ -120,7 +179,7 @@ def rows(t: Any) -> tf.Tensor:
 
 
 def host_cpu(device: str = "") -> str:
-    """The CPU of the machine (task) that holds `device`: where plans and checks run.
+    """The CPU of the machine (task) that holds `device`: where plans of fed weights run.
 
     Without a device, this process's own: where datasets iterate.
     """
@@ -128,33 +187,35 @@ def host_cpu(device: str = "") -> str:
     return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
-def row_count(t: Any, device: str | None, host: str) -> tf.Tensor:
-    """The rows of `t` as an int64 scalar on `host`; only a Shape op runs on `device`
-    (none where the rows are static).
+def row_count(t: Any, device: str | None) -> tf.Tensor:
+    """The rows of `t` as an int32 scalar, by a Shape op on `device` ("" or None: the
+    caller's scope), or a constant where the rows are static.
 
-    On a GPU the Shape kernel leaves its output in host memory, so the count
-    reaches the host without waiting for `t`'s device; int64 arithmetic placed
-    on a GPU would copy it back and forth, and a host read would sync.
+    On a GPU the Shape kernel leaves an int32 output in host memory, and the
+    int32 ops that read it hold it there: nothing waits for `t`'s device.
     """
-    return _kinds.of(t).row_count(t, device, host)
+    return _kinds.of(t).row_count(t, device)
 
 
-def split(t: Any, sizes: tf.Tensor, count: int, host: str) -> list[Any]:
+def split(t: Any, sizes: tf.Tensor, count: int, where: str) -> list[Any]:
     """`t` split along axis 0 into `count` pieces of `sizes` rows, where `t` lives.
 
-    Offsets are computed on `host`, where `sizes` is, so nothing the split
-    reads waits for `t`'s device. How a kind is cut (and how dtypes without
-    GPU split kernels travel) is its adapter's (`_kinds`).
+    `sizes` is int32, held in host memory on a GPU; bounds the split needs are
+    computed from it on `where` (where `sizes` is; "": the caller's scope) in
+    int32, so nothing the split reads waits for `t`'s device. How a kind is cut
+    (and how dtypes without GPU split kernels travel) is its adapter's (`_kinds`).
     """
-    return _kinds.of(t).split(t, sizes, count, host)
+    return _kinds.of(t).split(t, sizes, count, where)
 
 
 class Planned(NamedTuple):
     """The first step's result, in the graph.
 
     Attributes:
-      total: the batch's rows, an int64 scalar on the host.
-      sizes: each shard's rows, an int64 vector on the host.
+      total: the batch's rows, an int64 scalar (a stream adds them up; a mean
+        divides by them).
+      sizes: each shard's rows, an int32 vector where the plan ran (`plan_device`;
+        on a GPU, in host memory).
       pieces: ``pieces[i][k]``, split argument i's rows for shard k (each still
         where its argument lives; the shard's device scope copies it).
     """
@@ -162,6 +223,17 @@ class Planned(NamedTuple):
     total: tf.Tensor
     sizes: tf.Tensor
     pieces: list[list[Any]]
+
+
+def plan_device(
+    split_devices: Sequence[str], weights: tuple[int, ...] | tf.Tensor | None, host: str
+) -> str:
+    """Where `plan_and_split` plans: where the first split argument lives ("" where
+    that is the caller's scope: a tensor of a graph, a stream's batch on the host),
+    or `host` for weights it plans there (`planned_where_the_batch_is`)."""
+    if not planned_where_the_batch_is(weights):
+        return host
+    return split_devices[0] if split_devices else ""
 
 
 def plan_and_split(
@@ -172,13 +244,17 @@ def plan_and_split(
     weights: tuple[int, ...] | tf.Tensor | None,
     host: str,
 ) -> Planned:
-    """The rows and shard sizes on the host, then every split argument cut where it lives.
+    """The rows and shard sizes where the batch is, then every split argument cut where
+    it lives.
 
-    The sizes are int64 arithmetic on the host, so nothing waits for a GPU, and
-    each argument is split on its own device, so each shard's rows cross once.
-    Inside a tf.function the split arguments' rows are unknown to Python, so
-    there the plan waits for a check that they are equal (its message starts
-    with `INPUTS_DIFFER`, then the arguments' paths).
+    The sizes are int32 arithmetic where the first split argument lives
+    (`plan_sizes_int32`: on a GPU, ops of host memory, so nothing waits for the
+    device and nothing crosses to the host), or int64 on `host` for weights fed
+    at run time or of a large total (`plan_sizes`). Each argument is split on
+    its own device, so each shard's rows cross once. Inside a tf.function the
+    split arguments' rows are unknown to Python, so there the plan waits for a
+    check that they are equal (its message starts with `INPUTS_DIFFER`, then
+    the arguments' paths).
 
     Args:
       inputs: the split arguments' tensors.
@@ -187,17 +263,25 @@ def plan_and_split(
       count: the number of shards.
       weights: `integer_weights`, as constants or an int64 tensor fed at run
         time (`plan_sizes`), or None for an even split.
-      host: the CPU the arithmetic runs on.
+      host: the CPU of a plan made on the host.
     """
-    counts = [row_count(t, d or None, host) for t, d in zip(inputs, split_devices)]
-    with tf.device(host):
+    batch = split_devices[0] if split_devices else ""
+    counts = [row_count(t, d or batch) for t, d in zip(inputs, split_devices)]
+    with _kinds.placed(batch):
         checks = rows_agree(counts, split_devices, paths)
         with tf.control_dependencies(checks):
-            total, sizes = counts[0], plan_sizes(counts[0], count, weights)
+            n = tf.identity(counts[0]) if checks else counts[0]
+            total = tf.cast(n, tf.int64)
+    where = plan_device(split_devices, weights, host)
+    with _kinds.placed(where):
+        if planned_where_the_batch_is(weights):
+            sizes = plan_sizes_int32(n, count, int32_weights(weights))
+        else:
+            sizes = tf.cast(plan_sizes(n, count, weights), tf.int32)
     pieces = []
     for tensor, device in zip(inputs, split_devices):
         with _kinds.placed(device):  # "": where the caller's scope says (a stream's host)
-            pieces.append(split(tensor, sizes, count, host))
+            pieces.append(split(tensor, sizes, count, where))
     return Planned(total, sizes, pieces)
 
 
@@ -236,14 +320,16 @@ def rows_agree(
 
 
 def host_assert(got: tf.Tensor, want: tf.Tensor, message: str) -> tf.Operation:
-    """An Assert that `got` equals `want` (small int vectors), printing both if not.
+    """An Assert that `got` equals `want` (small int32 vectors), printing both if not.
 
-    `tf.debugging.assert_equal` guards its Assert with a tf.cond (an If op, ~20 us
-    a call here) so that costly data is only computed on failure; these vectors
-    cost nothing, so the Assert runs unguarded.
+    Of ops that hold int32 in host memory on a GPU (no All, whose GPU kernel
+    reads device memory), so the check placed there waits for nothing on the
+    device. `tf.debugging.assert_equal` guards its Assert with a tf.cond (an If
+    op, ~20 us a call here) so that costly data is only computed on failure;
+    these vectors cost nothing, so the Assert runs unguarded.
     """
     return tf.raw_ops.Assert(
-        condition=tf.reduce_all(tf.equal(got, want)),
+        condition=tf.equal(tf.reduce_max(tf.abs(got - want)), 0),
         data=[tf.constant(message), got, want],
         summarize=int(want.shape[0]),  # K: a row count per shard
     )

@@ -121,16 +121,17 @@ def check_rows(
     outputs: ShardOutputs,
     sizes: tf.Tensor,
     devices: Sequence[str],
-    host: str,
+    where: str,
     counted: dict[int, tf.Tensor],
     reduced: bool,
 ) -> None:
-    """Checks, on the host, that per-row outputs of whole shards have one row per row.
+    """Checks, on `where`, that per-row outputs of whole shards have one row per row.
 
     Gathered outputs are all per-row; under a reduction (`reduced`), those
     whose first dimension is unknown when traced (as the shard's rows are)
-    are. A gathered output's counts come from its gather (`counted`); others
-    get a Shape op per shard. The check's message starts with `ROWS_DIFFER`.
+    are. A gathered output's counts come from its gather, where it lands
+    (`counted`: int32, nothing more crosses); others get a Shape op per shard.
+    `sizes` are the plan's, int32. The check's message starts with `ROWS_DIFFER`.
     """
     with tf.name_scope("tfshard_rows"):
         for i, per_shard in enumerate(outputs.leaves()):
@@ -138,8 +139,10 @@ def check_rows(
                 continue
             got = counted.get(i)
             if got is None:
-                got = tf.stack([row_count(t, d, host) for t, d in zip(per_shard, devices)])
-            with tf.device(host):  # one check per output, all shards at once
+                counts = [row_count(t, d) for t, d in zip(per_shard, devices)]
+                with tf.device(where):
+                    got = tf.stack(counts)
+            with tf.device(where):  # one check per output, all shards at once
                 host_assert(
                     got,
                     sizes,

@@ -42,8 +42,16 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfshard import _arguments, _balance, _chunks, _sharding, _trees, collect, pinning
-from tfshard._plan import Planned, onto_devices, plan_and_split, row_count, rows_agree
+from tfshard import _arguments, _balance, _chunks, _kinds, _sharding, _trees, collect, pinning
+from tfshard._kinds import prefix_sums
+from tfshard._plan import (
+    Planned,
+    onto_devices,
+    plan_and_split,
+    plan_device,
+    row_count,
+    rows_agree,
+)
 from tfshard._shards import (
     ShardOutputs,
     check_outputs,
@@ -140,11 +148,19 @@ class Step:
         return k if self.shards is None else self.shards[k]
 
     def _checks_on(self) -> str:
-        """Where the rows are counted and checked: on the host, or, for a device alone,
-        where its first split argument lives (its own device where that is not known)."""
+        """Where the outputs' rows are checked: where results land (the gather's rows
+        are there), or, for a device alone, where its first split argument lives (its
+        own device where that is not known)."""
         if not self.alone:
-            return self.host
+            return self.output
         return (self.split_devices[0] if self.split_devices else "") or self.devices[0]
+
+    def _planned_on(self) -> str:
+        """Where `plan` plans a call of several devices (`_plan.plan_device`): where
+        the batch is, or the host for weights fed at run time (``weights="auto"``)."""
+        if self.balanced:
+            return self.host
+        return plan_device(self.split_devices, self.weights, self.host)
 
     # ------------------------------------------------------------ the parts
 
@@ -178,12 +194,13 @@ class Step:
         (`plan_and_split`'s, with its message).
         """
         device = self._checks_on()
-        counts = [row_count(t, d or device, device) for t, d in zip(inputs, self.split_devices)]
+        counts = [row_count(t, d or device) for t, d in zip(inputs, self.split_devices)]
         with tf.device(device):
             checks = rows_agree(counts, self.split_devices, paths)
             with tf.control_dependencies(checks):
-                total = tf.identity(counts[0]) if checks else counts[0]
-            sizes = tf.reshape(total, [1])
+                n = tf.identity(counts[0]) if checks else counts[0]
+            sizes = tf.reshape(n, [1])
+            total = tf.cast(n, tf.int64)
         return Planned(total, sizes, [[t] for t in inputs])
 
     def onto_devices(self, planned: Planned) -> Planned:
@@ -202,23 +219,23 @@ class Step:
             rows before it), or None for 0.
         """
         count = len(self.devices)
-        # Each shard's rows as it takes them (`skip_if_empty`): an int32 scalar,
-        # which a function on a GPU takes in host memory.
+        # Each shard's rows as it takes them (`skip_if_empty`, chunks): an int32 scalar
+        # where the plan is (a guarded shard counts its own, below), which a function
+        # on a GPU takes in host memory.
         if self.alone:
             with tf.device(self.devices[0]):  # nothing of the call on the host
-                rows = [tf.cast(planned.total, tf.int32)]
+                rows = [planned.sizes[0]]
                 first = tf.constant(0, tf.int64) if offset is None else tf.cast(offset, tf.int64)
-                positions = [Position(tf.constant(self.index(0), tf.int32), first)]
+                position = Position(tf.constant(self.index(0), tf.int32), first)
+                positions = [lambda: position]
         else:
-            with tf.device(self.host):
-                rows = [tf.cast(n, tf.int32) for n in tf.unstack(planned.sizes, num=count)]
-                firsts = tf.cumsum(planned.sizes, exclusive=True)  # [K] int64
-                if offset is not None:
-                    firsts += tf.cast(offset, tf.int64)
-                positions = [
-                    Position(tf.constant(self.index(k), tf.int32), first)
-                    for k, first in enumerate(tf.unstack(firsts, num=count))
-                ]
+            with _kinds.placed(self._planned_on()):  # where the plan's sizes are
+                rows = tf.unstack(planned.sizes, num=count)
+                firsts = tf.unstack(prefix_sums(planned.sizes, count, exclusive=True), num=count)
+            positions = [
+                functools.partial(self._position, k, first, offset)
+                for k, first in enumerate(firsts)
+            ]
         example = [p[0] for p in planned.pieces]
         shard = shard_of(
             self.fn,
@@ -257,11 +274,20 @@ class Step:
         for k, (device, run) in enumerate(zip(self.devices, runs)):
             # With replicas, the shard reads the copy of each variable on its device.
             replica = self.replicas.shard(device) if self.replicas else contextlib.nullcontext()
-            pieces = each[k]
-            compute = functools.partial(
-                self._shard, run, pieces, rows[k], positions[k], device, self._limit(k)
-            )
+            pieces, n = each[k], rows[k]
             with tf.name_scope(f"{SHARD_SCOPE}{self.index(k)}"), tf.device(device), replica:
+                if self.guarded and not self.alone:
+                    # The guard's predicate (`skip_if_empty`) reads the rows where the
+                    # shard runs (a Shape of its pieces copied here: int32 in host memory
+                    # on a GPU), and its cond takes the pieces from here: nothing of the
+                    # guard crosses between devices, and the rows cross once, as a bare
+                    # shard's do (the cond would take them where the batch is, with the
+                    # predicate sent there).
+                    pieces = [_moved(piece) for piece in pieces]
+                    n = row_count(pieces[0], device)
+                compute = functools.partial(
+                    self._shard, run, pieces, n, positions[k](), device, self._limit(k)
+                )
                 if clock is None:
                     outputs.append(compute())
                 else:
@@ -271,8 +297,17 @@ class Step:
         timing = None
         if clock is not None:
             with tf.device(self.host):
-                timing = _balance.Timing(planned.sizes, tf.stack(seconds))
+                timing = _balance.Timing(tf.cast(planned.sizes, tf.int64), tf.stack(seconds))
         return ShardOutputs(*check_outputs(outputs, self.devices), timing)
+
+    def _position(self, k: int, first: tf.Tensor, offset: tf.Tensor | None) -> Position:
+        """Shard k's `Position`, made in its scope: its global first row in int64 from
+        the plan's int32 (a GPU's Cast holds both in device memory: the int32 crosses
+        once, as the shard's rows do), plus a stream's `offset`."""
+        first = tf.cast(first, tf.int64)
+        if offset is not None:
+            first += tf.cast(offset, tf.int64)
+        return Position(tf.constant(self.index(k), tf.int32), first)
 
     def _limit(self, k: int) -> int | None:
         return None if self.max_rows is None else self.max_rows[k]

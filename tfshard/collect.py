@@ -45,9 +45,10 @@ def gather(values: Sequence[tf.Tensor | tf.RaggedTensor]) -> tf.Tensor | tf.Ragg
 def gather_counted(values: Sequence[Any]) -> tuple[Any, tf.Tensor | None]:
     """`gather`, and each shard's row count as the gather itself saw it.
 
-    The counts are the lengths the TensorList concat computes anyway (an int64
-    vector, one per shard), so checking them costs no extra op per shard;
-    None for outputs of unknown rank.
+    The counts are int32 Shapes of the values where they are gathered (the
+    caller's scope, the output device), read from the copies the gather takes
+    anyway, so nothing more crosses between devices for them (on a GPU they are
+    in host memory); None for outputs of unknown rank.
     """
     kind = _kinds.of(values[0])
     # Each part of a value (a ragged tensor's flat values, then its row lengths),
@@ -57,7 +58,7 @@ def gather_counted(values: Sequence[Any]) -> tuple[Any, tf.Tensor | None]:
 
 
 def _concat(values: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor | None]:
-    # [n_k, *inner] x K -> [sum n_k, *inner], and the n_k
+    # [n_k, *inner] x K -> [sum n_k, *inner], and the n_k (int32)
     dtype = values[0].dtype
     if dtype in _kinds.CARRIERS:
         # Each shard's values cross in their own dtype and are cast where they land.
@@ -74,8 +75,13 @@ def _concat(values: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor | None]:
     )
     for k, value in enumerate(values):
         array = array.write(k, value)
-    # TensorArray.concat drops the op's second output, the rows of each entry.
-    result, lengths = tf.raw_ops.TensorListConcatV2(
+    # Not the op's second output, the rows of each entry: int64, which the int32 check
+    # (`tfshard._plan.host_assert`) would Cast, in device memory on a GPU. Each count
+    # is read from the value's copy here (an Identity where the gather is): where the
+    # optimizer knows the shape, the Shape becomes a constant that waits for that copy
+    # here, not for its producer on another device (a second transfer).
+    lengths = tf.stack([tf.shape(tf.identity(value), out_type=tf.int32)[0] for value in values])
+    result, _ = tf.raw_ops.TensorListConcatV2(
         input_handle=array.flow,
         element_dtype=values[0].dtype,
         element_shape=tf.constant([-1 if d is None else d for d in element_shape], tf.int64),
