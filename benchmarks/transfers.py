@@ -12,20 +12,26 @@ of the reference a user has without tfshard:
 
 The bed: the CPU split into logical devices (`_harness.setup_devices`), the shards
 on ``CPU:1``.., the input a tensor on ``CPU:1`` and the output landing there,
-``CPU:0`` standing for the host (where tfshard plans). A call's graph is the
-concrete function the call runs (`ShardedFunction.get_concrete_function`), called
-in the session on inputs of exactly its signature's shapes (rows open where the
-graph's are), so TensorFlow's optimizer sees what it sees in an eager call. The
-fetch of the result counts 2 (a send and a receive to the session's client) in
-every row alike. ``per_shard`` has no public concrete function: its case calls
+``CPU:0`` standing for the host. A call's graph is the concrete function the
+call runs (`ShardedFunction.get_concrete_function`), called in the session on
+inputs of exactly its signature's shapes (rows open where the graph's are: the
+input is a variable whose static shape leaves its rows open, so the optimizer
+cannot read them through the ``placeholder_with_default`` either), so
+TensorFlow's optimizer sees what it sees in an eager call. The fetch of the
+result counts 2 (a send and a receive to the session's client) in every row
+alike. ``per_shard`` has no public concrete function: its case calls
 ``f.per_shard`` inside the session's graph, as graph-mode code does, beside a
-hand-written graph called the same way.
+hand-written graph called the same way; so does the case of a call inside a
+user's `tf.function` (rows unknown: every shard guarded against having none).
 
 Cases: one device against a plain `tf.function` on it; two devices against a
 hand-written ``tf.device`` + ``tf.split`` + ``tf.concat`` graph; ``weights="auto"``
 after it settled against the same static split; weights ``[1, 0]`` (a device that
-gets no rows) against the one device alone; then per sample, a reduction and
-``per_shard``. The target of each row is the reference's count (``≤``).
+gets no rows) against the one device alone; then per sample, a reduction, a call
+inside a `tf.function` and ``per_shard``. The target of each row is the
+reference's count (``≤``), but ``per_shard``'s: it gives each shard's result on
+that shard's device, and a function's outputs land on its caller's, so shard 1's
+result crosses back to its device (2 more than the hand-written list).
 """
 
 from __future__ import annotations
@@ -161,7 +167,7 @@ def call_graph(concrete: Any, values: Sequence[Any], devices: Sequence[str], hos
         inputs = []
         for value, device, spec in zip(values, devices, specs):
             with tf.device(device):
-                variable = tf.Variable(value, trainable=False)
+                variable = _open_rows_variable(value)
                 inputs.append(tf.compat.v1.placeholder_with_default(variable, spec.shape))
         with tf.device(devices[0]):
             return concrete(*inputs)
@@ -170,13 +176,28 @@ def call_graph(concrete: Any, values: Sequence[Any], devices: Sequence[str], hos
     return build
 
 
+def _open_rows_variable(value: Any) -> Any:
+    """A variable holding `value` whose rows its static shape leaves open.
+
+    Grappler infers shapes through a ``placeholder_with_default`` from its
+    default: a variable of static shape would give it the rows that an eager
+    call's optimizer never sees (the function's signature has them open), and
+    it would fold shapes and sizes into constants that wait on control edges.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    shape = np.shape(value)
+    return tf.Variable(value, trainable=False, shape=tf.TensorShape([None, *shape[1:]]))
+
+
 def graph_mode(call: Callable[[Any], Any], value: Any, device: str) -> Any:
     """A builder of `call` on `value` (a variable on `device`) inside the session's graph."""
     import tensorflow as tf
 
     def build() -> Any:
         with tf.device(device):
-            x = tf.Variable(value, trainable=False).read_value()
+            x = _open_rows_variable(value).read_value()
             return call(x)
 
     return build
@@ -346,6 +367,14 @@ def cases(devices: Sequence[str], rows: int, width: int, auto_calls: int) -> lis
     hand_sum = counted(plain(hand_written(tf, mapped, pair, one, combine="sum")))
     ours = counted(sharded(summed, x[:1]))
     add("two devices, reduce='sum'", "any size", ours, "hand-written", hand_sum)
+
+    inside = tfshard.parallelize(small, devices=pair, per_sample=False)
+    hand_inside = tf.function(hand_written(tf, small, pair, one))
+    add(
+        "two devices, in a tf.function", "rows unknown: guarded",
+        count_partitions(graph_mode(inside, value, one)),
+        "hand-written", count_partitions(graph_mode(hand_inside, value, one)),
+    )  # fmt: skip
 
     shards = tfshard.parallelize(small, devices=pair, per_sample=False)
     hand_list = tf.function(hand_written(tf, small, pair, one, combine="list"))

@@ -4,8 +4,10 @@ The bed of benchmarks/transfers.py: shards on CPU:1.., the input a tensor on CPU
 output landing there, CPU:0 standing for the host. The references are independent of
 tfshard: a plain `tf.function` of the same function on the same device, run the same way
 (its count includes the fetch of the result to the session's client, 2, as tfshard's does).
-Also here: a device that the weights give no rows is not in the call's graph at all, and
-what a call on one device still promises (its shard index, its rows, `per_shard`).
+Two devices are held to the hand-written ``tf.device`` + ``tf.split`` + ``tf.concat`` graph
+(its count and bytes at most), every call kind the benchmark counts. Also here: a device that
+the weights give no rows is not in the call's graph at all, and what a call on one device still
+promises (its shard index, its rows, `per_shard`).
 """
 
 import importlib
@@ -59,6 +61,49 @@ def _any_size_graph(f, batch):
     x = _on_one(batch)
     f(x[:1])
     return f.get_concrete_function(x)
+
+
+@pytest.fixture(scope="module")
+def counted_cases(transfers):
+    """Every case of benchmarks/transfers.py, counted once (8 rows, width 4)."""
+    return {(r["case"], r["tfshard"]): r for r in transfers.cases(list(CPUS), 8, WIDTH, 12)}
+
+
+# (case, what): the cases at most their hand-written reference, in transfers and bytes.
+AT_THE_REFERENCE = [
+    ("two devices", "per_sample=False"),
+    ("two devices, per sample", "first size"),
+    ("two devices, per sample", "any size"),
+    ("two devices, reduce='sum'", "any size"),
+    ("two devices, in a tf.function", "rows unknown: guarded"),
+]
+
+
+@pytest.mark.parametrize("case", AT_THE_REFERENCE, ids=lambda c: f"{c[0]} ({c[1]})")
+def test_two_devices_cost_at_most_the_hand_written_graph(counted_cases, case):
+    """No size to the host, no count back, no control edge: the plan and the checks
+    where the batch and the results are, each shard's rows crossing once."""
+    r = counted_cases[case]
+    assert r["transfers"] <= r["reference_transfers"], (r["edges"], r["reference_edges"])
+    assert r["bytes"] <= r["reference_bytes"], (r["edges"], r["reference_edges"])
+    # The host (CPU:0) sends nothing and receives the fetched result alone.
+    assert not [e for e in r["edges"] if e.startswith("device:CPU:0 ->")], r["edges"]
+    fetched = [e for e in r["reference_edges"] if "-> device:CPU:0" in e]
+    assert len([e for e in r["edges"] if "-> device:CPU:0" in e]) == len(fetched), r["edges"]
+
+
+def test_per_shard_costs_the_hand_written_list_and_each_result_back_on_its_device(
+    counted_cases,
+):
+    """`per_shard` gives each shard's result on its own device: shard 1's comes back
+    from where the call's outputs land (a function's outputs land on its caller's
+    device) to CPU:2 (2 transfers, its 4 x 4 float32), and nothing else is more than
+    the hand-written list's."""
+    r = counted_cases[("two devices, per_shard", "graph mode")]
+    assert r["transfers"] == r["reference_transfers"] + 2, (r["edges"], r["reference_edges"])
+    assert r["bytes"] == r["reference_bytes"] + 4 * WIDTH * 4
+    back = [e for e in r["edges"] if e.startswith("device:CPU:1 -> device:CPU:2")]
+    assert len(back) == 2, r["edges"]  # the piece to shard 1, and its result back
 
 
 def test_the_reference_is_one_fetch(plain_function):
