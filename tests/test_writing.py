@@ -27,7 +27,7 @@ import write_job
 from children import environ as child_environ
 
 import tfshard
-from tfshard import writing
+from tfshard import datasets, writing
 from tfshard.errors import ArgumentError, WriteError
 
 CPUS = [f"/device:CPU:{i}" for i in range(4)]
@@ -351,7 +351,7 @@ def test_a_crash_after_the_last_commit_finishes_on_resume(reference, tmp_path, m
 
     f, rows = _counted()
     with monkeypatch.context() as patch:
-        patch.setattr(writing._Store, "finish", crash)
+        patch.setattr(writing.Store, "finish", crash)
         with pytest.raises(KeyboardInterrupt):
             f.write(write_job.dataset(), tmp_path / "job")
     manifest = _resume_and_compare(tmp_path / "job", reference / "job", write_job.dataset())
@@ -571,19 +571,27 @@ JOBS = {
 }
 
 
+# The code of a write: the store (every function of tfshard/writing.py) and the loop that
+# feeds it (these functions of the stream's module).
+_WRITE_CODE = {writing.__file__: None, datasets.__file__: {"_write", "_write_stopped"}}
+
+
 def _on_commit_path(statement):
-    """A `sys.settrace` tracer calling `statement(frame)` at each statement of
-    tfshard/writing.py that one batch's commit path runs (the second batch's append and
+    """A `sys.settrace` tracer calling `statement(frame)` at each statement of a write's
+    code (`_WRITE_CODE`) that one batch's commit path runs (the second batch's append and
     commit) and the finish runs, up to the store's close."""
-    module = writing.__file__
     calls = collections.Counter()
     recording = [False]
 
     def tracer(frame, event, arg):
-        if frame.f_code.co_filename != module:
+        file = frame.f_code.co_filename
+        if file not in _WRITE_CODE:
+            return None
+        only = _WRITE_CODE[file]
+        if only is not None and frame.f_code.co_name not in only:
             return None
         name = frame.f_code.co_name
-        if event == "call" and isinstance(frame.f_locals.get("self"), writing._Store):
+        if event == "call" and isinstance(frame.f_locals.get("self"), writing.Store):
             if name in ("append", "finish"):
                 calls[name] += 1
                 recording[0] = (name, calls[name]) in (("append", 2), ("finish", 1))
@@ -696,7 +704,7 @@ def test_the_lock_is_held_exactly_while_a_write_runs(tmp_path):
 def _stopped_after(f, ds, path, batches):
     """A write of `ds` that stopped (Ctrl-C) after committing `batches` batches."""
     calls = []
-    original = writing._Store.commit
+    original = writing.Store.commit
 
     def commit(self, *, due):
         original(self, due=False)
@@ -704,12 +712,12 @@ def _stopped_after(f, ds, path, batches):
         if len(calls) == batches:
             raise KeyboardInterrupt
 
-    writing._Store.commit = commit
+    writing.Store.commit = commit
     try:
         with pytest.raises(KeyboardInterrupt):
             f.write(ds, path)
     finally:
-        writing._Store.commit = original
+        writing.Store.commit = original
     assert json.loads((path / "manifest.json").read_text())["batches"] == batches
 
 

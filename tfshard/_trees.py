@@ -32,7 +32,7 @@ refused with the path and the fix.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from tfshard.errors import ArgumentError
@@ -168,6 +168,30 @@ def build(key: Hashable, leaves: Iterator[Any]) -> Any:
         return kind(items)
     except TypeError:  # a mapping with another constructor
         return dict(items)
+
+
+def fold(key: Hashable, leaf: Callable[[], Any], node: Callable[[Hashable, list[Any]], Any]) -> Any:
+    """`key` folded bottom up: ``leaf()`` at each leaf, in leaf order, and
+    ``node(key, results)`` at each node, `results` its children's, in leaf order.
+
+    >>> fold(flatten({"b": 1, "a": (2, 3)})[1], lambda: 1, lambda key, counts: sum(counts))
+    3
+    """
+    if key is LEAF:
+        return leaf()
+    return node(key, [fold(child, leaf, node) for child in key.children])
+
+
+def labels(key: Hashable) -> tuple[Any, ...]:
+    """The labels of a node's children, in leaf order: a sequence's indices (a
+    namedtuple's field names), a mapping's sorted keys, an attrs class's fields.
+
+    >>> labels(flatten({"b": 1, "a": 2})[1])
+    ('a', 'b')
+    """
+    if isinstance(key, SequenceNode):
+        return tuple(getattr(key.kind, "_fields", range(len(key.children))))
+    return key.keys
 
 
 def has_defaultdict(key: Hashable) -> bool:

@@ -41,8 +41,10 @@ parallelism and buffers. On GPUs it stays on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -50,13 +52,13 @@ from typing import Any, TextIO
 
 import tensorflow as tf
 
-from tfshard import _autograph, _kinds, _stream, _trees, collect, pinning
+from tfshard import _autograph, _kinds, _stream, _trees, collect, pinning, writing
 from tfshard._arguments import Arguments, Call, type_spec
 from tfshard._balance import Timing
 from tfshard._engine import Engine
 from tfshard._plan import Planned, host_cpu, rows
 from tfshard._step import Step
-from tfshard.errors import ArgumentError, fields_differ
+from tfshard.errors import ArgumentError, fields_differ, write_stopped
 
 # Keywords that belong to tfshard, not to the function, in a call on a dataset.
 DATASET_OPTIONS = ("batch_size", "batched", "progress")
@@ -419,6 +421,122 @@ class Runner:
             return self.no_rows(arguments, spec, args, kwargs)
         return result
 
+    def write(
+        self,
+        arguments: Arguments,
+        dataset: tf.data.Dataset,
+        path: str | os.PathLike,
+        args: tuple,
+        kwargs: dict,
+        *,
+        batch_size: int | None = None,
+        batched: bool | None = None,
+        progress: bool | TextIO = False,
+        overwrite: bool = False,
+    ) -> writing.Written:
+        """The dataset's outputs into the store at `path`, one call per batch, resumed where
+        it stopped; see `ShardedFunction.write`. Everything is checked before anything is
+        made on disk."""
+        engine = self.engine
+        name = engine.name
+        path = writing.checked_path(path, dataset, f"{name}.write")
+        call = f"{name}.write(dataset, {path!r})"
+        writing.check_flag(overwrite, "overwrite", call)
+        try:
+            _stream.check_progress(progress)
+        except ArgumentError as error:
+            raise ArgumentError(f"{call}: {error}") from None
+        if engine.options.reduce is not None:
+            raise ArgumentError(
+                f"{call}: reduce={engine.options.reduce.name!r} gives one value for the whole "
+                f"dataset, not rows to write; call {name}(dataset) for it"
+            )
+        batches = self.batches(
+            arguments, dataset, args, kwargs, batch_size=batch_size, batched=batched,
+            how=".write(dataset, path)",
+        )  # fmt: skip
+        if int(batches.cardinality()) == tf.data.INFINITE_CARDINALITY:
+            raise ArgumentError(
+                f"{call}: the dataset is infinite (it repeats), so the write would never end; "
+                "write a finite part of it (dataset.take(n))"
+            )
+        store = writing.opened(path, batches, name, overwrite, call)
+        try:
+            return self._write(arguments, batches, args, kwargs, store, progress, call)
+        finally:
+            store.close()  # and with it the lock: held exactly while the write runs
+
+    def _write(
+        self,
+        arguments: Arguments,
+        batches: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        store: writing.Store,
+        progress: bool | TextIO,
+        call: str,
+    ) -> writing.Written:
+        """The write into an open store: checked against what it holds, then resumed to the end.
+
+        What is on disk is trusted only once a batch of it is computed again and
+        found equal (`writing.Store.verify`): the first batch of a finished write,
+        the last committed one of a resumed write (read again from the dataset for
+        this: `batches.skip(n - 1)`), so another function, changed weights or a
+        changed dataset are refused before anything is appended.
+        """
+        name = self.engine.name
+        if store.complete:
+            for result, _ in self.stream(arguments, batches.take(1), args, kwargs, None):
+                store.verify(result, 0)
+            meter = _stream.meter(name, batches, progress, done_batches=store.batches)
+            if meter:
+                meter.say(
+                    f"{name}: {store.path!r} holds all {store.rows} rows already; "
+                    "nothing to compute"
+                )
+            return writing.Written(store.path, store.rows, store.batches, 0)
+        again = 1 if store.batches else 0  # the last committed batch, computed again to check
+        first_row = store.rows - store.last_batch_rows * again
+        meter = _stream.meter(
+            name, batches, progress, done_batches=store.batches - again, done_rows=first_row
+        )
+        if meter and store.batches:
+            meter.say(
+                f"{name}: resuming after {store.rows} rows ({store.batches} batches) on disk in "
+                f"{store.path!r}"
+            )
+        stream = self.stream(
+            arguments, batches.skip(store.batches - again), args, kwargs, meter, first_row
+        )
+        computed = 0
+        try:
+            with _stream.ctrl_c() as interrupted:
+                for result, rows in stream:
+                    if again:
+                        store.verify(result, first_row)
+                        again = 0
+                        continue
+                    computed += rows
+                    store.append(result, rows)
+                    if interrupted():  # pressed where Python could not raise it (`ctrl_c`)
+                        raise KeyboardInterrupt
+                    store.commit(due=True)
+            if again:
+                raise ArgumentError(
+                    f"{call}: the write there holds {store.batches} batches, but the dataset "
+                    "has fewer now; pass overwrite=True to write it anew"
+                )
+            if store.leaves is None:  # no batch at all: outputs of zero rows say what they are
+                empty = self.no_rows(arguments, batches.element_spec, args, kwargs)
+                store.append(empty, 0, empty=True)
+            store.finish()
+        except BaseException as error:
+            failed = _write_stopped(store, error, meter, call)
+            if failed is error:
+                raise
+            raise failed from error
+        return writing.Written(store.path, store.rows, store.batches, computed)
+
     def one_batch(
         self,
         arguments: Arguments,
@@ -616,6 +734,27 @@ def _batches(
         yield result, batch_rows
     if meter:
         meter.close()
+
+
+def _write_stopped(
+    store: writing.Store, error: BaseException, meter: _stream.Progress | None, call: str
+) -> BaseException:
+    """The error to raise for a write stopped by `error`, once what was written is committed.
+
+    An ArgumentError says what to change (resuming as it is would not help)
+    and is raised as it is; any other is worded by `errors.write_stopped` with
+    where the write stands on disk, which the meter says too.
+    """
+    with contextlib.suppress(OSError):  # the disk may refuse this too: the last commit stands
+        store.commit(due=False)
+    if meter:
+        meter.stopped(error)
+    if isinstance(error, ArgumentError):
+        return error
+    disk = store.on_disk()
+    if meter:
+        meter.say(disk.resume(call))
+    return write_stopped(error, call, disk)
 
 
 def _reported(items: Iterator[Any], meter: _stream.Progress | None) -> Iterator[Any]:

@@ -1,10 +1,12 @@
-"""A stream's outputs to disk, in input order, resumable: `ShardedFunction.write` and `load`.
+"""The store of ``f.write(dataset, path)``: batches in, committed atomically, checked before
+trusted; and `load`, which reads it back.
 
-``f.write(dataset, path)`` streams the dataset through the function one global
-batch at a time (`tfshard.datasets.Runner.stream`, the loop `iterate` runs)
-and writes each batch's outputs into files as they come, so memory holds the
-batches in flight, not the result. Calling it again after the process died
-resumes after the last batch that reached the disk.
+The stream that feeds it (`tfshard.datasets.Runner.write`) hands it each global
+batch's outputs as they come (`Store.append`) and asks for commits
+(`Store.commit`); nothing here calls back up. Opening a store at a path that
+holds a write checks it against this one (`opened`), so calling ``write``
+again after the process died resumes after the last batch that reached the
+disk.
 
 The format: `path` is a directory holding
 
@@ -52,7 +54,7 @@ dataset's element spec, number of batches and first batch (a hash, which
 catches another file, another batch size or an unseeded shuffle); the
 manifest's fields and each file's header, dtype, per-row shape, rows and size;
 then the last committed batch, read again (``dataset.skip(n - 1)``) and
-computed again, against what is on disk (`_Store.verify`), which catches
+computed again, against what is on disk (`Store.verify`), which catches
 another function, changed weights, a dataset changed up to that batch and a
 random function. It then streams the rest with ``tfshard.row_index()``
 counting on from the rows on disk. A change between the first and the last
@@ -73,19 +75,13 @@ import threading
 import time
 from collections import namedtuple
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple, TextIO
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _kinds, _stream, _trees
-from tfshard.errors import (
-    ArgumentError,
-    OnDisk,
-    WriteError,
-    write_error,
-    write_stopped,
-)
+from tfshard import _kinds, _trees
+from tfshard.errors import ArgumentError, OnDisk, WriteError, write_error
 
 FORMAT = "tfshard.write"
 VERSION = 2
@@ -117,129 +113,30 @@ class Written(NamedTuple):
     computed_rows: int
 
 
-def write(
-    runner: Any,
-    arguments: Any,
-    dataset: tf.data.Dataset,
-    path: str | os.PathLike,
-    args: tuple,
-    kwargs: dict,
-    *,
-    batch_size: int | None = None,
-    batched: bool | None = None,
-    progress: bool | TextIO = False,
-    overwrite: bool = False,
-) -> Written:
-    """Streams `dataset` through the runner's function into `path`; see `ShardedFunction.write`."""
-    engine = runner.engine
-    name = engine.name
-    path = _checked_path(path, dataset, f"{name}.write")
-    call = f"{name}.write(dataset, {path!r})"
-    _check_flag(overwrite, "overwrite", call)
-    try:
-        _stream.check_progress(progress)  # before anything is made on disk (`meter` would too)
-    except ArgumentError as error:
-        raise ArgumentError(f"{call}: {error}") from None
-    if engine.options.reduce is not None:
-        raise ArgumentError(
-            f"{call}: reduce={engine.options.reduce.name!r} gives one value for the whole "
-            f"dataset, not rows to write; call {name}(dataset) for it"
-        )
-    batches = runner.batches(
-        arguments, dataset, args, kwargs, batch_size=batch_size, batched=batched,
-        how=".write(dataset, path)",
-    )  # fmt: skip
+def opened(
+    path: str, batches: tf.data.Dataset, function: str, overwrite: bool, call: str
+) -> Store:
+    """The store of a write `call` of `function` into `path`, open and locked: the write
+    there checked against `batches` (the dataset's global batches, as the function
+    takes them: their element spec, number and first batch), or a new one
+    (`overwrite`: always).
+
+    Raises:
+      ArgumentError: `path` is a file, or holds another function's or dataset's write
+        or files that are not a write's.
+      WriteError: `path` cannot be written, or holds files that are not what a
+        write left there.
+    """
     count = int(batches.cardinality())
-    if count == tf.data.INFINITE_CARDINALITY:
-        raise ArgumentError(
-            f"{call}: the dataset is infinite (it repeats), so the write would never end; "
-            "write a finite part of it (dataset.take(n))"
-        )
     source = {
         "element": _element_spec(batches.element_spec),
         "batches": count if count >= 0 else None,
         "first_batch": _first_batch_hash(batches),
     }
-    store = _Store.open(path, name, source, overwrite, call)
-    try:
-        return _run(runner, arguments, batches, args, kwargs, store, progress, call)
-    finally:
-        store.close()  # and with it the lock: held exactly while the write runs
+    return Store.open(path, function, source, overwrite, call)
 
 
-def _run(
-    runner: Any,
-    arguments: Any,
-    batches: tf.data.Dataset,
-    args: tuple,
-    kwargs: dict,
-    store: _Store,
-    progress: bool | TextIO,
-    call: str,
-) -> Written:
-    """The write into an open store: checked against what it holds, then resumed to the end.
-
-    What is on disk is trusted only once a batch of it is computed again and
-    found equal (`_Store.verify`): the first batch of a finished write, the last
-    committed one of a resumed write (read again from the dataset for this:
-    `batches.skip(n - 1)`), so another function, changed weights or a changed
-    dataset are refused before anything is appended.
-    """
-    name = runner.engine.name
-    if store.complete:
-        first = runner.stream(arguments, batches.take(1), args, kwargs, None)
-        for result, _ in first:
-            store.verify(result, 0)
-        meter = _stream.meter(name, batches, progress, done_batches=store.batches)
-        if meter:
-            meter.say(
-                f"{name}: {store.path!r} holds all {store.rows} rows already; nothing to compute"
-            )
-        return Written(store.path, store.rows, store.batches, 0)
-    again = 1 if store.batches else 0  # the last committed batch, computed again to check
-    first_row = store.rows - store.last_batch_rows * again
-    meter = _stream.meter(
-        name, batches, progress, done_batches=store.batches - again, done_rows=first_row
-    )
-    if meter and store.batches:
-        meter.say(
-            f"{name}: resuming after {store.rows} rows ({store.batches} batches) on disk in "
-            f"{store.path!r}"
-        )
-    stream = runner.stream(
-        arguments, batches.skip(store.batches - again), args, kwargs, meter, first_row
-    )
-    computed = 0
-    try:
-        with _stream.ctrl_c() as interrupted:
-            for result, rows in stream:
-                if again:
-                    store.verify(result, first_row)
-                    again = 0
-                    continue
-                computed += rows
-                store.append(result, rows)
-                if interrupted():  # pressed where Python could not raise it (`_stream.ctrl_c`)
-                    raise KeyboardInterrupt
-                store.commit(due=True)
-        if again:
-            raise ArgumentError(
-                f"{call}: the write there holds {store.batches} batches, but the dataset has "
-                f"fewer now; pass overwrite=True to write it anew"
-            )
-        if store.leaves is None:  # no batch at all: outputs of zero rows say what they are
-            empty = runner.no_rows(arguments, batches.element_spec, args, kwargs)
-            store.append(empty, 0, empty=True)
-        store.finish()
-    except BaseException as error:
-        failed = _stopped(store, error, meter, call)
-        if failed is error:
-            raise
-        raise failed from error
-    return Written(store.path, store.rows, store.batches, computed)
-
-
-def _checked_path(path: Any, dataset: Any, call: str) -> str:
+def checked_path(path: Any, dataset: Any, call: str) -> str:
     """`path` as a str, refused early when it is not a directory's name."""
     if isinstance(path, tf.data.Dataset) and isinstance(dataset, str | os.PathLike):
         raise ArgumentError(
@@ -270,33 +167,11 @@ def _directory(path: Any, call: str) -> str:
     return path
 
 
-def _check_flag(value: Any, name: str, call: str) -> None:
+def check_flag(value: Any, name: str, call: str) -> None:
     """Refuses a flag that is not a bool (``overwrite="no"`` would read as true)."""
     if not isinstance(value, bool):
         kind = type(value).__name__
         raise ArgumentError(f"{call}: {name}={value!r} must be True or False, not a {kind}")
-
-
-def _stopped(
-    store: _Store, error: BaseException, meter: _stream.Progress | None, call: str
-) -> BaseException:
-    """The error to raise for a write stopped by `error`, once what was written is committed.
-
-    An ArgumentError says what to change (resuming as it is would not help)
-    and is raised as it is; any other is worded by `errors.write_stopped` with
-    where the write stands on disk, which the meter says too.
-    """
-    with contextlib.suppress(OSError):  # the disk may refuse this too: the last commit stands
-        store.commit(due=False)
-    if meter:
-        meter.stopped(error)
-    if isinstance(error, ArgumentError):
-        return error
-    rows, batches = store.written
-    disk = OnDisk(store.path, store.rows, store.batches, next_row=rows, next_batch=batches)
-    if meter:
-        meter.say(disk.resume(call))
-    return write_stopped(error, call, disk)
 
 
 class _Locks:
@@ -385,7 +260,7 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
     """
     path = _directory(path, "tfshard.load(path)")
     call = f"tfshard.load({path!r})"
-    _check_flag(partial, "partial", call)
+    check_flag(partial, "partial", call)
     try:
         manifest = _read_manifest(path)
     except ValueError as error:
@@ -440,7 +315,7 @@ class _Count(NamedTuple):
     parts: tuple[int, ...]
 
 
-class _Store:
+class Store:
     """One write's directory: its manifest, its files, what is written and committed.
 
     Attributes:
@@ -480,15 +355,15 @@ class _Store:
         """The rows of the last batch committed."""
         return self._committed.last_batch_rows
 
-    @property
-    def written(self) -> tuple[int, int]:
-        """Rows and batches written, committed or not: where the next batch goes."""
-        return self._written.rows, self._written.batches
+    def on_disk(self) -> OnDisk:
+        """Where the write stands: what is committed, and where the next batch goes."""
+        committed, written = self._committed, self._written
+        return OnDisk(self.path, committed.rows, committed.batches, written.rows, written.batches)
 
     @classmethod
     def open(
         cls, path: str, function: str, source: dict[str, Any], overwrite: bool, call: str
-    ) -> _Store:
+    ) -> Store:
         """The write at `path`, checked against this one, or a new one (`overwrite`: always).
 
         The directory is made (an unwritable path fails here, before anything
@@ -512,7 +387,7 @@ class _Store:
     @classmethod
     def _opened(
         cls, path: str, function: str, source: dict[str, Any], overwrite: bool, call: str
-    ) -> _Store:
+    ) -> Store:
         fix = "pass overwrite=True to write there anew"
         try:
             manifest = None if overwrite else _read_manifest(path)
@@ -1256,22 +1131,15 @@ def _part_names(stem: str, kind: str, count: int) -> list[str]:
 
 
 def _stems(structure: Hashable) -> list[str]:
-    """A file name stem for each leaf, from its keys: ``emb``, ``a.0``; ``output`` alone."""
-    found: list[str] = []
+    """A file name stem for each leaf, from its labels: ``emb``, ``a.0``; ``output`` alone."""
 
-    def visit(key: Hashable, names: list[str]) -> None:
-        if key is _trees.LEAF:
-            found.append(".".join(re.sub(r"[^A-Za-z0-9_-]", "_", n) for n in names) or "output")
-            return
-        if isinstance(key, _trees.SequenceNode):  # a namedtuple's items by field
-            labels = getattr(key.kind, "_fields", range(len(key.children)))
-        else:
-            labels = key.keys
-        for label, child in zip(labels, key.children):
-            visit(child, [*names, str(label)])
+    def node(key: Hashable, children: list[list[list[str]]]) -> list[list[str]]:
+        labelled = zip(_trees.labels(key), children)
+        return [[str(label), *names] for label, stems in labelled for names in stems]
 
-    visit(structure, [])
-    return found
+    clean = lambda name: re.sub(r"[^A-Za-z0-9_-]", "_", name)  # noqa: E731
+    named = _trees.fold(structure, lambda: [[]], node)
+    return [".".join(map(clean, names)) or "output" for names in named]
 
 
 def _encode(structure: Hashable) -> Any:
@@ -1280,10 +1148,7 @@ def _encode(structure: Hashable) -> Any:
     "items": [...]}``; a mapping's keys are str or int, attrs classes become dicts."""
     counter = iter(range(1 << 62))
 
-    def encode(key: Hashable) -> Any:
-        if key is _trees.LEAF:
-            return {"leaf": next(counter)}
-        children = [encode(child) for child in key.children]
+    def node(key: Hashable, children: list[Any]) -> Any:
         if isinstance(key, _trees.SequenceNode):
             if hasattr(key.kind, "_fields"):
                 fields = list(key.kind._fields)
@@ -1299,18 +1164,31 @@ def _encode(structure: Hashable) -> Any:
         order = getattr(key, "written", key.keys)  # a dict as written; attrs by field
         return {"dict": [[name, by_key[name]] for name in order]}
 
-    return encode(structure)
+    return _trees.fold(structure, lambda: {"leaf": next(counter)}, node)
 
 
 def _decode(encoded: Any, values: Sequence[Any]) -> Any:
-    """The inverse of `_encode`, with `values` at the leaves."""
+    """The inverse of `_encode`, with `values` at the leaves (`_trees.build` of its key)."""
+    order: list[int] = []  # the leaves' numbers, in the key's leaf order
+    key = _key(encoded, order)
+    return _trees.build(key, (values[i] for i in order))
+
+
+def _key(encoded: Any, order: list[int]) -> Hashable:
+    """The `_trees` structure key `_encode` wrote, its leaves' numbers appended to `order`."""
     if "leaf" in encoded:
-        return values[encoded["leaf"]]
+        order.append(encoded["leaf"])
+        return _trees.LEAF
     if "dict" in encoded:
-        return {name: _decode(child, values) for name, child in encoded["dict"]}
+        written = tuple(name for name, _ in encoded["dict"])
+        by_key = dict(encoded["dict"])
+        keys = tuple(sorted(written))  # leaf order, as `_trees.flatten` walks a mapping
+        children = tuple(_key(by_key[name], order) for name in keys)
+        return _trees.MappingNode(dict, keys, children, written, None)
     if "namedtuple" in encoded:
-        kind = namedtuple(encoded["namedtuple"], encoded["fields"])  # noqa: PYI024
-        return kind(*(_decode(child, values) for child in encoded["items"]))
-    if "list" in encoded:
-        return [_decode(child, values) for child in encoded["list"]]
-    return tuple(_decode(child, values) for child in encoded["tuple"])
+        kind: type = namedtuple(encoded["namedtuple"], encoded["fields"])  # noqa: PYI024
+        items = encoded["items"]
+    else:
+        kind = list if "list" in encoded else tuple
+        items = encoded["list" if "list" in encoded else "tuple"]
+    return _trees.SequenceNode(kind, tuple(_key(child, order) for child in items))
