@@ -404,8 +404,7 @@ class ShardedFunction:
         >>> f.write(tf.data.Dataset.range(5), path, batch_size=2).computed_rows  # finished
         0
         """
-        return writing_lib.write(
-            self._runner(),
+        return self._runner().write(
             self._shared.arguments,
             dataset,
             path,
