@@ -12,11 +12,13 @@ The rules every test meets (tests/README.md has them in full):
 """
 
 import os
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import children
 import pytest
 import tensorflow as tf
 from fake_nvidia_smi import fake
@@ -46,6 +48,41 @@ def no_replicas_outside(monkeypatch):
     monkeypatch.setattr(Replicas, "_registry", {})
     yield
     Replicas.generation += 1  # functions traced with this test's replicas retrace
+
+
+@pytest.fixture(scope="session")
+def before_the_runtime_starts() -> tuple[list[str], str]:
+    """One fresh interpreter for what must happen before TensorFlow's runtime starts
+    (`virtual_devices` works only until then): parsing device names, the reads of the
+    configuration (`num_gpus`, `try_gpu`, `try_all_gpus`) and of the ``TFSHARD_CONTEXTS``
+    map come first, then the split, then a name resolved on the split devices.
+
+    Returns:
+      The child's stdout lines (one per print below) and its stderr (INFO logging).
+    """
+    script = textwrap.dedent(
+        """
+        import logging
+        from tfshard import _device_names
+        import tfshard
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        print(_device_names.parse_spec("worker1:GPU:0").task,
+              _device_names.is_remote("/job:worker/task:0/device:CPU:0"))
+        print(tfshard.num_gpus(), tfshard.try_gpu(5), len(tfshard.try_all_gpus()) >= 1)
+        print(sorted(tfshard.active_contexts().items()))
+        print(tfshard.virtual_devices(3))
+        print(tfshard.list_devices("CPU"))
+        print(tfshard.resolve_device("dev1"))
+        """
+    )
+    done = children.python(
+        script,
+        CUDA_VISIBLE_DEVICES="",
+        TFSHARD_CONTEXTS="dev0->cpu:0;dev1->cpu:1",
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines(), done.stderr
 
 
 @pytest.fixture
