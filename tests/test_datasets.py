@@ -8,6 +8,7 @@ import collections
 import io
 import threading
 
+import children
 import numerics
 import numpy as np
 import pytest
@@ -451,18 +452,6 @@ def test_a_failing_shard_in_a_stream_names_its_device():
     assert isinstance(raised.value, tfshard.TfshardError)
 
 
-def test_autotuning_is_off_on_host_cpus_unless_the_dataset_says_so():
-    from tfshard import datasets
-
-    ds = tf.data.Dataset.range(4).batch(2)
-    assert datasets.prepare(ds, None, None, cpu_only=True).options().autotune.enabled is False
-    assert datasets.prepare(ds, None, None).options().autotune.enabled is None
-    options = tf.data.Options()
-    options.autotune.enabled = True
-    kept = datasets.prepare(ds.with_options(options), None, None, cpu_only=True)
-    assert kept.options().autotune.enabled is True
-
-
 @pytest.mark.parametrize("spec", [[None, 2], [None, None]], ids=["traced_loop", "python_loop"])
 def test_an_empty_batch_in_the_stream_does_not_spoil_a_mean(spec):
     batches = [np.ones([3, 2], np.float32), np.zeros([0, 2], np.float32), 3 * np.ones([1, 2])]
@@ -569,15 +558,6 @@ def test_results_cross_call_boundaries_of_the_loop(one_batch_per_call, reduce):
         assert out.numpy() == expected
 
 
-def _as_in_a_terminal() -> None:
-    # A shell's background job (`make test &`, a CI runner's) starts with SIGINT
-    # ignored, which its children inherit, and Python then never raises
-    # KeyboardInterrupt; a stream run in a terminal gets Ctrl-C's default.
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 INTERRUPTED_STREAM = """
 import sys, time
 import numpy as np
@@ -611,7 +591,8 @@ def test_ctrl_c_stops_a_long_stream_promptly():
         [sys.executable, "-c", INTERRUPTED_STREAM],
         stdout=subprocess.PIPE,
         text=True,
-        preexec_fn=_as_in_a_terminal,
+        env=children.environ(),
+        preexec_fn=children.as_in_a_terminal,
     )
     try:
         assert child.stdout.readline().strip() == "started"
@@ -886,12 +867,8 @@ def test_the_runtime_keeps_fed_rows_on_their_devices_and_results_on_the_output_d
     copied whole, every batch), and the iterator's next element on the host.
     """
     import re
-    import subprocess
-    import sys
 
-    proc = subprocess.run(
-        [sys.executable, "-c", PLACEMENT], capture_output=True, text=True, timeout=120
-    )
+    proc = children.python(PLACEMENT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].endswith("/device:CPU:2")
     log = proc.stdout + proc.stderr  # the placer's log lines; where they go varies
@@ -994,7 +971,8 @@ def test_ctrl_c_that_python_drops_in_a_finalizer_still_stops_the_stream():
         capture_output=True,
         text=True,
         timeout=60,
-        preexec_fn=_as_in_a_terminal,
+        env=children.environ(),
+        preexec_fn=children.as_in_a_terminal,
     )
     assert out.stdout.startswith("interrupted after"), (out.stdout, out.stderr[-2000:])
     assert float(out.stdout.split()[2]) < 8.0, out.stdout

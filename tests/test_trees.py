@@ -144,3 +144,27 @@ def test_first_difference():
     _, a = _trees.flatten({"a": 1, "b": 2})
     _, b = _trees.flatten({"a": 1})
     assert _trees.first_difference("outputs", a, b) == "outputs['b']"
+
+
+@given(trees)
+def test_fold_meets_every_leaf_in_order_with_the_labels_that_reach_it(value):
+    leaves_, key = _trees.flatten(value)
+    counter = iter(range(len(leaves_)))
+    # Each leaf folded to (its number, the labels from the root to it).
+    folded = _trees.fold(
+        key,
+        lambda: [(next(counter), ())],
+        lambda node, children: [
+            (n, (label, *labels))
+            for label, found in zip(_trees.labels(node), children, strict=True)
+            for n, labels in found
+        ],
+    )
+    assert [n for n, _ in folded] == list(range(len(leaves_)))
+    for (_, labels), leaf in zip(folded, leaves_):
+        found = value  # the oracle: the value itself, read by each label
+        for label in labels:
+            found = getattr(found, label) if isinstance(label, str) and not isinstance(
+                found, collections.abc.Mapping
+            ) else found[label]
+        assert found is leaf or found == leaf

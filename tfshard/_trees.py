@@ -10,16 +10,10 @@ own type, an OrderedDict as one, a defaultdict with its default_factory) and
 attrs classes (fields in declaration order). Everything else, tensors and
 composite tensors included, is a leaf.
 
-A hand-written walker rather than `tf.nest`, by measurement: `tf.nest.flatten`
-gives leaves but no hashable key of the structure, which every call needs for
-its trace key, so it would take a second pass. Leaves plus a structure,
-min of 7 x 20000 runs (Python 3.11, TF 2.21, 2-core VM;
-``python -m tfshard._trees``)::
-
-    structure             walk    tf.nest.flatten + map_structure(type)
-    one tensor           0.8 us   3.2 us
-    (x, y, z)            3.0 us   16.6 us
-    dict of 5 tensors    5.0 us   7.7 us
+A hand-written walker rather than `tf.nest`: `tf.nest.flatten` gives leaves but
+no hashable key of the structure, which every call needs for its trace key, so
+it would take a second pass (BENCHMARKS.md, "The tree walk"). Other modules read
+a structure key with `fold` and `labels` rather than walking it again.
 
 The walk builds no path strings: a path is built only for an error, by a
 second walk.

@@ -1,13 +1,9 @@
-"""How a `tf.data.Dataset` flows through a parallelized function.
+"""Running a dataset through a parallelized function: the traced loop, its guarded twin,
+the Python loop, and the loop that feeds a write's store.
 
-Each dataset element is one global batch, split across the devices exactly as
-a tensor argument would be. Elements are passed to the function the way
-`tf.data.Dataset.map` passes them: a tuple element is spread over the
-positional parameters, anything else is the first argument.
-
-Two loops run the batches, chosen by measurement (on 2 logical CPU devices,
-``python benchmarks/scaling.py --case=dataset``: ``tfshard_dataset`` against
-``tfshard_python_loop``; BENCHMARKS.md has the numbers):
+A dataset is taken in once (`tfshard._intake.take`: its global batches and how
+each becomes a call); `Runner` runs it over the function's engine, whose steps
+it asks for:
 
 - ``f(dataset)`` runs a traced `tf.function` holding a `tf.while_loop` over
   the dataset's iterator (`_Loop`). Each iteration fetches the next batch,
@@ -15,35 +11,26 @@ Two loops run the batches, chosen by measurement (on 2 logical CPU devices,
   (as MirroredStrategy's per-device prefetch does) while the current batch's
   shards run on rows fed the iteration before, and writes each shard's
   outputs into TensorArrays on the output device that are concatenated (or
-  reduced) once after the last batch: no Python per batch,
-  and each output row is copied once. Each call of the function runs as many
-  batches as take about half a second, so Ctrl-C and progress reach Python
-  that often. Against the Python loop below over the same batches, calling
-  the same traced graph, it reached 0.84x of the in-memory call where the
-  Python loop reached 0.78x with batches of 2048 rows, and tied (0.84x,
-  0.83x) with batches of 4096: its gain is the per-batch cost. It
-  applies when the element spec fixes every per-sample shape (a
-  `Dataset.batch` of fixed-shape samples, ragged batches) and results land on
-  this machine; otherwise (e.g. `padded_batch`, whose per-sample shape may
-  change from batch to batch, or an output device on another machine)
-  ``f(dataset)`` uses the Python loop, which checks every batch.
-- `ShardedFunction.iterate` must hand back each batch's result as it comes,
-  so it is a Python loop over ``dataset.prefetch(AUTOTUNE)``: one call of the
-  traced graph per batch, while tf.data prepares the next on its own threads.
-
-When every shard runs on this machine's CPU, tf.data's autotuning is turned
-off for the stream unless the dataset's options set it
-(``options.autotune.enabled``): its background tuning thread competes with the
-shards for the same cores, and in our runs it made one pass in three run about
-40 % slower. Parallel `map` calls and prefetching keep their default
-parallelism and buffers. On GPUs it stays on.
+  reduced) once after the last batch: no Python per batch, and each output
+  row is copied once. Each call of the loop runs as many batches as take
+  about half a second, so Ctrl-C and progress reach Python that often. Its
+  shards run bare while every device has rows, and through the loop's guarded
+  twin from the first batch that leaves a device none. It applies when the
+  element spec fixes every per-sample shape (a `Dataset.batch` of fixed-shape
+  samples, ragged batches) and results land on this machine; otherwise (e.g.
+  `padded_batch`, whose per-sample shape may change from batch to batch, or
+  an output device on another machine) ``f(dataset)`` uses the Python loop,
+  one call of the engine per batch, which checks every batch.
+- ``f.iterate(dataset)`` hands back each batch's result as it comes, and
+  ``f.write(dataset, path)`` hands each to the store (`tfshard.writing.Store`):
+  both are the Python loop over ``dataset.prefetch(AUTOTUNE)``, while tf.data
+  prepares the next batch on its own threads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import os
 import threading
 import time
@@ -52,16 +39,15 @@ from typing import Any, TextIO
 
 import tensorflow as tf
 
-from tfshard import _autograph, _kinds, _stream, _trees, collect, pinning, writing
+from tfshard import _intake, _kinds, _stream, _trees, collect, pinning, writing
 from tfshard._arguments import Arguments, Call, type_spec
 from tfshard._balance import Timing
 from tfshard._engine import Engine
+from tfshard._intake import Intake, split_element, zeros
 from tfshard._plan import Planned, host_cpu, rows
 from tfshard._step import Step
 from tfshard.errors import ArgumentError, fields_differ, write_stopped
 
-# Keywords that belong to tfshard, not to the function, in a call on a dataset.
-DATASET_OPTIONS = ("batch_size", "batched", "progress")
 # This process's CPU: where datasets iterate, and where the loop splits each batch.
 HOST = host_cpu()
 # How long one call of a loop runs before Python gets control back (Ctrl-C, progress).
@@ -71,187 +57,12 @@ _CHUNK_SECONDS = 0.5
 _PARALLEL_ITERATIONS = 1
 
 
-def refuse_stream_options(arguments: Arguments, kwargs: dict[str, Any]) -> None:
-    """Raises ArgumentError for a stream's keyword in a call on tensors.
-
-    ``batch_size=``, ``batched=`` and ``progress=`` belong to tfshard only when
-    the first argument is a dataset; on tensors they would reach the user's
-    function, which then reads as rejecting them. A function that takes the
-    keyword itself (a parameter of that name, or ``**kwargs``) gets it.
-    """
-    params = arguments.signature.parameters if arguments.signature else {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    for key in DATASET_OPTIONS:
-        if key in kwargs and key not in params:
-            name = arguments.name
-            raise ArgumentError(
-                f"{name}(..., {key}=...): {key}= is for a tf.data.Dataset, as in "
-                f"{name}(dataset, {key}=...) or {name}.iterate(dataset, {key}=...); "
-                f"with tensors or arrays the whole argument is one batch, so drop {key}= "
-                f"(or call {name} on parts of it)"
-            )
-
-
-def _leaf_paths(spec: Any) -> list[tuple[str, Any]]:
-    """(path, leaf) for each leaf of an element or its spec, e.g. ("element['image']", ...)."""
-    leaves, key = _trees.flatten(spec, "element")
-    return list(zip(_trees.paths("element", key), leaves))
-
-
-def prepare(
-    dataset: tf.data.Dataset,
-    batch_size: int | None,
-    batched: bool | None,
-    *,
-    cpu_only: bool = False,
-) -> tf.data.Dataset:
-    """Checks the dataset's elements and batches them if asked to.
-
-    Args:
-      dataset: the input.
-      batch_size: when given, the dataset holds one sample per element and is
-        batched into global batches of this many samples (the last may be
-        smaller).
-      batched: whether elements are already batches; None to tell from the
-        element spec (a batch dimension of unknown size, as `Dataset.batch`
-        makes, means batched).
-      cpu_only: the shards run on the host's own CPU cores, so tf.data's
-        autotuning is turned off unless the dataset's options set it (see the
-        module docstring).
-
-    Returns:
-      A dataset of global batches, prefetching.
-
-    Raises:
-      ArgumentError: the dataset's elements have no batch dimension, or it is
-        ambiguous whether they have one, or `batch_size` is invalid.
-    """
-    if not isinstance(dataset, tf.data.Dataset):
-        raise ArgumentError(
-            f"expected a tf.data.Dataset, got {type(dataset).__name__}; for tensors and "
-            "arrays call the function itself, f(x)"
-        )
-    for where, spec in _leaf_paths(dataset.element_spec):
-        if not _kinds.splittable(spec):
-            fix = (
-                "flat_map each window into a batch first: ds.flat_map(lambda w: w.batch(n))"
-                if isinstance(spec, tf.data.DatasetSpec)
-                else "map it to a tensor first (e.g. tf.sparse.to_dense)"
-            )
-            raise ArgumentError(
-                f"{where} is a {type(spec).__name__}; tfshard splits tensors and ragged "
-                f"tensors along their first dimension: {fix}"
-            )
-    if batched is not None and not isinstance(batched, bool):
-        raise ArgumentError(
-            f"batched={batched!r} must be True, False or None, not a {type(batched).__name__}"
-        )
-    if batch_size is not None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ArgumentError(
-                f"batch_size={batch_size!r}: the number of samples per global batch, an int >= 1"
-            )
-        if batched:
-            raise ArgumentError(
-                "batch_size= batches a dataset of single samples, but batched=True says its "
-                "elements are batches already; pass one or the other"
-            )
-        leaves = _leaf_paths(dataset.element_spec)
-        if all(isinstance(s, tf.TensorSpec) and _batch_of_unknown_size(s) for _, s in leaves):
-            shapes = ", ".join(f"{where}: {spec.shape}" for where, spec in leaves)
-            raise ArgumentError(
-                f"batch_size={batch_size}: the dataset's elements are batches already ({shapes}, "
-                "a first dimension of unknown size, as dataset.batch makes), and batching them "
-                "again would make each batch one sample; pass batched=True instead of "
-                "batch_size (or dataset.unbatch() first). Samples whose first dimension varies "
-                "do not batch: pad them (dataset.padded_batch) or make them ragged "
-                "(dataset.ragged_batch), then pass batched=True"
-            )
-        dataset = dataset.batch(batch_size)
-    elif batched is False:
-        raise ArgumentError(
-            "batched=False: each element is one sample, so pass batch_size=N to let "
-            "tfshard batch them"
-        )
-    elif batched is None:
-        leaves = _leaf_paths(dataset.element_spec)
-        for where, spec in leaves:
-            if spec.shape.rank == 0:
-                raise ArgumentError(
-                    f"{where} is a scalar, so the dataset has no batch dimension; pass "
-                    "batch_size=N to let tfshard batch it (or call dataset.batch(N) first)"
-                )
-        if not all(_batch_of_unknown_size(spec) for _, spec in leaves):
-            shapes = ", ".join(f"{where}: {spec.shape}" for where, spec in leaves)
-            raise ArgumentError(
-                f"cannot tell whether the dataset's elements are batches ({shapes}); pass "
-                "batch_size=N if each element is one sample, or batched=True if each is a "
-                "batch (e.g. made by dataset.batch(N, drop_remainder=True))"
-            )
-    if cpu_only and dataset.options().autotune.enabled is None:
-        options = tf.data.Options()
-        options.autotune.enabled = False
-        dataset = dataset.with_options(options)
-    return dataset.prefetch(tf.data.AUTOTUNE)
-
-
-def _batch_of_unknown_size(spec: tf.TypeSpec) -> bool:
-    """Whether `spec` has a first dimension of unknown size (a batch, as `Dataset.batch` makes)."""
-    return spec.shape.rank is not None and spec.shape.rank > 0 and spec.shape[0] is None
-
-
 def _on_host_cpus(engine: Engine) -> bool:
     """Whether every shard runs on a CPU device of this process."""
     return all(
         tf.DeviceSpec.from_string(d).device_type == "CPU" and not pinning.is_remote(d)
         for d in engine.devices
     )
-
-
-def model_inputs(dataset: tf.data.Dataset, fn: Any) -> tf.data.Dataset:
-    """The dataset as `fn` takes it: for a Keras model, the ``x`` of each element.
-
-    ``Model.predict`` (and ``fit``) take a dataset of ``x``, ``(x,)``, ``(x, y)``
-    or ``(x, y, sample_weight)`` and feed the model ``x`` alone
-    (``keras.utils.unpack_x_y_sample_weight``); a parallelized model does the
-    same, so the dataset a user trains with runs through it. Any other
-    function takes elements as `tf.data.Dataset.map` passes them
-    (`_split_element`).
-
-    Raises:
-      ArgumentError: a Keras model's element is a tuple of more than three.
-    """
-    keras = _autograph.keras_of(fn)
-    spec = dataset.element_spec
-    if keras is None or not isinstance(fn, keras.Model) or not isinstance(spec, tuple):
-        return dataset
-    name = getattr(fn, "name", type(fn).__name__)
-    unpack = keras.utils.unpack_x_y_sample_weight
-    try:
-        x_spec = unpack(spec)[0]
-    except ValueError:
-        raise ArgumentError(
-            f"{name}(dataset): a Keras model takes elements x, (x,), (x, y) or "
-            "(x, y, sample_weight), as Model.predict does, but they are tuples of "
-            f"{len(spec)}: put a model's several inputs in one tuple or dict, ((x1, x2), y)"
-        ) from None
-    inputs = getattr(fn, "inputs", None) or []
-    if len(inputs) > 1 and len(_trees.flatten(x_spec)[0]) == 1 and len(spec) > 1:
-        # Keras reads (x1, x2) as (x, y): the model's second input would be dropped.
-        raise ArgumentError(
-            f"{name}(dataset): the model takes {len(inputs)} inputs, but dataset elements "
-            f"of {len(spec)} fields are read as (x, y[, sample_weight]), as Model.predict "
-            "reads them, so x is the first field alone; give the inputs as one tuple or "
-            "dict: ((x1, x2),) or ((x1, x2), y)"
-        )
-    # A one-tuple: x is the model's one argument, even a tuple of its several inputs.
-    return dataset.map(lambda *element: (unpack(element)[0],))
-
-
-def _split_element(element: Any) -> tuple[Any, ...]:
-    # Dataset.map's convention: a tuple is spread over the positional parameters.
-    return element if type(element) is tuple else (element,)
 
 
 def _check_eager(name: str, how: str) -> None:
@@ -265,37 +76,14 @@ def _check_eager(name: str, how: str) -> None:
         )
 
 
-def _check_specs(arguments: Arguments, dataset: tf.data.Dataset, args: tuple, kwargs: dict) -> None:
-    """Fails early when the element structure does not fit the function."""
-    params = arguments.signature
-    if params is None:
-        return
-    element = _split_element(dataset.element_spec)
-    try:
-        params.bind(*element, *args, **kwargs)
-    except TypeError as error:
-        labelled = ""
-        if len(element) in (2, 3):
-            labelled = (
-                "; for (x, y[, sample_weight]) elements of a Keras model, parallelize the "
-                "model itself (it takes them as Model.predict does) or map the dataset to "
-                "its inputs first, dataset.map(lambda x, *labels: x)"
-            )
-        raise ArgumentError(
-            f"{arguments.name}: dataset elements are {dataset.element_spec}, passed as "
-            f"{len(element)} positional argument(s) (a tuple element is spread over the "
-            f"parameters, as Dataset.map does), which does not fit {arguments.name}{params}: "
-            f"{error}{labelled}"
-        ) from None
-
-
 class Runner:
     """A parallelized function's streams: its traced loops, and the Python loop.
 
     One per `ShardedFunction`, over its engine, whose steps it composes; the
     loops' cache lives here, and goes when the engine's replicas change (its
     `generation`), as the engine's own graphs do (the Python loop's per-batch
-    graphs are the engine's: `Engine.call`, `Engine.totals`).
+    graphs are the engine's: `Engine.call`, `Engine.totals`). Each public method
+    takes the dataset in once (`_intake.take`) and runs the `Intake`.
 
     Args:
       engine: the function's engine.
@@ -320,6 +108,21 @@ class Runner:
                 self.loops.clear()
                 self._generation = generation
 
+    def _take(
+        self,
+        arguments: Arguments,
+        dataset: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        how: str,
+        **asked: Any,
+    ) -> Intake:
+        """The dataset taken in for a stream `how` names in an error (``"(dataset)"``)."""
+        engine = self.engine
+        _check_eager(engine.name, how)
+        cpu_only = _on_host_cpus(engine)
+        return _intake.take(arguments, engine.fn, dataset, args, kwargs, cpu_only=cpu_only, **asked)
+
     def iterate(
         self,
         arguments: Arguments,
@@ -332,58 +135,11 @@ class Runner:
         progress: bool | TextIO = False,
     ) -> Iterator[tuple[Any, int]]:
         """``(result, rows)`` for each global batch, in order, as they are computed."""
-        batches = self.batches(
-            arguments, dataset, args, kwargs, batch_size=batch_size, batched=batched
-        )
-        meter = _stream.meter(self.engine.name, batches, progress)
-        return self.stream(arguments, batches, args, kwargs, meter)
-
-    def batches(
-        self,
-        arguments: Arguments,
-        dataset: tf.data.Dataset,
-        args: tuple,
-        kwargs: dict,
-        *,
-        batch_size: int | None = None,
-        batched: bool | None = None,
-        how: str = ".iterate(dataset)",
-    ) -> tf.data.Dataset:
-        """The dataset's global batches as the function takes them, checked (`prepare`).
-
-        `how` names the call in an error (``".write(dataset, path)"``).
-        """
-        engine = self.engine
-        _check_eager(engine.name, how)
-        dataset = model_inputs(dataset, engine.fn)
-        _check_specs(arguments, dataset, args, kwargs)
-        return prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
-
-    def stream(
-        self,
-        arguments: Arguments,
-        batches: tf.data.Dataset,
-        args: tuple,
-        kwargs: dict,
-        meter: _stream.Progress | None,
-        first_row: int = 0,
-    ) -> Iterator[tuple[Any, int]]:
-        """``(result, rows)`` for each of `batches` (from `batches`), one call each, in order.
-
-        `first_row` is the global row of the first batch's first row, which
-        `tfshard.row_index` counts on from (a resumed write's rows on disk).
-        """
-        stream = _batches(self.engine.call, arguments, batches, args, kwargs, meter, first_row)
-        return _reported(stream, meter)
-
-    def no_rows(self, arguments: Arguments, spec: Any, args: tuple, kwargs: dict) -> Any:
-        """The function's result for a batch of zero rows of element spec `spec`.
-
-        What a dataset with no elements gives: outputs of zero rows, their
-        unknown dimensions 0.
-        """
-        element = _split_element(_zeros(spec))
-        return self.engine.call(arguments.classify((*element, *args), kwargs))
+        intake = self._take(
+            arguments, dataset, args, kwargs, ".iterate(dataset)",
+            batch_size=batch_size, batched=batched, progress=progress,
+        )  # fmt: skip
+        return self._stream(intake, intake.batches, intake.meter())
 
     def run(
         self,
@@ -397,28 +153,26 @@ class Runner:
         progress: bool | TextIO = False,
     ) -> Any:
         """All of the dataset through the engine: outputs concatenated in order, or reduced."""
-        engine = self.engine
-        _check_eager(engine.name, "(dataset)")
-        dataset = model_inputs(dataset, engine.fn)
-        _check_specs(arguments, dataset, args, kwargs)
-        if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY:
+        name = self.engine.name
+        intake = self._take(
+            arguments, dataset, args, kwargs, "(dataset)",
+            batch_size=batch_size, batched=batched, progress=progress,
+        )  # fmt: skip
+        if int(intake.batches.cardinality()) == tf.data.INFINITE_CARDINALITY:
             raise ArgumentError(
-                f"{engine.name}(dataset): the dataset is infinite (it repeats), so its "
+                f"{name}(dataset): the dataset is infinite (it repeats), so its "
                 f"results would never be complete; stream them with "
-                f"{engine.name}.iterate(dataset), or take a finite part first "
+                f"{name}.iterate(dataset), or take a finite part first "
                 "(dataset.take(n))"
             )
-        batches = prepare(dataset, batch_size, batched, cpu_only=_on_host_cpus(engine))
         self._current()
         with _stream.ctrl_c() as interrupted:
-            loop = self._graph_loop(arguments, batches, args, kwargs, progress, interrupted)
+            loop = self._graph_loop(intake, interrupted)
             if loop is None:
-                loop = self._python_loop(arguments, batches, args, kwargs, progress)
+                loop = self._python_loop(intake)
         result, total = loop
         if total == 0:
-            # No elements: the function on a batch of zero rows (unknown dimensions 0).
-            spec = dataset.batch(1).element_spec if batch_size is not None else dataset.element_spec
-            return self.no_rows(arguments, spec, args, kwargs)
+            return self.engine.call(intake.empty())
         return result
 
     def write(
@@ -451,31 +205,22 @@ class Runner:
                 f"{call}: reduce={engine.options.reduce.name!r} gives one value for the whole "
                 f"dataset, not rows to write; call {name}(dataset) for it"
             )
-        batches = self.batches(
-            arguments, dataset, args, kwargs, batch_size=batch_size, batched=batched,
-            how=".write(dataset, path)",
+        intake = self._take(
+            arguments, dataset, args, kwargs, ".write(dataset, path)",
+            batch_size=batch_size, batched=batched, progress=progress,
         )  # fmt: skip
-        if int(batches.cardinality()) == tf.data.INFINITE_CARDINALITY:
+        if int(intake.batches.cardinality()) == tf.data.INFINITE_CARDINALITY:
             raise ArgumentError(
                 f"{call}: the dataset is infinite (it repeats), so the write would never end; "
                 "write a finite part of it (dataset.take(n))"
             )
-        store = writing.opened(path, batches, name, overwrite, call)
+        store = writing.opened(path, intake.batches, name, overwrite, call)
         try:
-            return self._write(arguments, batches, args, kwargs, store, progress, call)
+            return self._write(intake, store, call)
         finally:
             store.close()  # and with it the lock: held exactly while the write runs
 
-    def _write(
-        self,
-        arguments: Arguments,
-        batches: tf.data.Dataset,
-        args: tuple,
-        kwargs: dict,
-        store: writing.Store,
-        progress: bool | TextIO,
-        call: str,
-    ) -> writing.Written:
+    def _write(self, intake: Intake, store: writing.Store, call: str) -> writing.Written:
         """The write into an open store: checked against what it holds, then resumed to the end.
 
         What is on disk is trusted only once a batch of it is computed again and
@@ -484,11 +229,11 @@ class Runner:
         this: `batches.skip(n - 1)`), so another function, changed weights or a
         changed dataset are refused before anything is appended.
         """
-        name = self.engine.name
+        name, batches = self.engine.name, intake.batches
         if store.complete:
-            for result, _ in self.stream(arguments, batches.take(1), args, kwargs, None):
+            for result, _ in self._stream(intake, batches.take(1), None):
                 store.verify(result, 0)
-            meter = _stream.meter(name, batches, progress, done_batches=store.batches)
+            meter = intake.meter(done_batches=store.batches)
             if meter:
                 meter.say(
                     f"{name}: {store.path!r} holds all {store.rows} rows already; "
@@ -497,17 +242,13 @@ class Runner:
             return writing.Written(store.path, store.rows, store.batches, 0)
         again = 1 if store.batches else 0  # the last committed batch, computed again to check
         first_row = store.rows - store.last_batch_rows * again
-        meter = _stream.meter(
-            name, batches, progress, done_batches=store.batches - again, done_rows=first_row
-        )
+        meter = intake.meter(done_batches=store.batches - again, done_rows=first_row)
         if meter and store.batches:
             meter.say(
                 f"{name}: resuming after {store.rows} rows ({store.batches} batches) on disk in "
                 f"{store.path!r}"
             )
-        stream = self.stream(
-            arguments, batches.skip(store.batches - again), args, kwargs, meter, first_row
-        )
+        stream = self._stream(intake, batches.skip(store.batches - again), meter, first_row)
         computed = 0
         try:
             with _stream.ctrl_c() as interrupted:
@@ -527,7 +268,7 @@ class Runner:
                     "has fewer now; pass overwrite=True to write it anew"
                 )
             if store.leaves is None:  # no batch at all: outputs of zero rows say what they are
-                empty = self.no_rows(arguments, batches.element_spec, args, kwargs)
+                empty = self.engine.call(intake.empty())
                 store.append(empty, 0, empty=True)
             store.finish()
         except BaseException as error:
@@ -559,11 +300,12 @@ class Runner:
         name = self.engine.name
         if isinstance(batch_index, bool) or not isinstance(batch_index, int) or batch_index < 0:
             raise ArgumentError(f"batch_index={batch_index!r}: the batch to record, an int >= 0")
-        dataset = model_inputs(dataset, self.engine.fn)
-        _check_specs(arguments, dataset, args, kwargs)
-        batches = prepare(dataset, batch_size, batched)
+        intake = _intake.take(
+            arguments, self.engine.fn, dataset, args, kwargs, batch_size=batch_size,
+            batched=batched,
+        )  # fmt: skip
         with tf.device(HOST):
-            element = next(iter(batches.skip(batch_index).take(1)), None)
+            element = next(iter(intake.batches.skip(batch_index).take(1)), None)
         if element is None and batch_index == 0:
             raise ArgumentError(
                 f"{name}.timeline(dataset): the dataset is empty, so it has no batch to record"
@@ -573,16 +315,26 @@ class Runner:
                 f"{name}.timeline(dataset, batch_index={batch_index}): the dataset has no batch "
                 f"{batch_index} (it has fewer than {batch_index + 1}); pick an earlier one"
             )
-        return arguments.classify((*_split_element(element), *args), kwargs)
+        return intake.call(element)
+
+    def _stream(
+        self,
+        intake: Intake,
+        batches: tf.data.Dataset,
+        meter: _stream.Progress | None,
+        first_row: int = 0,
+    ) -> Iterator[tuple[Any, int]]:
+        """``(result, rows)`` for each of `batches` (the intake's, or a part of them), one
+        call each, in order (the Python loop, `_batches`).
+
+        `first_row` is the global row of the first batch's first row, which
+        `tfshard.row_index` counts on from (a resumed write's rows on disk).
+        """
+        stream = _batches(self.engine.call, intake, batches, meter, first_row)
+        return _reported(stream, meter)
 
     def _graph_loop(
-        self,
-        arguments: Arguments,
-        batches: tf.data.Dataset,
-        args: tuple,
-        kwargs: dict,
-        progress: bool | TextIO,
-        interrupted: Callable[[], bool],
+        self, intake: Intake, interrupted: Callable[[], bool]
     ) -> tuple[Any, int] | None:
         """The whole dataset through a traced loop; None where it does not apply.
 
@@ -593,27 +345,22 @@ class Runner:
         result and the number of rows.
         """
         engine = self.engine
-        spec = batches.element_spec
+        spec = intake.batches.element_spec
         if not _static_inner_shapes(spec) or pinning.is_remote(engine.output):
             return None
-        with tf.device(HOST):  # where the iterator leaves each batch: split there
-            element = _split_element(_zeros(spec))
+        relaxed = _trees.map_leaves(_any_rows, spec)  # one loop for every batch size
+        # The call of a batch as the loop holds it, from the iterator inside the loop:
+        # Python knows neither its rows (an error names the shard's slice) nor its
+        # device, nor whether its fields' rows agree (the step's plan checks them, as
+        # in a tf.function).
         try:
-            call = arguments.classify((*element, *args), kwargs)
+            call = intake.call(_symbolic(relaxed))
         except ArgumentError:
             return None  # e.g. a further argument to split: the Python loop says what is wrong
         count = len(_trees.flatten(spec)[0])
-        kinds = call.template.element_kinds(len(element))
+        kinds = call.template.element_kinds(len(split_element(relaxed)))
         if call.template.split_count != count or kinds != ["split"] * count:
             return None
-        # Each batch comes from the iterator inside the loop, where Python knows
-        # neither its rows (an error names the shard's slice) nor whether its
-        # fields' rows agree (the step's plan checks them, as in a tf.function).
-        leaves = tuple(
-            leaf._replace(device="") if leaf.kind == "split" else leaf for leaf in call.key.leaves
-        )
-        call = call._replace(rows=None, key=call.key._replace(leaves=leaves))
-        relaxed = _trees.map_leaves(_any_rows, spec)  # one loop for every batch size
         key = (tf.data.DatasetSpec(relaxed), call.key)
         with self._lock:  # concurrent first calls trace one loop
             loop = self.loops.get(key)
@@ -623,14 +370,16 @@ class Runner:
                 # from the start where a weight of 0 empties a device in every batch,
                 # and with XLA, whose compiled shard is the guarded one either way.
                 steps = [engine.step(call, beside_transfers=True, guarded=g) for g in (False, True)]
-                weights = engine.options.weights
-                bare = not engine.options.jit_compile and not (weights and 0 in weights)
+                weights = steps[0].weights
+                bare = not steps[0].jit_compile and not (weights and 0 in weights)
                 shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
                 loop = _Loop(*steps, relaxed, shared_specs, engine.checked, bare=bare)
                 self.loops[key] = loop
-        meter = _stream.meter(engine.name, batches, progress)
+        meter = intake.meter()
         try:
-            result, total = loop.run(batches, call.tensors[count:], meter, interrupted, engine)
+            result, total = loop.run(
+                intake.batches, call.tensors[count:], meter, interrupted, engine
+            )
         except tf.errors.OpError as error:
             if meter:
                 meter.stopped(error)
@@ -643,14 +392,7 @@ class Runner:
             meter.close()
         return result, total
 
-    def _python_loop(
-        self,
-        arguments: Arguments,
-        batches: tf.data.Dataset,
-        args: tuple,
-        kwargs: dict,
-        progress: bool | TextIO,
-    ) -> tuple[Any, int]:
+    def _python_loop(self, intake: Intake) -> tuple[Any, int]:
         """The batches one call each, for elements whose per-sample shapes may change."""
         engine = self.engine
         op = engine.options.reduce
@@ -661,8 +403,8 @@ class Runner:
         # A reduction's batches run as `collect.Total`s (a mean undivided, in the
         # accumulator dtype), finished once at the end.
         run = engine.call if op is None else engine.totals
-        meter = _stream.meter(engine.name, batches, progress)
-        stream = _reported(_batches(run, arguments, batches, args, kwargs, meter), meter)
+        meter = intake.meter()
+        stream = _reported(_batches(run, intake, intake.batches, meter), meter)
         for result, batch_rows in stream:
             total += batch_rows
             if op is None:
@@ -689,14 +431,12 @@ class Runner:
 
 def _batches(
     run: Callable[[Call, int], Any],
-    arguments: Arguments,
+    intake: Intake,
     batches: tf.data.Dataset,
-    args: tuple,
-    kwargs: dict,
     meter: _stream.Progress | None,
     first_row: int = 0,
 ) -> Iterator[tuple[Any, int]]:
-    """The Python loop: `run` once per batch, checking per-sample shapes.
+    """The Python loop: `run` once per batch of `batches`, checking per-sample shapes.
 
     `run` takes the batch's call and its first row's global index (which
     `tfshard.row_index` counts): `first_row` plus the rows of the batches
@@ -724,9 +464,8 @@ def _batches(
             paths = _trees.paths("element", structure)
             k = next(i for i, n in enumerate(counts) if n != counts[0])
             differ = f"{paths[k]} has {counts[k]} rows but {paths[0]} has {counts[0]}"
-            raise fields_differ(arguments.name, differ)
-        call = arguments.classify((*_split_element(element), *args), kwargs)
-        result = run(call, before)
+            raise fields_differ(intake.name, differ)
+        result = run(intake.call(element), before)
         batch_rows = counts[0]
         before += batch_rows
         if meter:
@@ -767,14 +506,20 @@ def _reported(items: Iterator[Any], meter: _stream.Progress | None) -> Iterator[
         raise
 
 
-def _zeros(spec: Any) -> Any:
-    """An element of zero rows that fits `spec`; unknown inner dimensions are 0."""
-    return collect.empty(_trees.map_leaves(collect.stacked_spec, spec))
-
-
 def _any_rows(leaf: tf.TypeSpec) -> tf.TypeSpec:
     """`leaf` with its batch dimension unknown."""
     return _kinds.of(leaf).any_rows(leaf)
+
+
+def _symbolic(spec: Any) -> Any:
+    """Symbolic tensors of a tiny graph that fit `spec` (no rows, no device known)."""
+    leaves, structure = _trees.flatten(spec)
+    values = (
+        tf.function(lambda *values: values, autograph=False)
+        .get_concrete_function(*leaves)
+        .structured_outputs
+    )
+    return _trees.build(structure, iter(values))
 
 
 def _stand_ins(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -783,18 +528,13 @@ def _stand_ins(leaves: Sequence[Any]) -> tuple[Any, ...]:
     They tell collect what `leaves` would (dtype, shapes, ragged parts) without keeping
     the graph of `leaves` alive.
     """
-    specs = [tf.type_spec_from_value(leaf) for leaf in leaves]
-    return tuple(
-        tf.function(lambda *values: values, autograph=False)
-        .get_concrete_function(*specs)
-        .structured_outputs
-    )
+    return tuple(_symbolic([tf.type_spec_from_value(leaf) for leaf in leaves]))
 
 
 def _static_inner_shapes(spec: Any) -> bool:
     """Whether every leaf of an element spec fixes its per-sample shape.
 
-    The leaves are TensorSpecs and RaggedTensorSpecs (`prepare` refuses others).
+    The leaves are TensorSpecs and RaggedTensorSpecs (`_intake.prepare` refuses others).
     """
     return all(_kinds.of(leaf).fixed_sample_shape(leaf) for leaf in _trees.flatten(spec)[0])
 
@@ -817,13 +557,13 @@ class _Loop:
     handles are the calls' inputs and outputs) and are concatenated once
     after the last batch (`collect.concat_all`): every output row is copied
     once, and the lists and the result are alive together at the end, about
-    twice the result on the output device at peak (2.0x measured by
-    ``benchmarks/stream_memory.py``; `ShardedFunction.iterate` holds one
-    batch's result at a time). The lists are carried on the output device,
-    between calls too. With a reduction, each batch is reduced as a call would be, and a
-    running sum (or max, or min) is carried from batch to batch as a `collect.Total`, in
-    its accumulator dtype (float32 for float16 outputs, int64 for int32's) between calls
-    too, and finished once after the last batch.
+    twice the result on the output device at peak (``benchmarks/stream_memory.py``
+    measures it; `ShardedFunction.iterate` holds one batch's result at a time).
+    The lists are carried on the output device, between calls too. With a
+    reduction, each batch is reduced as a call would be, and a running sum (or
+    max, or min) is carried from batch to batch as a `collect.Total`, in its
+    accumulator dtype (float32 for float16 outputs, int64 for int32's) between
+    calls too, and finished once after the last batch.
 
     The loop's body calls one traced graph of a batch's shards (`_batch`), which
     is traced before the loop and tells the outputs' specs that the loop's
@@ -984,7 +724,7 @@ class _Loop:
                 tensors = tf.cond(
                     tf.logical_and(batch.has_value(), wanted),
                     lambda: _trees.flatten(batch.get_value())[0],
-                    lambda: _trees.flatten(_zeros(batch.element_spec))[0],
+                    lambda: _trees.flatten(zeros(batch.element_spec))[0],
                 )
                 # [B, ...] -> K x [B_k, ...]
                 planned, _ = self._step.plan([*tensors, *shared], weights)
