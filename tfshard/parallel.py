@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _arguments, _autograph, _engine, _explain, _options, datasets, pinning
+from tfshard import _arguments, _autograph, _engine, _explain, _intake, _options, datasets, pinning
 from tfshard import replicas as replicas_lib
 from tfshard import timeline as timeline_lib
 from tfshard import writing as writing_lib
@@ -46,7 +46,7 @@ __all__ = ("ShardedFunction", "parallelize")
 # A user's tf.function converts what it calls with autograph, tfshard's own
 # methods too; they are plain Python that traces graphs, so they opt out.
 _not_converted = tf.autograph.experimental.do_not_convert
-_STREAM_KEYWORDS = frozenset(datasets.DATASET_OPTIONS)
+_STREAM_KEYWORDS = frozenset(_intake.DATASET_OPTIONS)
 
 
 class ShardedFunction:
@@ -200,10 +200,10 @@ class ShardedFunction:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args and isinstance(args[0], tf.data.Dataset):
-            options = {k: kwargs.pop(k) for k in datasets.DATASET_OPTIONS if k in kwargs}
+            options = {k: kwargs.pop(k) for k in _intake.DATASET_OPTIONS if k in kwargs}
             return self._runner().run(self._shared.arguments, args[0], args[1:], kwargs, **options)
         if kwargs and not _STREAM_KEYWORDS.isdisjoint(kwargs):
-            datasets.refuse_stream_options(self._shared.arguments, kwargs)
+            _intake.refuse_stream_options(self._shared.arguments, kwargs)
         call = self._shared.arguments.classify(args, kwargs)
         return self._engine().call(call)
 
