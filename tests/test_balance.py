@@ -140,6 +140,8 @@ def test_a_settled_plan_is_measured_one_call_in_every():
     assert balance.due() and not balance.settled
     balance.observe([75, 25], [0.075, 0.075], warm_up=False)
     assert balance.settled
+    # Whole calls not measured here: at most LEARNING calls try to, then one in EVERY.
+    assert all(balance.due() for _ in range(_balance.LEARNING))
     due = [balance.due() is not None for _ in range(3 * _balance.EVERY)]
     assert due == ([False] * (_balance.EVERY - 1) + [True]) * 3
 
@@ -157,11 +159,14 @@ def test_a_new_plan_is_measured_every_call_until_it_settles():
 def test_the_fastest_device_alone_holds_every_row_where_the_split_does_not_pay():
     balance = Balance(2)
     assert _measured(balance, [50, 50], [0.01, 0.02], times=_balance.MIN_SAMPLES) == (2.0, 1.0)
-    # The split's whole calls take 40 ms a 100 rows (a slow link: more than its shards).
-    for _ in range(_balance.MIN_SAMPLES):
+    # The split's whole calls take 40 ms a 100 rows (a slow link: more than its shards);
+    # its weights are found first, and settle.
+    for _ in range(_balance.SETTLED):
         assert balance.due() == "split" and balance.plan_for("split") == (2, 1)
         balance.observe([67, 33], [0.0134, 0.0132], warm_up=False, call_seconds=0.04)
-    # Then the fastest device alone is weighed, its whole calls 20 ms.
+    assert balance.settled
+    # Then the fastest device alone is weighed (every call until it is known), its whole
+    # calls 20 ms.
     assert balance.due() == "alone" and balance.plan_for("alone") == (1, 0)
     balance.observe_alone(0, 100, 0.5, warm_up=True)  # its graph's first run: not counted
     # Known from 3 calls, and found faster in 3 comparisons in a row.
@@ -170,10 +175,17 @@ def test_the_fastest_device_alone_holds_every_row_where_the_split_does_not_pay()
         assert balance.weights == (2.0, 1.0)
     balance.observe_alone(0, 100, 0.02, warm_up=False)
     assert balance.weights == (1.0, 0.0) and balance.integer() == (1, 0)
-    # The split is still weighed in turn, by its own weights; once it ends calls sooner
-    # (the link got faster: 10 ms) three times in a row, it is the plan again.
-    assert balance.due() == "split" and balance.plan_for("split") == (2, 1)
-    for _ in range(_balance.MIN_SAMPLES - 1):
+    # Measured alone until that plan settles; then one call in EVERY, the split (by its
+    # own weights) and the device alone in turn.
+    for _ in range(_balance.SETTLED):
+        assert balance.due() == "alone"
+        balance.observe_alone(0, 100, 0.02, warm_up=False)
+    due = [balance.due() for _ in range(_balance.EVERY)]
+    assert due == [None] * (_balance.EVERY - 1) + ["split"]
+    assert balance.plan_for("split") == (2, 1)
+    # Once the split ends calls sooner (the link got faster: 10 ms; in a quartile of its
+    # window, three times in a row), it is the plan again.
+    for _ in range(2 * _balance.MIN_SAMPLES - 2):
         balance.observe([67, 33], [0.0067, 0.0066], warm_up=False, call_seconds=0.01)
         assert balance.weights == (1.0, 0.0)
     balance.observe([67, 33], [0.0067, 0.0066], warm_up=False, call_seconds=0.01)
@@ -183,7 +195,7 @@ def test_the_fastest_device_alone_holds_every_row_where_the_split_does_not_pay()
 def test_the_split_stays_where_it_pays():
     balance = Balance(2)
     _measured(balance, [50, 50], [0.01, 0.02], times=_balance.MIN_SAMPLES)
-    for _ in range(_balance.MIN_SAMPLES):
+    for _ in range(_balance.SETTLED):
         balance.observe([67, 33], [0.0134, 0.0132], warm_up=False, call_seconds=0.014)
     for _ in range(_balance.MIN_SAMPLES):
         balance.observe_alone(0, 100, 0.02, warm_up=False)  # alone: 20 ms against 14
@@ -304,8 +316,12 @@ def test_calls_between_measured_ones_run_the_unmeasured_graph(monkeypatch):
     f = tfshard.parallelize(tf.identity, devices=CPUS[:2], weights="auto")
     x = np.arange(8, dtype=np.float32)
     balance = f._engine().balance
-    # Settled by given timings: two alike devices, the plan even all along.
+    # Settled by given timings: two alike devices, the plan even all along, and a device
+    # alone far slower than the split.
     _measured(balance, [4, 4], [1e-3, 1e-3], times=_balance.MIN_SAMPLES + _balance.SETTLED)
+    for _ in range(_balance.MIN_SAMPLES):
+        balance.observe([4, 4], [1e-3, 1e-3], warm_up=False, call_seconds=1e-3)
+        balance.observe_alone(0, 8, 1.0, warm_up=False)
     assert balance.settled and balance.weights is None
     due, observed = [], []
     for name in ("observe", "observe_alone"):
@@ -344,7 +360,7 @@ def test_a_call_where_the_split_does_not_pay_runs_on_the_fastest_device_alone():
 
     f = tfshard.parallelize(serial, devices=CPUS[:2], per_sample=False, weights="auto")
     x = np.random.default_rng(8).normal(size=[64, 4]).astype(np.float32)
-    for _ in range(40):
+    for _ in range(80):
         np.testing.assert_array_equal(f(x).numpy(), x)
     assert f.weights in ((1.0, 0.0), (0.0, 1.0)), f.weights
     assert sorted(f.plan(64)) == [0, 64]

@@ -72,8 +72,10 @@ from tfshard import _plan, _sharding
 WINDOW = 9
 # Measurements in a row that leave the plan as it is, after which it is settled,
 SETTLED = 9
-# and one call in this many is measured.
+# and one call in this many is measured, after at most this many measured in a row to
+# weigh the fastest device alone against the split.
 EVERY = 25
+LEARNING = 12
 # The plan changes when the best weights are predicted this much faster than those in use,
 BAND = 0.05
 # and by at least this many seconds a call.
@@ -257,6 +259,7 @@ class Balance:
         self.changes = 0  # times the plan changed
         self._steady = 0  # measurements in a row that left the plan as it was
         self._since = 0  # calls since the last one measured, once settled
+        self._trials = 0  # calls measured since the plan settled, to weigh alone and split
 
     @property
     def weights(self) -> tuple[float, ...] | None:
@@ -299,24 +302,38 @@ class Balance:
         return self._steady >= SETTLED
 
     def due(self) -> str | None:
-        """What the next call measures: every call until the plan is `settled`, then one
-        in `EVERY` (the first after it settles is not); None for a call not measured.
+        """What the next call measures, or None for a call not measured; each call asks once.
 
         A measured call times the split's shards and the whole call ("split"),
-        or the whole call on the fastest device alone ("alone"): once every
-        device has been measured, the two take turns until each has
-        `MIN_SAMPLES` measurements of its own, and so on, one each in turn.
-        Each call asks once.
+        or the whole call on the fastest device alone ("alone"). Every call is
+        measured until the split's weights are `settled`, all of them splits
+        (or, once the fastest device alone is the plan, until that settles, all
+        of them alone); then every call again until the split and the fastest device alone
+        each have `MIN_SAMPLES` whole calls measured, the two in turn (at most
+        `LEARNING` calls: a call that cannot run alone, such as a stream's
+        batch, never measures it); then one call in `EVERY` (the first after
+        that is not), the two in turn.
         """
         with self._lock:
-            if self.settled:
+            fastest = self._fastest()
+            kept = sum(1 for w in (self._split or (1.0,) * self._count) if w > 0)
+            weighing = fastest is not None and kept > 1  # alone or split: which pays
+            learning = weighing and (
+                len(self._split_calls) < MIN_SAMPLES
+                or len(self._alone_calls[fastest]) < MIN_SAMPLES
+            )
+            if self.settled and learning and self._trials < LEARNING:
+                self._trials += 1
+            elif self.settled:
                 self._since += 1
                 if self._since < EVERY:
                     return None
             self._since = 0
-            fastest = self._fastest()
-            kept = sum(1 for w in (self._split or (1.0,) * self._count) if w > 0)
-            if fastest is None or kept < 2 or len(self._split_calls) < MIN_SAMPLES:
+            if not weighing or (self._alone is None and not self.settled):
+                return "split"  # the split's weights first
+            if self._alone is not None and not self.settled:
+                return "alone"  # the device alone, newly the plan, until it settles
+            if len(self._split_calls) < MIN_SAMPLES:
                 return "split"
             if len(self._alone_calls[fastest]) < MIN_SAMPLES:
                 return "alone"
@@ -368,7 +385,7 @@ class Balance:
         self.measured += 1
         if self.weights != before:
             self.changes += 1
-            self._steady = 0
+            self._steady = self._trials = 0
         else:
             self._steady += 1
 
