@@ -17,9 +17,13 @@ clock, and its seconds include sending it its rows.
 
 **Which calls are measured** (`Balance.due`). Until the plan has stayed the
 same over `SETTLED` measurements, every call is; once it has, one call in
-`EVERY`, and the calls between run the unmeasured graph: the same plan, fed
-the same weights, with no timestamp and nothing sent to the host, as static
-weights run. A plan change measures every call again until it settles.
+`EVERY` (after a few more that weigh the fastest device alone against the
+split), and the calls between run the unmeasured graph: the same plan, its
+weights the graph's constants, with no timestamp and nothing sent to the
+host, as static weights run. A plan change measures every call again until
+it settles. A measured call is either the split, its shards timed and the
+whole call to one element of its outputs read on the host, or the fastest
+device alone, the whole call timed so.
 (A stream's traced loop times every batch of its calls, each call of the
 loop one measurement.)
 A measured call of a function runs alone among its calls (`Turns`): it
@@ -49,6 +53,12 @@ use, beside whatever else the machine runs then.
   than `USELESS` (50) times slower per row than the fastest. A useless device
   gets no rows from then on (and is not measured again: make a new function
   to measure it again).
+- The split pays or not: the fastest device alone holds every row (weighted
+  1, the others 0) once its whole calls, per row, end `BAND` and `MIN_GAIN`
+  sooner than the split's (the lower quartile of each's last `WINDOW`, at
+  least `MIN_SAMPLES` each) in `MIN_SAMPLES` comparisons in a row; the split
+  is still measured now and then, by its own weights, and is the plan again
+  once it is found to end calls sooner so.
 - The first run of each traced graph warms up (kernels made, memory
   allocated) and is not counted, nor is a shard that took under `SHORTEST`
   (20 us), which times the clock more than the device. Until every device
