@@ -14,8 +14,9 @@ a GPU kernel therefore stays on that GPU; one without would fall back.
 
 Checked for every dtype tfshard splits, per sample and whole shard, gathered
 and reduced, in every form a call's graph takes (`FORMS`: shards guarded or
-bare, rows open or exact, in chunks of max_rows, sample by sample, and a
-dataset's traced loop with bare or guarded shards), all dtypes in one graph:
+bare, rows open or exact, in chunks of max_rows, sample by sample, a
+dataset's traced loop with bare or guarded shards, and static weights planned
+where the batch is or, of a large total, on the host), all dtypes in one graph:
 
 - the plan (row counts, sizes, offsets, the empty-shard predicate, asserts)
   runs where the batch is (GPU:0 for a call, the host for a stream), in int32
@@ -191,13 +192,19 @@ def _nodes(graph_def: Any, device: str = GPUS[0]) -> list[Node]:
 
 
 def _engine(
-    per_sample: bool, reduce: str | None, fn: Any, jit: bool = False, max_rows: int | None = None
+    per_sample: bool,
+    reduce: str | None,
+    fn: Any,
+    jit: bool = False,
+    max_rows: int | None = None,
+    weights: tuple[int, ...] | None = None,
 ) -> Any:
     options = _options.Options(
         per_sample=per_sample,
         reduce=collect.reduction(reduce),
         jit_compile=jit,
         max_rows=max_rows,
+        weights=weights,
     )
     return Engine(fn, options, name="f", devices=GPUS, output=GPUS[0])
 
@@ -266,7 +273,13 @@ FORMS = {
     "stream": lambda engine, dtypes: _loop(engine, dtypes)._chunk(False),
     # Its twin for a batch that leaves a device no rows.
     "stream_guarded": lambda engine, dtypes: _loop(engine, dtypes)._chunk(True),
+    # Static weights (`WEIGHTS`), rows unknown: planned in int32 where the batch is.
+    "weighted": lambda engine, dtypes: engine.trace(_call(dtypes, None)),
+    # Static weights of a total too large for an exact int32 plan: planned in int64 on
+    # the host, the int32 sizes sent to the split.
+    "weighted_on_host": lambda engine, dtypes: engine.trace(_call(dtypes, None)),
 }
+WEIGHTS = {"weighted": (3, 1, 2), "weighted_on_host": (46_341, 1, 2)}
 
 
 def _traced(
@@ -289,6 +302,7 @@ def _traced(
         _checked if form == "sequential" else _same,
         jit,
         max_rows=1 if form == "chunked" else None,
+        weights=WEIGHTS.get(form),
     )
     graph = FORMS[form](engine, dtypes).graph
     # Each form is what its case traces: rows exact or open, shards guarded or bare.
@@ -296,7 +310,7 @@ def _traced(
     assert (rows == 4) if form == "exact" else rows is None, (form, graph.inputs[0])
     nodes = _nodes(graph.as_graph_def())
     conds = {n.name.split("/")[0] for n in nodes if n.op in ("StatelessIf", "If")}
-    if form in ("guarded", "chunked", "sequential"):
+    if form in ("guarded", "chunked", "sequential", "weighted", "weighted_on_host"):
         assert {f"{SHARD_SCOPE}{k}" for k in range(len(GPUS))} <= conds, conds
     elif form in ("bare", "exact"):
         assert f"{SHARD_SCOPE}0" not in conds, conds
@@ -474,10 +488,14 @@ def _split_problems(nodes: list[Node], dtypes: tuple[str, ...], stream: bool) ->
                     )
             elif made.device != node.device:
                 problems.add(f"{_op(node)}'s {arg} crosses from {made.device}")
-    # (c) On the host, nothing cuts values but the plan's read of the batch size (a
-    # StridedSlice of Shape): what tests/test_gpu.py takes for the split.
+    # (c) On the host, nothing cuts values but the plan's reads of the batch size and
+    # of its sizes (a StridedSlice of Shape, or of sizes): what tests/test_gpu.py takes
+    # for the split.
+    sizes = _shape_math(nodes)
     for node in nodes:
         if stream or node.device != HOST or node.op not in _CUTS or _scope(node.name)[0]:
+            continue
+        if node.name in sizes:
             continue
         if node.op != "StridedSlice" or by_name[node.inputs[0]].op not in _METADATA:
             source = by_name[node.inputs[0]].op
@@ -537,7 +555,10 @@ def test_every_op_stays_where_it_is_placed_on_gpus(per_sample, mode, form):
         # on the host); what only finishes the result (a mean's count of rows) is the
         # output device's.
         elif not stream and node.op in _PLAN_OPS and (node.name in plan or node.op == "Assert"):
-            want = {GPUS[0]}
+            # (Large weights: the plan in int64 on the host, and its sizes used there;
+            # the outputs' row check still where they land.)
+            on_host = form == "weighted_on_host" and node.op != "Assert"
+            want = {HOST if on_host else GPUS[0]}
         # (d) every size, count and predicate outside the shards (int32 and bool shape
         # math) holds all its arguments in host memory: nothing of it copies to or
         # from a GPU, nor waits for one.
