@@ -319,8 +319,9 @@ class Balance:
         measured until the split's weights are `settled`, all of them splits
         (or, once the fastest device alone is the plan, until that settles, all
         of them alone); then every call again until the split and the fastest device alone
-        each have `MIN_SAMPLES` whole calls measured, the two in turn (at most
-        `LEARNING` calls: a call that cannot run alone, such as a stream's
+        each have `MIN_SAMPLES` whole calls measured, and while a change
+        between them found once is checked (`_choose`), the two in turn (at
+        most `LEARNING` calls: a call that cannot run alone, such as a stream's
         batch, never measures it); then one call in `EVERY` (the first after
         that is not), the two in turn.
         """
@@ -331,6 +332,7 @@ class Balance:
             learning = weighing and (
                 len(self._split_calls) < MIN_SAMPLES
                 or len(self._alone_calls[fastest]) < MIN_SAMPLES
+                or self._leaning > 0  # a change found once: see whether it holds
             )
             if self.settled and learning and self._trials < LEARNING:
                 self._trials += 1
