@@ -54,7 +54,7 @@ _THIRD = flags.DEFINE_integer("third_work", 3, "The same for a third device (0: 
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Timed rounds per method.")
 _SWEEP_REPEATS = flags.DEFINE_integer("sweep_repeats", 3, "Rounds per point of the sweep.")
 _STREAM = flags.DEFINE_integer("stream_batches", 8, "Batches of the stream.")
-_AUTO_CALLS = flags.DEFINE_integer("auto_calls", 30, "Calls auto gets to measure and settle.")
+_AUTO_CALLS = flags.DEFINE_integer("auto_calls", 60, "Calls auto gets to measure and settle.")
 _CENSUS_THREADS = flags.DEFINE_list(
     "census_threads", ["1", "8"], "Threads of each census run (none: no census)."
 )
