@@ -10,7 +10,7 @@ parts, in one traced graph::
     f.per_shard:   plan -> run                           each shard's outputs
     a stream:      plan -> onto_devices (ahead) -> run -> collect or check, batch after batch
 
-    [N, ...] --plan (host)--> sizes --split--> K x [n_k, ...]
+    [N, ...] --plan (where the batch is, int32)--> sizes --split (there)--> K x [n_k, ...]
       --run: tf.device(d_k): vectorized_map(fn) or fn(shard), in chunks of max_rows--> K outputs
       --collect (tf.device(output))--> [N, ...], or totals --finish--> the reduction
 
@@ -82,8 +82,9 @@ class Step:
       weights: integer weights for the plan, or None for an even split (or,
         `balanced`, until the call feeds its own).
       jit_compile: compile each shard with XLA.
-      devices: the shards' devices; `output` where results land, `host` the CPU
-        where the plan and checks run.
+      devices: the shards' devices; `output` where results land (and the
+        outputs' rows are checked), `host` the CPU where a plan of weights fed at
+        run time runs (others run where the batch is: `tfshard._plan`).
       replicas: the replicated variables the shards read, or None.
       template: how the call's arguments are rebuilt from its tensors.
       split_devices: where each split tensor lives ("" when not known).
@@ -133,7 +134,7 @@ class Step:
     def alone(self) -> bool:
         """One device holds every row: the call is a plain trace of the function on it.
 
-        No plan on the host, no split, no gather, no timing: the function runs on
+        No plan, no split, no gather, no timing: the function runs on
         the call's tensors under the device's scope, its rows counted (and
         checked) where its argument lives (`_checks_on`), and the outputs land
         on `output` (left where they are when that is the device, as a
@@ -186,7 +187,7 @@ class Step:
         return planned, shared
 
     def _whole(self, inputs: Sequence[Any], paths: Sequence[str]) -> Planned:
-        """Every row to the one device (`alone`): nothing to plan or split on the host.
+        """Every row to the one device (`alone`): nothing to plan or split.
 
         The rows are counted where the first argument lives (`_checks_on`: a
         Shape op, none where they are static), and where an argument came from
