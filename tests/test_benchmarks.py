@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import children
 import numerics
@@ -197,103 +197,34 @@ def test_plot_draws_speedup_against_devices(bench, results, tmp_path):
     assert not bench["_harness"].plot(tmp_path / "none.png", {"cases": {}})
 
 
-# Each script as a user runs it, in its own process: name -> (script, flags, environment:
-# names to remove and variables to set). The runs start at once, once per module (each
-# process imports TensorFlow: seconds), and the tests below read them. No test reads a time.
-_RUNS = {
-    # scaling.py: its own devices, JSON out; the CPU bed by name (a GPU machine's default is
-    # its GPUs).
-    "scaling": (
-        "scaling.py",
-        ("--case=compute", "--case=scaling", "--repeats=1", "--warmup=0", "--batch=32",
-         "--width=8", "--depth=1", "--batch_sizes=4", "--max_devices=3", "--device_type=cpu"),
-        {},
-    ),  # fmt: skip
-    # cores.py: workers in their own processes, alone and together, and the ratio (printed).
-    "cores": (
-        "cores.py",
-        ("--rounds=2", "--calls=2", "--batch=16", "--width=8", "--depth=1"),
-        {"no_json": True},
-    ),
-    "first_call": (
-        "first_call.py",
-        ("--devices=2", "--leaves=2", "--device_type=cpu", "--runs=1", "--nobaselines"),
-        {},
-    ),
-    # The script measures logical CPU devices; a GPU in its process is no part of it (on the
-    # H100 its default-device one_device ran in TF32 and failed its own check, 3.3e-4).
-    "replicas": (
-        "replicas.py",
-        ("--devices=3", "--batch=5", "--width=16", "--depth=2", "--repeats=1"),
-        {"CUDA_VISIBLE_DEVICES": ""},
-    ),
-    # As a user runs it on its own: the script picks a CPU allocator that keeps statistics
-    # (oneDNN's) where TensorFlow would not by itself.
-    "stream_memory": (
-        "stream_memory.py",
-        ("--rows=64,256", "--batch=32", "--width=8"),
-        {"without": ("TF_ENABLE_ONEDNN_OPTS",)},
-    ),
-    # write and the README's recipe, each in a fresh process; the files go to --dir.
-    "write": (
-        "write.py",
-        ("--rows=300", "--batch=64", "--features=8", "--hidden=8", "--dim=4",
-         "--ways=write,recipe", "--repeats=1"),
-        {"TF_CPP_MIN_LOG_LEVEL": "3"},
-    ),  # fmt: skip
-}
-
-
-class _Run(NamedTuple):
-    status: int
-    stdout: str
-    stderr: str
-    json: Any  # what it wrote to --json, None if nothing
-    directory: Path  # where it ran (cwd), and --dir for write.py
-
-
-@pytest.fixture(scope="module")
-def script_runs(tmp_path_factory) -> dict[str, _Run]:
-    """Every script of `_RUNS`, and first_call.py asking for GPUs on a machine without any
-    ("gpu_where_none"), run at once; name -> its `_Run`."""
-    started, where = {}, {}
-    runs = dict(_RUNS)
-    if not tf.config.list_physical_devices("GPU"):
-        runs["gpu_where_none"] = ("first_call.py", ("--device_type=gpu",), {"no_json": True})
-    for name, (script, flags, settings) in runs.items():
-        settings = dict(settings)
-        without = settings.pop("without", ())
-        extra = [] if settings.pop("no_json", False) else [f"--json={name}.json"]
-        directory = where[name] = tmp_path_factory.mktemp(name)
-        if script == "write.py":
-            extra.append(f"--dir={directory}")
-        started[name] = subprocess.Popen(
-            [sys.executable, str(BENCHMARKS / script), *flags, *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=directory,
-            env=children.environ(without=without, **settings),
-        )
-    done = {}
-    for name, (status, out, err) in children.finished(started, timeout=600).items():
-        written = where[name] / f"{name}.json"
-        numbers = json.loads(written.read_text()) if written.exists() else None
-        done[name] = _Run(status, out, err, numbers, where[name])
-    return done
-
-
-def _ran(script_runs, name) -> _Run:
-    run = script_runs[name]
-    assert run.status == 0, run.stderr[-3000:]
-    return run
-
-
-def test_script_runs_end_to_end(script_runs):
+def test_script_runs_end_to_end(tmp_path):
     """scaling.py as a user runs it: its own process, its own devices, JSON out."""
-    run = _ran(script_runs, "scaling")
-    assert "== compute" in run.stdout and "== scaling" in run.stdout
-    report = run.json
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "scaling.py"),
+            "--case=compute",
+            "--case=scaling",
+            "--repeats=1",
+            "--warmup=0",
+            "--batch=32",
+            "--width=8",
+            "--depth=1",
+            "--batch_sizes=4",
+            "--max_devices=3",
+            "--device_type=cpu",  # the CPU bed by name: a GPU machine's default is its GPUs
+            f"--json={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=children.environ(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== compute" in proc.stdout and "== scaling" in proc.stdout
+    report = json.loads(out.read_text())
     assert set(report["cases"]) == {"compute", "scaling"}
     env = report["environment"]
     assert env["logical_devices"] == [f"/device:CPU:{i}" for i in range(3)]
@@ -305,11 +236,27 @@ def test_script_runs_end_to_end(script_runs):
     ]
 
 
-def test_cores_script_measures_the_machines_own_ceiling(script_runs):
+def test_cores_script_measures_the_machines_own_ceiling(tmp_path):
     """cores.py: workers in their own processes, alone and together, and the ratio."""
-    run = _ran(script_runs, "cores")
-    match = re.search(r"2 workers get through (\d+\.\d+)x the work of one", run.stdout)
-    assert match, run.stdout
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "cores.py"),
+            "--rounds=2",
+            "--calls=2",
+            "--batch=16",
+            "--width=8",
+            "--depth=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=children.environ(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = re.search(r"2 workers get through (\d+\.\d+)x the work of one", proc.stdout)
+    assert match, proc.stdout
     # A ratio of two timings of microseconds: any positive number on a busy machine (one
     # worker descheduled while alone gave 4x and more). Timings prove nothing here.
     assert float(match.group(1)) > 0.0
@@ -335,8 +282,9 @@ def _script(
     return proc, json.loads(out.read_text())
 
 
-def test_first_call_script_measures_each_first_call_in_a_fresh_process(script_runs):
-    numbers = _ran(script_runs, "first_call").json
+def test_first_call_script_measures_each_first_call_in_a_fresh_process(tmp_path):
+    flags = ("--devices=2", "--leaves=2", "--device_type=cpu", "--runs=1", "--nobaselines")
+    _, numbers = _script(tmp_path, "first_call.py", *flags)
     assert numbers["devices"] == ["/device:CPU:0", "/device:CPU:1"]
     (row,) = numbers["rows"]
     assert (row["devices"], row["leaves"]) == (2, 2)
@@ -362,16 +310,26 @@ def test_scaling_and_first_call_take_the_machines_gpus(two_gpus, tmp_path):
     assert [r["devices"] for r in numbers["rows"]] == [1, 2]
 
 
-def test_asking_for_gpus_where_there_are_none_says_so(script_runs):
-    if "gpu_where_none" not in script_runs:
+def test_asking_for_gpus_where_there_are_none_says_so(tmp_path):
+    if tf.config.list_physical_devices("GPU"):
         pytest.skip("this machine has a GPU")
-    run = script_runs["gpu_where_none"]
-    assert run.status == 1
-    assert "error: --device_type=gpu but TensorFlow lists no GPU" in run.stderr
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "first_call.py"), "--device_type=gpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=children.environ(),
+    )
+    assert proc.returncode == 1
+    assert "error: --device_type=gpu but TensorFlow lists no GPU" in proc.stderr
 
 
-def test_replicas_script_counts_the_weight_bytes_that_cross(script_runs):
-    numbers = _ran(script_runs, "replicas").json
+def test_replicas_script_counts_the_weight_bytes_that_cross(tmp_path):
+    # The script measures logical CPU devices; a GPU in its process is no part of it (on the
+    # H100 its default-device one_device ran in TF32 and failed its own check, 3.3e-4).
+    flags = ("--devices=3", "--batch=5", "--width=16", "--depth=2", "--repeats=1")
+    _, numbers = _script(tmp_path, "replicas.py", *flags, CUDA_VISIBLE_DEVICES="")
     crossing = {row["method"]: row["crossing_bytes"] for row in numbers["rows"]}
     weights = 2 * (16 * 16 + 16) * 4  # two Dense(16) layers of float32
     assert numbers["weight_bytes"] == weights
@@ -386,28 +344,45 @@ def test_replicas_script_counts_the_weight_bytes_that_cross(script_runs):
     assert all(row["ms_per_call"] > 0 for row in numbers["rows"])
 
 
-def test_stream_memory_script_reads_peak_bytes_of_each_way(script_runs):
-    """stream_memory.py: every way computes the same rows, and each has a peak reading."""
-    run = _ran(script_runs, "stream_memory")
-    runs = run.json["runs"]
+def test_stream_memory_script_reads_peak_bytes_of_each_way(tmp_path):
+    """stream_memory.py: every way computes the same rows, and each has a peak reading.
+
+    As a user runs it on its own: the script picks a CPU allocator that keeps statistics
+    (oneDNN's) where TensorFlow would not by itself.
+    """
+    flags = ("--rows=64,256", "--batch=32", "--width=8")
+    unset = ("TF_ENABLE_ONEDNN_OPTS",)
+    proc, numbers = _script(tmp_path, "stream_memory.py", *flags, without=unset)
+    runs = numbers["runs"]
     assert [r["rows"] for r in runs] == [64, 256]
-    for one in runs:
-        assert set(one["peak_bytes"]) == {"f(dataset)", "f.iterate(dataset)", "f(x)"}
-        assert one["result_bytes"] == one["rows"] * 8 * 4
-        assert all(peak >= 0 for peak in one["peak_bytes"].values())
-    assert "f.iterate(dataset)" in run.stdout
+    for run in runs:
+        assert set(run["peak_bytes"]) == {"f(dataset)", "f.iterate(dataset)", "f(x)"}
+        assert run["result_bytes"] == run["rows"] * 8 * 4
+        assert all(peak >= 0 for peak in run["peak_bytes"].values())
+    assert "f.iterate(dataset)" in proc.stdout
 
 
-def test_write_script_measures_each_way_in_its_own_process(script_runs):
+def test_write_script_measures_each_way_in_its_own_process(tmp_path):
     """write.py: write and the README's recipe, each in a fresh process, same rows, a table."""
-    run = _ran(script_runs, "write")
-    report = run.json
+    out = tmp_path / "write.json"
+    flags = ["--rows=300", "--batch=64", "--features=8", "--hidden=8", "--dim=4"]
+    flags += ["--ways=write,recipe", "--repeats=1", f"--dir={tmp_path}", f"--json={out}"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "write.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=children.environ(TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
     assert [(r["way"], r["rows"]) for r in report["summary"]] == [("write", 300), ("recipe", 300)]
     for row in report["summary"]:
         assert row["seconds"] > 0 and row["result_bytes"] == 300 * 4 * 4
     assert report["summary"][1]["x_recipe"] == 1.0
-    assert "  write          300" in run.stdout and "x recipe" in run.stdout
-    assert sorted(os.listdir(run.directory)) == ["write.json"]  # each way's files removed
+    assert "  write          300" in proc.stdout and "x recipe" in proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["write.json"]  # each way's files removed
 
 
 def test_unequal_compares_even_the_best_static_weights_and_auto(bench, two_devices):

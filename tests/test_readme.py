@@ -4,8 +4,7 @@ The README reads as programs: a block that imports tfshard starts one (its own f
 process, as a user pasting it would), and a block that does not continues the program
 before it (`embed`, `images` and `ds` come from "What it does"). Each program is one child
 that runs its blocks in order and names the README line of the block that failed, so a
-TensorFlow start is paid once per program, not once per block; the programs' children run
-at once.
+TensorFlow start is paid once per program, not once per block.
 
 Skipped blocks are listed in `_SKIPPED` by how their first line starts, each with why; a
 listed block the README no longer has fails the test, so the list cannot go stale.
@@ -20,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from children import environ, finished
+from children import environ
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -91,29 +90,14 @@ def test_every_skipped_block_is_in_the_readme():
     assert [f for f in _SKIPPED if sum(s.startswith(f) for s in sources) != 1] == []
 
 
-def _name(program: list[tuple[int, str]]) -> str:
-    return f"README.md:{program[0][0]}-{program[-1][0]}"
-
-
-@pytest.fixture(scope="module")
-def program_runs(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
-    """Every program, each a child started at once with the others (their TensorFlow
-    starts share the cores), in a directory of its own: name -> (status, stdout, stderr)."""
-    started = {}
-    for program in _programs():
-        started[_name(program)] = subprocess.Popen(
-            [sys.executable, "-c", _RUNNER, json.dumps(program)],
-            # blocks write "embeddings" and "embeddings.npy" where they run
-            cwd=tmp_path_factory.mktemp("program"),
-            env=environ(TF_CPP_MIN_LOG_LEVEL="3"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    return finished(started, timeout=300)
-
-
-@pytest.mark.parametrize("program", _programs(), ids=_name)
-def test_readme_program_runs_as_printed(program, program_runs):
-    status, _, stderr = program_runs[_name(program)]
-    assert status == 0, stderr[-4000:]
+@pytest.mark.parametrize("program", _programs(), ids=lambda p: f"README.md:{p[0][0]}-{p[-1][0]}")
+def test_readme_program_runs_as_printed(program, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", _RUNNER, json.dumps(program)],
+        cwd=tmp_path,  # blocks write "embeddings" and "embeddings.npy" where they run
+        env=environ(TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
