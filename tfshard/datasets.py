@@ -93,6 +93,7 @@ class Runner:
         self.engine = engine
         self._lock = threading.RLock()
         self.loops: dict[Any, _Loop] = {}  # traced loops, by element spec and trace key
+        self._batches: dict[Any, Any] = {}  # a symbolic batch of each loop's element spec
         self._generation = engine.generation
 
     @property
@@ -349,19 +350,23 @@ class Runner:
         if not _static_inner_shapes(spec) or pinning.is_remote(engine.output):
             return None
         relaxed = _trees.map_leaves(_any_rows, spec)  # one loop for every batch size
+        loop_spec = tf.data.DatasetSpec(relaxed)
         # The call of a batch as the loop holds it, from the iterator inside the loop:
         # Python knows neither its rows (an error names the shard's slice) nor its
         # device, nor whether its fields' rows agree (the step's plan checks them, as
         # in a tf.function).
+        batch = self._batches.get(loop_spec)
+        if batch is None:
+            batch = self._batches.setdefault(loop_spec, _symbolic(relaxed))
         try:
-            call = intake.call(_symbolic(relaxed))
+            call = intake.call(batch)
         except ArgumentError:
             return None  # e.g. a further argument to split: the Python loop says what is wrong
         count = len(_trees.flatten(spec)[0])
         kinds = call.template.element_kinds(len(split_element(relaxed)))
         if call.template.split_count != count or kinds != ["split"] * count:
             return None
-        key = (tf.data.DatasetSpec(relaxed), call.key)
+        key = (loop_spec, call.key)
         with self._lock:  # concurrent first calls trace one loop
             loop = self.loops.get(key)
             if loop is None:
