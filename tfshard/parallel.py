@@ -708,8 +708,8 @@ def parallelize(
         shard's value, weighted by the shard's size, so a shard-mean loss or
         gradient reduces to exactly the full-batch mean; empty shards are
         left out. Without a reduction, a whole-shard function's outputs must
-        have one row per input row (checked on the host; an ArgumentError
-        names the output and shard otherwise).
+        have one row per input row (checked where the outputs land; an
+        ArgumentError names the output and shard otherwise).
       output_device: where results land. Default: the first device.
       broadcast: names (or positions) of arguments passed whole to every shard,
         such as weights or a lookup table.
