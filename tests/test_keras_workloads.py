@@ -25,11 +25,8 @@ keras = pytest.importorskip("keras")
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
 
 
-@pytest.fixture(autouse=True)
-def built_on_the_cpu_bed():
-    """Models and references live on DEVICES[0] (a GPU machine's default is GPU:0)."""
-    with tf.device(DEVICES[0]):
-        yield
+# Models, variables and references live on DEVICES[0], /device:CPU:0 (conftest).
+pytestmark = pytest.mark.usefixtures("built_on_the_cpu_bed")
 
 
 @pytest.fixture

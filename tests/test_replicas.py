@@ -25,15 +25,8 @@ keras = pytest.importorskip("keras")
 DEVICES = ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
 
 
-@pytest.fixture(autouse=True)
-def built_on_the_cpu_bed():
-    """Eager variables and references live on DEVICES[0], by name.
-
-    TensorFlow's default device is GPU:0 on a machine with a GPU: a model built there would
-    make every CPU shard read remotely, and its reference would run in TF32.
-    """
-    with tf.device(DEVICES[0]):
-        yield
+# Models, variables and references live on DEVICES[0], /device:CPU:0 (conftest).
+pytestmark = pytest.mark.usefixtures("built_on_the_cpu_bed")
 
 
 def _home(variable) -> str:

@@ -8,11 +8,11 @@ however the cores are shared), with margins.
 """
 
 import importlib
-import subprocess
 import sys
 import types
 from pathlib import Path
 
+import children
 import numerics
 import numpy as np
 import pytest
@@ -604,12 +604,6 @@ def test_example_help_answers_before_tensorflow_loads():
         "    pass\n"
         "print('tensorflow loaded:', 'tensorflow' in sys.modules, file=sys.stderr)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=EXAMPLES.parent,
-    )
+    result = children.python(code)
     assert "--shared_counter" in result.stdout
     assert "tensorflow loaded: False" in result.stderr, result.stderr[-2000:]
