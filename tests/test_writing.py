@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import write_job
+from children import as_in_a_terminal
 from children import environ as child_environ
 
 import tfshard
@@ -398,11 +399,6 @@ SCENARIOS = (
 )
 
 
-def _as_in_a_terminal():
-    # A background job starts with SIGINT ignored; the SIGINT child needs Ctrl-C's default.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def started(tmp_path_factory):
     """Every scenario of write_job.py in its own process, started with this module's first
@@ -420,7 +416,7 @@ def started(tmp_path_factory):
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-            preexec_fn=_as_in_a_terminal,
+            preexec_fn=as_in_a_terminal,
         )
         processes[name] = (process, path, log)
     yield processes
