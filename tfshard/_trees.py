@@ -10,17 +10,14 @@ own type, an OrderedDict as one, a defaultdict with its default_factory) and
 attrs classes (fields in declaration order). Everything else, tensors and
 composite tensors included, is a leaf.
 
-A hand-written walker rather than `tf.nest`: `tf.nest.flatten` gives leaves but
-no hashable key of the structure, which every call needs for its trace key, so
-it would take a second pass (BENCHMARKS.md, "The tree walk"). Other modules read
-a structure key with `fold` and `labels` rather than walking it again.
+A hand-written walker rather than `tf.nest`, because every call needs a
+hashable key of the structure for its trace key, and `tf.nest` would take a
+second pass for it. Other modules read a key with `fold` and `labels` rather
+than walking the value again. The walk builds no path strings: a path is built
+only for an error, by a second walk.
 
-The walk builds no path strings: a path is built only for an error, by a
-second walk.
-
-Its rules are tf.nest's (tests/test_trees.py checks them against tf.nest with
-hypothesis), and a mapping whose keys cannot be sorted (mixed types) is
-refused with the path and the fix.
+Its rules are tf.nest's (tests/test_trees.py checks them against tf.nest), and
+a mapping whose keys cannot be sorted (mixed types) is refused with the path.
 """
 
 from __future__ import annotations
@@ -165,8 +162,8 @@ def build(key: Hashable, leaves: Iterator[Any]) -> Any:
 
 
 def fold(key: Hashable, leaf: Callable[[], Any], node: Callable[[Hashable, list[Any]], Any]) -> Any:
-    """`key` folded bottom up: ``leaf()`` at each leaf, in leaf order, and
-    ``node(key, results)`` at each node, `results` its children's, in leaf order.
+    """`key` folded bottom up: ``leaf()`` at each leaf, ``node(key, results)`` at
+    each node (`results` its children's), in leaf order.
 
     >>> fold(flatten({"b": 1, "a": (2, 3)})[1], lambda: 1, lambda key, counts: sum(counts))
     3
@@ -177,8 +174,8 @@ def fold(key: Hashable, leaf: Callable[[], Any], node: Callable[[Hashable, list[
 
 
 def labels(key: Hashable) -> tuple[Any, ...]:
-    """The labels of a node's children, in leaf order: a sequence's indices (a
-    namedtuple's field names), a mapping's sorted keys, an attrs class's fields.
+    """A node's child labels in leaf order: indices (a namedtuple's fields),
+    sorted keys, or attrs fields.
 
     >>> labels(flatten({"b": 1, "a": 2})[1])
     ('a', 'b')
@@ -235,28 +232,3 @@ def first_difference(prefix: str, ours: Hashable, theirs: Hashable) -> str:
     a, b = paths(prefix, ours), paths(prefix, theirs)
     only: Iterable[str] = [p for p in a if p not in b] or [p for p in b if p not in a]
     return next(iter(only), prefix)
-
-
-def _benchmark() -> None:  # pragma: no cover - the measurement quoted above
-    import timeit
-
-    import tensorflow as tf
-
-    x = tf.zeros([8, 4])
-    cases = {
-        "one tensor": x,
-        "(x, y, z)": (x, x, x),
-        "dict of 5 tensors": dict.fromkeys("abcde", x),
-    }
-    for name, value in cases.items():
-        walk = min(timeit.repeat(lambda v=value: flatten(v), number=20000, repeat=7)) / 20000
-
-        def nest(v: Any = value) -> Any:
-            return tf.nest.flatten(v), tf.nest.map_structure(type, v)
-
-        other = min(timeit.repeat(nest, number=20000, repeat=7)) / 20000
-        print(f"{name:<20} {walk * 1e6:5.1f} us  {other * 1e6:5.1f} us")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _benchmark()
