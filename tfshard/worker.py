@@ -37,12 +37,7 @@ _WAKE_S = 0.5  # The longest a served worker takes to see Ctrl-C (see `serve`).
 
 
 def _define_flags() -> None:
-    """The script's flags, defined only when it runs as a script.
-
-    Defining them at import would put --cluster, --job and --task into the flags
-    of every program that imports tfshard.worker (pytest imports it for its
-    doctests), where an example's own --cluster would then clash.
-    """
+    """The script's flags; defined only when run as a script, so an importer's flags don't clash."""
     flags.DEFINE_string(
         "cluster",
         None,
@@ -94,8 +89,7 @@ def serve(cluster_spec: str | None = None, job: str | None = None, task: int | N
     )
     # Not server.join(), nor one long sleep: Python runs signal handlers in the
     # main thread between bytecodes, and the kernel may hand Ctrl-C's SIGINT to
-    # any of TensorFlow's threads, which leaves a blocked main thread asleep
-    # (measured: a worker in time.sleep(3600) still served 15 s after SIGINT).
+    # any of TensorFlow's threads, which leaves a blocked main thread asleep.
     # Waking every _WAKE_S bounds how long Ctrl-C takes. SIGTERM keeps its
     # default action and ends the process at once (a TF server has no stop).
     # The ready line is inside the try: a Ctrl-C sent the moment it is read can
