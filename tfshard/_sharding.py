@@ -9,9 +9,8 @@ do, and settled once by what the shared trace learned (`settle`):
   the output device or the host runs so, and every shard where sharing is not
   right (below).
 - `How.SHARED`: the shard calls one trace of the function that every such shard
-  shares (`Trace`), not inlined, under its own scope and device: most of a first
-  call's cost is tracing (a vectorised function's pfor conversion above all), so
-  each shard past the second saves it.
+  shares (`Trace`), not inlined, under its own scope and device, so the function
+  (a vectorised one's pfor conversion above all) is traced once, not per shard.
 - `How.COMPILED`: the shard calls one XLA-compiled trace; `How.COMPILED_PER_DEVICE`
   with replicas, where each device's trace reads its own copies.
 
@@ -19,20 +18,15 @@ do, and settled once by what the shared trace learned (`settle`):
 takes a token (`unordered`), so TensorFlow does not run the shards one after
 another.
 
-Why in place on the output device and the host: a failure inside a called
-function cancels the step, and the receives pending beside its call (the
-gather's, the row checks') can then report their cancellation first, so the
-error itself would be lost; in place, the failing op is the first the step
-sees. For the same reason no shard shares a trace with replicas (each shard
-captures its own device's copies), beside other transfers (a stream feeding its
-next batch ahead), in chunks (``max_rows``) or across workers; nor where one
-shard alone would call the trace (a trace called once saves no tracing and
-costs the call's instantiation). A trace that writes a resource (a variable, a
-Generator's state) is not shared either (`settle`): TensorFlow orders the writes
-to one resource in graph order, and for a call that means the whole call, so
-the shards would run in turn; traced in place, only the writes are ordered and
-the shards' work overlaps. A compiled shard is one call either way: under XLA,
-shards that write one resource run in turn.
+In place on the output device and the host, because a failure inside a called
+function would lose its error to the cancelled receives beside the call (the
+gather's, the row checks'); in place, the failing op is the first the step sees.
+For the same reason nothing is shared with replicas, beside other transfers (a
+stream feeding its next batch ahead), in chunks (``max_rows``) or across
+workers; nor where one shard alone would call the trace (nothing to save). A
+trace that writes a resource is not shared (`settle`): TensorFlow orders a
+call's writes to a resource as one, so the shards would run in turn. Under XLA,
+shards that write one resource run in turn either way.
 """
 
 from __future__ import annotations
@@ -191,30 +185,21 @@ def build(
     return [next(calls) if h is How.SHARED else in_place for h in how]
 
 
-# "_noinline" reaches TF through the public `experimental_attributes`, which
-# accepts it by name (its allowlist for `tf.function`); the underscore is TF's
-# spelling, not a private API. Not inlined, a shared trace is one function
-# instantiated per device, and a failing op's error carries the calling op's
-# name (``tfshard_shard_k/...``) as context, which names the shard. Pinned by
-# test_shards_off_the_output_device_call_one_shared_trace_each_on_its_device.
+# "_noinline" is a name the public `experimental_attributes` accepts (TF's
+# spelling, not a private API). Not inlined, a shared trace is instantiated per
+# device, and a failing op's error names the calling op (``tfshard_shard_k/...``),
+# so the shard.
 _NOT_INLINED = {"_noinline": True}
 
 
 def unordered(function: TokenShardFn, devices: Sequence[str]) -> list[ShardFn]:
     """Calls of `function`, one per device, that TensorFlow does not chain one after another.
 
-    Inside a `tf.function`, automatic control dependencies chain every
-    stateful op that takes no resource in the order it was traced, and a
-    call of a function is stateful when its body is (a random op, dropout,
-    `tf.print`, an assertion). A non-inlined call is one kernel, so a shard
-    would wait for the whole of the shard before it. Ops that take a resource
-    are ordered per resource instead, and reads of one resource not against
-    each other: each call here takes a token, a variable handle on its own
-    device that nothing reads or writes, so the calls are ordered only by the
-    resources they write (`writes_resources`). The tokens are made here,
-    before any shard, so they wait for nothing the shards do. Every call still
-    runs (a stateful call is an output of the step), and each keeps the order
-    of side effects inside it.
+    Automatic control dependencies chain stateful ops that take no resource in
+    trace order (a call is stateful when its body is), but order ops that take a
+    resource only per resource. Each call takes a token (`token`), made before
+    any shard, so the calls are ordered only by the resources they write. Every
+    call still runs, and keeps the order of the side effects inside it.
 
     Args:
       function: a shard's computation from its rows, their number and a token.
@@ -228,12 +213,8 @@ def unordered(function: TokenShardFn, devices: Sequence[str]) -> list[ShardFn]:
 
 
 def token(device: str) -> tf.Tensor:
-    """A resource handle on `device` that nothing reads or writes (see `unordered`).
-
-    An op that takes one is ordered only against other users of that handle:
-    a call, a chunk loop or a timestamp of one shard stays out of the chain
-    TensorFlow makes of the stateful ops of every shard.
-    """
+    """A resource handle on `device` that nothing reads or writes: an op taking it
+    stays out of the chain of every shard's stateful ops (see `unordered`)."""
     with tf.device(device):
         return tf.raw_ops.VarHandleOp(
             dtype=tf.float32, shape=[], shared_name="tfshard_unordered_token"
