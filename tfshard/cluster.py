@@ -28,9 +28,9 @@ connections still open (a stopped process, a network partition) would block a
 call forever; `connect` (and ``python -m tfshard.worker`` on each worker) turns
 on gRPC keepalive (``TF_GRPC_DEFAULT_OPTIONS``, unless already set; read when
 the process makes its first connection), so that such a call fails instead,
-after about a minute (measured 60-80 s; workers started another way need the
-same variable). Pings more often than every 5 minutes are not safe with default
-gRPC servers: they fail long calls with "Too many pings".
+after about a minute (workers started another way need the same variable).
+Pings more often than every 5 minutes are not safe with default gRPC servers:
+they fail long calls with "Too many pings".
 
 Shared internals (plain names, not in ``__all__``): `cluster_jobs`, `cluster_flag`,
 `Jobs` (used by tfshard.worker); `any_down`, `down_task`, `down_hint`,
@@ -78,14 +78,12 @@ GRPC_OPTIONS_ENV = "TF_GRPC_DEFAULT_OPTIONS"
 # gRPC keepalive, set by `connect` for the client and by tfshard.worker for
 # each worker (a worker's own channels carry the calls to its peers). Without
 # it a worker that stops answering but keeps its connections open (a stopped
-# process; likewise a host that drops off the network) blocks a call forever
-# (measured: > 5 min, and > 13 min with keepalive on the client alone). With it
-# on every process, a call with a SIGSTOPped worker on loopback failed with
-# UnavailableError("ping timeout") naming that task after 60-80 s (3 runs).
-# A killed worker needs none of this: its calls fail at once. Pings every 5 s
-# detected no faster (59-125 s), and made a healthy 3-minute call fail with
-# "Too many pings" from its busy worker; 5 min is the interval gRPC servers
-# accept by default (a healthy 273 s call passed).
+# process; likewise a host that drops off the network) blocks a call forever,
+# even with keepalive on the client alone. With it on every process, such a call
+# fails with UnavailableError("ping timeout") naming the task. A killed worker
+# needs none of this: its calls fail at once. 5 min is the shortest interval
+# default gRPC servers accept ("Too many pings" otherwise); shorter pings detect
+# no faster.
 KEEPALIVE_OPTIONS = "grpc.keepalive_time_ms=300000,grpc.keepalive_timeout_ms=20000"
 # The job this process takes in the cluster, TensorFlow's name for the client;
 # its devices keep their local names ("/device:CPU:0").
@@ -106,11 +104,7 @@ class _Connection:
     `tf.experimental.async_clear_error`, which a failed call with its output
     on a worker needs, sends a sync to every task over its eager stream and
     waits for every answer with no deadline, in C++ where Ctrl-C cannot reach
-    it: once the stream to a dead task has failed, that answer never comes
-    (measured, TF 2.21: in plain TF, the first clear after killing a worker
-    the client had used hung; in tfshard, the call after a worker's death hung
-    in it, > 60 s every run, and a killed output worker hung the failing call
-    itself).
+    it: once the stream to a dead task has failed, that answer never comes.
     """
 
     jobs: Jobs  # the remote tasks
@@ -132,10 +126,7 @@ class _Connection:
         return {key: down[key] for key in order if key in down}
 
     def find_down(self, timeout: float) -> dict[tuple[str, int], str]:
-        """Probes the tasks not found down yet; records the ones down now. All down tasks.
-
-        A refused connection counts at once (`_probe` without waiting for a start).
-        """
+        """Probes the tasks not found down yet (a refused connection counts); all tasks down."""
         known = self.found_down()
         rest = {
             job: {t: a for t, a in tasks.items() if (job, t) not in known}
@@ -227,10 +218,7 @@ def _read_tf_config() -> tuple[Any, dict[str, Any]]:
 
 
 def cluster_jobs(cluster: Any) -> Jobs:
-    """The validated jobs of any spelling `cluster_spec` accepts.
-
-    Shared internal (tfshard.worker reads its --cluster flag with it).
-    """
+    """The validated jobs of any spelling `cluster_spec` accepts (shared internal)."""
     cluster, where = _cluster_mapping(cluster)
     jobs: Jobs = {}
     for job, tasks in cluster.items():
@@ -329,8 +317,8 @@ def _probe(
     waited for; then a gRPC call to the server's worker service, so a port
     that accepts connections but never answers (a stopped process, or not a
     TensorFlow server) is caught too. `problem` is None when it answered.
-    Without `wait_for_start` a refused connection is a worker down now: after
-    a failed call nothing is starting, and waiting cost every failure ~1.8 s.
+    Without `wait_for_start` a refused connection is a worker down: after a
+    failed call nothing is starting, so waiting would only delay the failure.
     """
     host, port = _split_address(address, "address")
     deadline = time.monotonic() + timeout
@@ -393,10 +381,7 @@ def _probe_all(
 
 
 def cluster_flag(jobs: Jobs) -> str:
-    """The --cluster value of `python -m tfshard.worker` for these jobs.
-
-    Shared internal (tfshard.worker prints the `connect` call for its cluster).
-    """
+    """The --cluster value of `python -m tfshard.worker` for these jobs (shared internal)."""
     if list(jobs) == ["worker"] and list(jobs["worker"]) == list(range(len(jobs["worker"]))):
         return ",".join(jobs["worker"].values())
     dense = {
@@ -418,11 +403,7 @@ def _worker_command(jobs: Jobs, job: str, task: int) -> str:
 
 
 def _local_address(local: str | None) -> str:
-    """This process's gRPC address as the workers see it, on a free port.
-
-    `local` is the address our probe connection came from, so it is the
-    interface that reaches the workers (127.0.0.1 for workers on loopback).
-    """
+    """This process's gRPC address on a free port, on `local`: the probe's side of the link."""
     host = local or "127.0.0.1"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -706,19 +687,13 @@ def _down_hint(connection: _Connection, down: Mapping[tuple[str, int], str]) -> 
 
 
 def any_down() -> bool:
-    """Whether a task of the connected cluster was found down (see `_Connection`).
-
-    Shared internal: the engine asks before every call, so this costs a lookup.
-    """
+    """Whether a task of the connected cluster was found down; a lookup (shared internal)."""
     connection = _connection
     return connection is not None and bool(connection.down)
 
 
 def down_task(device: _device_names.DeviceSpecLike) -> tuple[str, int] | None:
-    """``(job, task)`` of `device` when that task was found down; None when not, or local.
-
-    Shared internal, for the engine's messages.
-    """
+    """``(job, task)`` of `device` when that task was found down; None when not, or local."""
     task = _task_of(device)
     connection = _connection
     if task is None or connection is None or task not in connection.found_down():
@@ -727,10 +702,7 @@ def down_task(device: _device_names.DeviceSpecLike) -> tuple[str, int] | None:
 
 
 def down_hint() -> str | None:
-    """The way back from every task found down, without probing; None when none was.
-
-    Shared internal: the engine's message for a call it fails before running.
-    """
+    """The way back from every task found down, without probing; None when none was."""
     connection = _connection
     down = connection.found_down() if connection is not None else {}
     if not down:
