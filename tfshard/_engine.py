@@ -161,25 +161,16 @@ class Engine:
         return self.options.weights
 
     def plan(self, n: int, weights: tuple[int, ...] | None = None) -> list[int]:
-        """The shard sizes for `n` rows, in Python (the graph's `plan_sizes`, exactly).
-
-        Args:
-          n: the rows.
-          weights: the integer weights of that plan, or None for those in use now.
-        """
+        """The shard sizes for `n` rows, in Python (the graph's `plan_sizes`, exactly),
+        by these integer weights (None: those in use)."""
         weights = self.plan_weights() if weights is None else weights
         return plan_rows(int(n), len(self.devices), weights)
 
     # ------------------------------------------------------------ steps
 
     def holding(self, weights: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        """The devices a call's graph holds, by index: those `weights` give rows.
-
-        None where that is every device (even weights, or none weighted 0). A
-        device weighted 0 (given so, or found useless by ``weights="auto"``) is
-        left out of the call's graph: no ops, no guard, no copies; a call whose
-        weights leave one device is that device alone (`Step.alone`).
-        """
+        """The devices a call's graph holds, by index: those `weights` give rows (None:
+        every device). A device weighted 0 gets no ops, guard or copies in the graph."""
         if weights is None or all(weights):
             return None
         return tuple(k for k, w in enumerate(weights) if w > 0)
@@ -281,13 +272,9 @@ class Engine:
     # ------------------------------------------------------------ calls
 
     def trace(self, call: _arguments.Call, measured: bool = False) -> Any:
-        """The concrete function a call with this trace key runs, traced on first use.
-
-        Unmeasured (with ``weights="auto"``, the graph of the calls between
-        measured ones), it takes the call's tensors and returns its outputs,
-        the weights in use its constants. `measured`, it takes the plan's weights
-        after the call's tensors (`feeds`) and returns ``(outputs, timing)``.
-        """
+        """The concrete function a call with this trace key runs, traced on first use:
+        it takes the call's tensors (the weights in use its constants), or `measured`,
+        also the plan's weights (`feeds`), returning ``(outputs, timing)``."""
         weights = self.plan_weights()
         held = self._held(call.rows, weights)
         return self._traced(call, "call", offset=False, measured=measured, **held).graph
@@ -345,7 +332,7 @@ class Engine:
         """
         weighs = measured and self._weighs(shards)
         if offset is None and not weighs:
-            return []  # a plain call's graph takes none (a device scope costs ~5 us a call)
+            return []  # a plain call's graph takes none: no device scope on its path
         with tf.device(self.host):  # where the plan reads them
             values = [] if offset is None else [tf.constant(offset, tf.int64)]
             if weighs:
@@ -356,13 +343,8 @@ class Engine:
         return values
 
     def call(self, call: _arguments.Call, offset: int | None = None) -> Any:
-        """Runs one call; results land on the output device.
-
-        Args:
-          call: the classified call.
-          offset: the global row of its first row, for a batch of a stream
-            (`tfshard.row_index` counts it); None for a call of its own (0).
-        """
+        """Runs one call; results land on the output device. `offset`: the global row
+        of its first row in a stream (`tfshard.row_index` counts it); None: 0."""
         return self._run(call, "call", offset)
 
     def totals(self, call: _arguments.Call, offset: int | None = None) -> Any:
@@ -516,19 +498,14 @@ class Engine:
     def _exact_rows(self, call: _arguments.Call, body: str) -> int | None:
         """The rows a call's graph is traced for exactly, or None: any rows.
 
-        The first batch size of a per-sample function's trace key gets a graph
-        for exactly its rows: each shard's rows are then static, and
-        `tf.vectorized_map` converts the function for a known number of samples,
-        which traces much faster (1.6x on 50 leaves), as `tf.function` and
-        MirroredStrategy trace for the batch's shape. A second size traces one
-        graph with the rows open, which serves every size after it, as
-        `tf.function(reduce_retracing=True)` does.
+        The first batch size of a per-sample function's trace key gets a graph for
+        exactly its rows, because `tf.vectorized_map` traces faster for a known
+        number of samples; a second size traces one graph with the rows open for
+        every size after it (as `tf.function(reduce_retracing=True)`).
 
-        Not for a whole-shard function, whose outputs are read as per row where
-        their first dimension is open (`_shards.per_row`): exact rows would
-        make a loss of 2 values on a shard of 2 rows look per row. Not with
-        ``weights="auto"``, whose fed weights leave the shards' rows open
-        anyway, nor for ragged rows.
+        Not for a whole-shard function (exact rows would make a loss of 2 values
+        on a shard of 2 rows look per row, `_shards.per_row`), nor with
+        ``weights="auto"`` (fed weights leave the rows open), nor ragged rows.
         """
         if call.rows is None or not self.options.per_sample or self.balance is not None:
             return None
@@ -644,13 +621,8 @@ class Engine:
         )
 
     def rows_of(self, k: int, rows: int | None, weights: tuple[int, ...] | None = None) -> str:
-        """Shard k's rows of a call of `rows` rows, in words (None: a batch of a stream).
-
-        Args:
-          k: the shard.
-          rows: the call's rows, or None.
-          weights: the integer weights of the call's plan (None: those in use now).
-        """
+        """Shard k's rows of a call of `rows` rows (None: a stream's batch), in words,
+        by the integer weights of the call's plan (None: those in use)."""
         if rows is None:
             return "its slice of the batch"
         sizes = self.plan(rows, weights)
