@@ -159,11 +159,8 @@ class WorkerError(TfshardError, RuntimeError):
 
 
 class _ShardTypes:
-    """One ShardError subclass per TensorFlow error type, made on first use.
-
-    `shard_error` needs a class that is both a ShardError and the shard's TF
-    error type, so ``except tf.errors.InvalidArgumentError`` still catches it.
-    """
+    """One ShardError subclass per TF error type, made on first use, so that
+    ``except tf.errors.InvalidArgumentError`` still catches a `shard_error`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -347,14 +344,9 @@ class Traced(NamedTuple):
 
 def trace_error(error: Exception, traced: Traced) -> ArgumentError:
     """The user's function raised `error` (a ValueError or TypeError) while traced on a
-    shard: what failed, on what, and the first remedy that applies.
-
-    In order: the function makes a variable at each trace (a Keras layer made
-    inside it); an argument is a Python list of arrays (samples meant as one
-    batch); a Keras model was given one sample without its batch dimension;
-    else what tfshard gave the function, and the options that change it
-    (``per_sample``, ``broadcast``).
-    """
+    shard: what failed, on what, and the first remedy that applies (a variable made at
+    each trace, a list of arrays, one sample without its batch dimension, else
+    ``per_sample``/``broadcast``)."""
     name = traced.name
     what = "one sample" if traced.per_sample else "one shard"
     shapes = ", ".join(str(shape) for shape in traced.shapes)
@@ -526,10 +518,7 @@ _OS_REASONS = {
 
 
 def write_error(error: OSError, call: str, then: str) -> WriteError:
-    """`error` as a WriteError: what failed, what to do about it, then `then`.
-
-    It keeps the OSError's ``errno``, ``strerror`` and ``filename``.
-    """
+    """`error` as a WriteError (its errno, strerror, filename): what failed, the fix, `then`."""
     reason = _OS_REASONS.get(error.errno, "")
     where = f" ({error.filename})" if error.filename else ""
     failed = WriteError(f"{call}: {error.strerror or error}{where}{reason}; {then}")
@@ -686,9 +675,8 @@ def pfor_stack_failure(message: str) -> bool:
 
 
 def creates_variables(message: str) -> bool:
-    """Whether a trace failed because the function makes a `tf.Variable` each time it runs.
-
-    As a Keras layer made inside the function does (``keras.layers.Dense(2)(x)``).
+    """Whether a trace failed because the function makes a `tf.Variable` each time it runs
+    (as a Keras layer made inside it does).
 
     >>> creates_variables("tf.function only supports singleton tf.Variables created on ...")
     True
@@ -707,12 +695,7 @@ def inputs_differ(message: str) -> str:
 
 
 def inputs_error(name: str, message: str) -> ArgumentError:
-    """The failed check of a call's split arguments' rows (`INPUTS_DIFFER`), with the fix.
-
-    Args:
-      name: the parallelized function's name.
-      message: the TF error's message.
-    """
+    """The failed check of a call's split arguments' rows (`INPUTS_DIFFER`), with the fix."""
     return ArgumentError(
         f"{name}: {inputs_differ(message)}; every split argument needs the same leading "
         "dimension (name an argument in broadcast=(...) to copy it whole to each device)"
@@ -722,14 +705,8 @@ def inputs_error(name: str, message: str) -> ArgumentError:
 def rows_error(
     name: str, devices: Sequence[str], message: str, reductions: Sequence[str]
 ) -> ArgumentError:
-    """The failed check that whole shards return one row per row (`ROWS_DIFFER`), named.
-
-    Args:
-      name: the parallelized function's name.
-      devices: the shards' devices, in shard order.
-      message: the TF error's message.
-      reductions: the names ``reduce=`` takes (`tfshard.collect.REDUCTIONS`).
-    """
+    """The failed check that whole shards return one row per row (`ROWS_DIFFER`), named;
+    `reductions` are the names ``reduce=`` takes (`tfshard.collect.REDUCTIONS`)."""
     path = _assert_text(message, ROWS_DIFFER)
     got, want, k = _assert_vectors(message)
     where = ""
@@ -759,15 +736,9 @@ def _assert_vectors(message: str) -> tuple[list[int], list[int], int | None]:
 
 
 def remote_tasks(message: str, addresses: Mapping[str, tuple[str, int]]) -> set[tuple[str, int]]:
-    """The ``(job, task)`` of every worker a TF error's message names.
-
-    A worker is named by the task a call went to (``remote target
-    /job:worker/replica:0/task:1``) or by its address as a gRPC peer
-    (``ipv4:127.0.0.1:2223``).
-
-    Args:
-      message: the TF error's message.
-      addresses: ``host:port`` -> ``(job, task)`` of the connected cluster.
+    """The ``(job, task)`` of every worker a TF error's message names, by the task a call
+    went to (``remote target /job:worker/replica:0/task:1``) or by its address as a gRPC
+    peer (``ipv4:127.0.0.1:2223``, looked up in `addresses`: ``host:port`` -> task).
 
     >>> sorted(remote_tasks("from remote target /job:worker/replica:0/task:1 while", {}))
     [('worker', 1)]
@@ -807,9 +778,8 @@ def trimmed_remote(message: str, limit: int = 600) -> str:
     """A remote TF error's message without gRPC's repetitions, at most about `limit` characters.
 
     TF repeats each root error's gRPC status after it, and the stacks that built
-    each node; a lost worker's error runs to 1.2 KB and more before anything
-    else is said. This keeps each root error's line, the target it called and
-    the nodes it names.
+    each node. This keeps each root error's line, the target it called and the
+    nodes it names.
 
     >>> print(trimmed_remote(
     ...     "{{function_node f}} Socket closed\\nAdditional GRPC error information from "
