@@ -210,9 +210,8 @@ def skip_if_empty(
 
     tfshard makes the empty shards (fewer rows than devices), so it must not
     make them fail or return outputs of the wrong shape. The predicate is the
-    planned size, known before the shard's rows are. The cond costs a
-    per-sample call on 2 CPU devices ~1.5 % at 8 rows and ~5 % at 1024 (no
-    buffer forwarding into its branch).
+    planned size, known before the shard's rows are. The cond has a cost (no
+    buffer forwarding into its branch), so shards run bare where all have rows.
     """
     # A whole shard's empty outputs copy the structure and shapes of what the
     # function returned in the branch with rows, which tf.cond traces first; were it
@@ -240,16 +239,14 @@ def vectorized(
 
     Each sample's global row is mapped with it (`Position.rows`), so
     `tfshard.row_index` is a scalar per sample, where the function reads it
-    (its trace on one sample says, `sample_trace`): mapping the rows costs
-    a call ~20 small ops, 7 % of a per-sample call of 8 rows on 2 CPU devices.
-    The shard's index is the same for every sample.
+    (its trace on one sample says, `sample_trace`), since mapping the rows
+    costs small ops on every call. The shard's index is the same for every sample.
 
     An empty shard returns empty outputs of the per-sample signature:
     vectorized_map over nothing gives outputs of the wrong inner shape (a
     per-sample matmul's [0, 2, 1] for [0, 2, 3]), and some conversions fail
     on it outright (pfor's tf.print reads row 0). A shard of one row is
-    reshaped to ``[1, *sample]``: pfor can squeeze its batch dimension away
-    (``tf.norm`` per sample gave a scalar).
+    reshaped to ``[1, *sample]``: pfor can squeeze its batch dimension away.
 
     Some functions cannot be vectorised right, and run sample by sample
     (`tf.map_fn`, as ``ragged=True`` does): one that writes a variable (a
@@ -289,7 +286,7 @@ def vectorized(
             )
             # An output that is a tensor from outside the map (a broadcast argument
             # returned as it is) must still be an op of the map: pfor fails on it
-            # otherwise (UnboundLocalError in TF 2.21), and map_fn stacks it alike.
+            # otherwise, and map_fn stacks it alike.
             outputs = tf.nest.map_structure(tf.identity, outputs, expand_composites=True)
             # Outputs leave as their carrier too: pfor stacks an output that is the
             # same for every sample (a constant, any output of a shard of one static
@@ -366,14 +363,9 @@ def whole_shard(call: Callable[[Sequence[Any], Position, tf.Tensor | None], Any]
 
 
 def no_rows_like(value: Any, per_sample: bool) -> Any:
-    """What a shard without rows returns for an output leaf another shard returned as `value`.
-
-    Per sample, or an output per row (`per_row`), or ragged: the outputs of no
-    rows, shaped as `value`'s rows are (`collect.empty`); a whole shard's value
-    of fixed shape: zeros of its shape, as `whole_shard`'s empty shard gives. Made
-    from `value`'s static spec alone: nothing reads `value`, so a device left
-    out of a call gets its result without an op of the call there.
-    """
+    """What a shard without rows returns for an output leaf another shard returned as `value`:
+    no rows shaped as `value`'s rows (per sample, per row or ragged), else zeros of
+    its shape. Made from the static spec alone, so it needs no op on a left-out device."""
     spec = tf.type_spec_from_value(value)
     if spec.shape.rank is None:
         return tf.zeros([0], value.dtype)
@@ -395,11 +387,8 @@ def _no_rows(t: tf.Tensor) -> tf.Tensor:
 
 
 def per_row(value: Any) -> bool:
-    """Whether a whole-shard function's output holds one value per row of the shard.
-
-    Its first dimension is then unknown when traced, as the shard's rows are;
-    an output of fixed shape (a loss, a gradient) is the shard's own value.
-    """
+    """Whether a whole-shard function's output holds one value per row of the shard:
+    its first dimension unknown when traced, as the shard's rows are."""
     return value.shape.rank is not None and value.shape.rank >= 1 and value.shape[0] is None
 
 
