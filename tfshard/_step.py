@@ -100,8 +100,7 @@ class Step:
         function where it has none (`skip_if_empty`, a `tf.cond`). Unguarded,
         every shard runs the function on its rows: the engine picks it for a
         call whose plan gives every device a row, and saves the cond's cost
-        (measured on 2 CPU devices: 0.4 s of a Keras MobileNetV2's first-call
-        trace and 0.4 s of its first run).
+        in tracing and running.
       shards: each device's index among the function's devices, where the
         step holds only those the weights give rows (`tfshard._engine.Engine.holding`),
         or None: `devices` are the function's, in order. Its shards keep their
@@ -132,16 +131,9 @@ class Step:
 
     @property
     def alone(self) -> bool:
-        """One device holds every row: the call is a plain trace of the function on it.
-
-        No plan, no split, no gather, no timing: the function runs on
-        the call's tensors under the device's scope, its rows counted (and
-        checked) where its argument lives (`_checks_on`), and the outputs land
-        on `output` (left where they are when that is the device, as a
-        `tf.function` on it leaves them). A device that the weights give no rows
-        is not in the step at all (`shards`), so weights ``[1, 0]`` run as the
-        first device alone does.
-        """
+        """One device holds every row (weights ``[1, 0]`` too): no plan, split, gather
+        or timing, the function traced on the call's tensors under the device's scope,
+        its outputs landing on `output`."""
         return len(self.devices) == 1
 
     def index(self, k: int) -> int:
