@@ -218,9 +218,8 @@ class Reduction:
         """The dtype outputs of `dtype` are totalled in, from each shard to the result.
 
         float16 and bfloat16 total in float32, as NumPy and JAX do: in their
-        own dtype a sum sticks once its spacing passes the values added
-        (20,000 values in [0, 1) summed to 4096 in float16, not about
-        10,000), and a row count above 65,504 is infinite in float16. Integers total in int64,
+        own dtype a sum sticks once its spacing passes the values added, and a
+        row count above 65,504 is infinite in float16. Integers total in int64,
         the only integer the GPU kernels of Sum, Max, Min and Pack hold in
         device memory: a sum wraps there as in the dtype itself, once cast
         back, and a mean of integers up to 32 bits is exact for fewer than
@@ -373,14 +372,9 @@ def shard_partial(value: tf.Tensor, size: tf.Tensor, op: Reduction, per_sample: 
 
 
 def shard_value(total: Total, size: tf.Tensor, op: Reduction) -> tf.Tensor:
-    """A whole shard's value of fixed shape, from the `shard_partial`s of its chunks.
-
-    With ``max_rows=`` a shard runs in chunks (`tfshard._chunks`), each giving
-    its own value; their partials, accumulated with `op`, are the shard's
-    partial, and this is the value whose partial that is: what one run over
-    all `size` rows gives (a mean: the chunks' means weighted by their rows,
-    divided once), in the outputs' dtype. `shard_partial` of it weights it as
-    it weights any shard.
+    """A whole shard's value of fixed shape from its chunks' accumulated `shard_partial`s
+    (``max_rows=``, `tfshard._chunks`): what one run over all `size` rows gives (a mean:
+    the chunks' means weighted by their rows, divided once), in the outputs' dtype.
     """
     value = total.value
     if not op.divides:
@@ -403,17 +397,12 @@ def combine(partials: Sequence[Total], op: Reduction) -> Total:
 def finished(reduced: Total, total: tf.Tensor | int, op: Reduction) -> tf.Tensor:
     """A `Total` over `total` samples as the reduction's result: a mean divides.
 
-    The one place a total leaves its accumulator dtype: a mean divides there
-    (float32 for float16 outputs, never with a row count in float16; float64
-    for an integer total, as `tf.math.truediv` divides one), and the result
-    is cast to `Reduction.result_dtype`, so a float16 mean over a million
-    rows is the true mean rounded once to float16. An integer mean is exact, in the float
-    dtype `tf.math.truediv` gives (float32 for 8- and 16-bit integers,
-    float64 for 32- and 64-bit), not truncated as `tf.reduce_mean` truncates
-    it. A mean is the total divided by the count, rounded once, as NumPy and
-    `tf.reduce_mean` give it: 84 / 7 is 12 in float32, where 84 times the
-    reciprocal of 7 is 12.000001 (see `_divided`). With no samples a mean is
-    NaN. An integer sum wraps as `tf.reduce_sum` does in the dtype itself.
+    The one place a total leaves its accumulator dtype: a mean is the total
+    divided by the count, rounded once (`_divided`; an integer total in
+    float64), then cast to `Reduction.result_dtype`, so a float16 mean over a million rows is the
+    true mean rounded once to float16, and an integer mean is not truncated
+    as `tf.reduce_mean` truncates it. With no samples a mean is NaN. An
+    integer sum wraps as `tf.reduce_sum` does in the dtype itself.
     """
     if not op.divides:
         return _narrowed(reduced.value, reduced.output_dtype, op)
@@ -429,7 +418,8 @@ def _divided(total: tf.Tensor, count: tf.Tensor | int) -> tf.Tensor:
     Not `tf.math.truediv`: where the count is known when the graph is
     optimized (a batch of static shape, a plan from static sizes), Grappler's
     constant folding rewrites a RealDiv by a constant into a multiply by the
-    constant's reciprocal, rounded twice, one ulp off an exact mean. It leaves
+    constant's reciprocal, rounded twice, one ulp off an exact mean (84 / 7 in
+    float32 would be 12.000001, not 12). It leaves
     DivNoNan alone, which divides as RealDiv does wherever the count is not 0.
     """
     if total.dtype.is_integer:  # as tf.math.truediv divides an int64 total
@@ -455,8 +445,8 @@ def running_spec(op: Reduction, dtype: tf.DType) -> tf.TypeSpec:
 
 
 # GPU kernels of Sum, Max, Min and Pack (tf.stack) hold no integer but int64 in
-# device memory (TF 2.16-2.21: int32's keep theirs in host memory, Min has
-# none, the small ones have none), so integers reduce as int64 on the device
+# device memory (int32's stay in host memory, Min has no integer one, smaller
+# integers have none), so integers reduce as int64 on the device
 # they are on: sums modulo 2**64 cast back at the end (the same wrap-around as
 # summing in the dtype), max and min on an order-keeping key (uint64 with its
 # top bit flipped), min as the max of the bitwise complement. A mean of 64-bit
