@@ -179,32 +179,23 @@ def rows(t: Any) -> tf.Tensor:
 
 
 def host_cpu(device: str = "") -> str:
-    """The CPU of the machine (task) that holds `device`: where plans of fed weights run.
-
-    Without a device, this process's own: where datasets iterate.
-    """
+    """The CPU of the task that holds `device` (none: this process's, where datasets
+    iterate): where plans of fed weights run."""
     spec = tf.DeviceSpec.from_string(device)
     return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
 def row_count(t: Any, device: str | None) -> tf.Tensor:
     """The rows of `t` as an int32 scalar, by a Shape op on `device` ("" or None: the
-    caller's scope), or a constant where the rows are static.
-
-    On a GPU the Shape kernel leaves an int32 output in host memory, and the
-    int32 ops that read it hold it there: nothing waits for `t`'s device.
-    """
+    caller's scope), or a constant where static. On a GPU it stays in host memory,
+    so nothing that reads it waits for `t`'s device."""
     return _kinds.of(t).row_count(t, device)
 
 
 def split(t: Any, sizes: tf.Tensor, count: int, where: str) -> list[Any]:
-    """`t` split along axis 0 into `count` pieces of `sizes` rows, where `t` lives.
-
-    `sizes` is int32, held in host memory on a GPU; bounds the split needs are
-    computed from it on `where` (where `sizes` is; "": the caller's scope) in
-    int32, so nothing the split reads waits for `t`'s device. How a kind is cut
-    (and how dtypes without GPU split kernels travel) is its adapter's (`_kinds`).
-    """
+    """`t` split along axis 0 into `count` pieces of `sizes` rows, where `t` lives, its
+    int32 bounds computed on `where` (where `sizes` is; "": the caller's scope), so
+    nothing the split reads waits for `t`'s device."""
     return _kinds.of(t).split(t, sizes, count, where)
 
 
@@ -286,12 +277,8 @@ def plan_and_split(
 
 
 def onto_devices(planned: Planned, devices: Sequence[str]) -> Planned:
-    """`planned` with each shard's pieces copied to that shard's device now.
-
-    An Identity on the device (``shard_k/Identity``) receives the piece, so a
-    stream can move the next batch's rows to the devices while the current
-    batch still computes.
-    """
+    """`planned` with each shard's pieces copied to its device by an Identity there
+    (``shard_k/Identity``): a stream's next batch moves while the current computes."""
     pieces: list[list[Any]] = [[] for _ in planned.pieces]
     for k, device in enumerate(devices):
         with tf.name_scope(f"shard_{k}"), tf.device(device):
@@ -322,11 +309,9 @@ def rows_agree(
 def host_assert(got: tf.Tensor, want: tf.Tensor, message: str) -> tf.Operation:
     """An Assert that `got` equals `want` (small int32 vectors), printing both if not.
 
-    Of ops that hold int32 in host memory on a GPU (no All, whose GPU kernel
-    reads device memory), so the check placed there waits for nothing on the
-    device. `tf.debugging.assert_equal` guards its Assert with a tf.cond (an If
-    op, ~20 us a call here) so that costly data is only computed on failure;
-    these vectors cost nothing, so the Assert runs unguarded.
+    Of ops that hold int32 in host memory on a GPU (no All), so the check waits for
+    nothing on the device; unguarded (`tf.debugging.assert_equal`'s tf.cond spares
+    costly data, and these vectors cost nothing).
     """
     return tf.raw_ops.Assert(
         condition=tf.equal(tf.reduce_max(tf.abs(got - want)), 0),
