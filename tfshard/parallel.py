@@ -193,7 +193,7 @@ class ShardedFunction:
         """
         # Autograph only converts what a tf.function traces, never eagerly (and
         # run_functions_eagerly calls the Python function unconverted): only in a
-        # graph does the call need do_not_convert's wrapper, ~12 us a call.
+        # graph does the call need do_not_convert's wrapper, which costs every call.
         if tf.executing_eagerly():
             return self._call(args, kwargs)
         return self._call_unconverted(args, kwargs)
@@ -547,14 +547,12 @@ class ShardedFunction:
 class _BoundMethod(ShardedFunction):
     """A decorated method of one instance: its ShardedFunction, holding the instance.
 
-    `ShardedFunction.__get__` makes one at each attribute access, as Python makes
-    a bound method. It is the ShardedFunction cached for the instance (whose
-    function holds the instance only weakly, a `_autograph.WeakMethod`), seen
-    through a second object that holds the instance itself: both share one
-    `_Shared` (options, engine, traced graphs, trace count), so
-    ``Model().apply(x)`` keeps its temporary alive through the call, as
-    ``iterate`` does through the stream, and a cached instance is freed once
-    nothing else holds it.
+    Made at each attribute access (`ShardedFunction.__get__`), as Python makes a
+    bound method. It shares the `_Shared` of the ShardedFunction cached for the
+    instance, which holds the instance only weakly (`_autograph.WeakMethod`);
+    this object holds it strongly, so ``Model().apply(x)`` keeps its temporary
+    alive through the call (and ``iterate`` through the stream), and a cached
+    instance is freed once nothing else holds it.
 
     Attributes:
       __func__: the instance's ShardedFunction, as on a bound method.
