@@ -97,20 +97,13 @@ class LogicalGpu:
 def logical_gpus(tf: Any) -> tuple[LogicalGpu, ...]:
     """TensorFlow's logical GPUs in this process, entry k being ``/device:GPU:k``.
 
-    Reads only the configuration (``tf.config.get_visible_devices`` and
-    ``tf.config.get_logical_device_configuration``), so it does not start the runtime.
-    TensorFlow numbers logical GPUs by walking the visible physical GPUs in order and giving
-    each as many consecutive numbers as it has logical devices (one when it is not split).
-    Logical devices reordered with ``experimental_device_ordinal`` are not followed.
+    Reads only the configuration, so it does not start the runtime. TensorFlow gives each
+    visible physical GPU, in order, as many consecutive numbers as it has logical devices;
+    ``experimental_device_ordinal`` reorderings are not followed. `tf` is passed in: this
+    module imports no TensorFlow.
 
     >>> tfshard._gpu_ids.logical_gpus(tf)  # no GPU on the machine that runs the doctests
     ()
-
-    Args:
-        tf: The ``tensorflow`` module (passed in: this module imports no TensorFlow).
-
-    Returns:
-        One entry per logical GPU, in ``GPU:k`` order.
     """
     found = []
     for device in tf.config.get_visible_devices("GPU"):
@@ -125,10 +118,8 @@ def logical_gpus(tf: Any) -> tuple[LogicalGpu, ...]:
 def this_process_logical_gpus() -> tuple[LogicalGpu, ...] | None:
     """`logical_gpus` of this process when it imported TensorFlow and TensorFlow lists a GPU.
 
-    None otherwise: without TensorFlow (the command line, a script that only monitors) or
-    with a TensorFlow that lists no GPU (a CPU-only build), the CUDA rules alone give the
-    names a TensorFlow with GPU support would use. Importing TensorFlow here would cost
-    seconds and start CUDA in a process that only reads ``nvidia-smi``.
+    None otherwise (the CUDA rules alone then give the names): this never imports TensorFlow,
+    which would start CUDA in a process that only reads ``nvidia-smi``.
     """
     tf = sys.modules.get("tensorflow")
     config = getattr(tf, "config", None)  # None too while another thread imports TensorFlow
@@ -175,11 +166,8 @@ def tf_device_names(
 
 
 def cuda_visible_entries(environ: Mapping[str, str]) -> list[str] | None:
-    """The entries of ``CUDA_VISIBLE_DEVICES``, entry N naming CUDA device N; None if unset.
-
-    What a child process must be given to see this process's CUDA device N is entry N (an
-    index or a UUID), or ``str(N)`` when the variable is unset.
-    """
+    """The entries of ``CUDA_VISIBLE_DEVICES``, entry N naming CUDA device N (what a child
+    must be given to see it); None if unset (then ``str(N)``)."""
     spec = environ.get("CUDA_VISIBLE_DEVICES")
     return None if spec is None else [entry.strip() for entry in spec.split(",")]
 
@@ -216,11 +204,7 @@ def _visible(spec: str, gpus: Sequence[Gpu], cuda_order: Sequence[Gpu] | None) -
 
 
 def _strtoul(text: str) -> int:
-    """The leading integer of text, sign included, or -1 when it starts with no digits.
-
-    C's strtoul, which CUDA uses, reads "1gpu" as 1 and stops there; a negative entry ends the
-    list either way.
-    """
+    """The leading integer of text, sign included (as CUDA's strtoul: "1gpu" is 1), or -1."""
     match = re.match(r"[+-]?[0-9]+", text)
     return int(match.group()) if match else -1
 
