@@ -58,11 +58,8 @@ class DeviceKey:
 
 
 def is_local_job(job: str | None) -> bool:
-    """Whether a DeviceSpec's job is this process: no job, or TensorFlow's ``"localhost"``.
-
-    Shared internal: the one place that says which job names are local, for
-    `is_remote`, `DeviceKey`, and the device checks of tfshard.pinning,
-    tfshard.cluster and tfshard.processes.
+    """Whether a DeviceSpec's job is this process: no job, or TensorFlow's ``"localhost"``
+    (the one place that says which job names are local).
 
     >>> is_local_job(None), is_local_job("localhost"), is_local_job("worker")
     (True, True, False)
@@ -71,11 +68,8 @@ def is_local_job(job: str | None) -> bool:
 
 
 def parse_spec(text: str) -> tf.DeviceSpec | None:
-    """The DeviceSpec for a device spelling, or None when it is not one.
-
-    Shared internal (tfshard.processes reads device names with it too). Pure
-    name parsing: it does not start TensorFlow or check that the device exists.
-    """
+    """The DeviceSpec for a device spelling, or None when it is not one. Pure name
+    parsing: it does not start TensorFlow or check that the device exists."""
     cuda = _CUDA_RE.match(text)
     if cuda:
         return tf.DeviceSpec(device_type="GPU", device_index=int(cuda["index"] or 0))
@@ -101,10 +95,7 @@ def parse_spec(text: str) -> tf.DeviceSpec | None:
 
 
 def parse_name(device: Any) -> tf.DeviceSpec | None:
-    """`parse_spec` of a name, a LogicalDevice or a DeviceSpec; None for anything else.
-
-    Shared internal (tfshard.cluster reads remote names' job and task with it).
-    """
+    """`parse_spec` of a name, a LogicalDevice or a DeviceSpec; None for anything else."""
     if isinstance(device, tf.config.LogicalDevice):
         return parse_spec(device.name)
     if isinstance(device, tf.DeviceSpec):
@@ -115,10 +106,7 @@ def parse_name(device: Any) -> tf.DeviceSpec | None:
 
 
 def same_device(have: str, want: str) -> bool:
-    """Whether two device names name one device ("" names none: a graph tensor unplaced).
-
-    Shared internal (tfshard.replicas compares a variable's device with a shard's).
-    """
+    """Whether two device names name one device ("" names none: a graph tensor unplaced)."""
     if not have:  # A tensor in a graph, before placement.
         return False
     try:
