@@ -330,11 +330,7 @@ def run_per_device(
 def _check_arguments(
     fn: Any, per_device_args: Any, shared: Any, devices: Any, timeout: Any, grace: Any
 ) -> tuple[dict[str, Any], float | None]:
-    """Checks run_per_device's arguments before any worker starts.
-
-    Returns:
-      ``shared`` as a dict, and ``timeout``.
-    """
+    """Checks run_per_device's arguments before any worker starts; ``shared`` as a dict, ``timeout``."""
     if not callable(fn):
         raise ArgumentError(
             f"fn={fn!r} is not callable; pass a function defined at the top level of a module"
@@ -623,8 +619,8 @@ def _running_groups(groups: list[int]) -> list[int]:
     """The process groups among `groups` that have a member not yet exited.
 
     A member that exits after its worker becomes a zombie until init reaps
-    it, which takes a second on some systems and never happens in a
-    container whose init does not reap, and a signal still reaches a zombie:
+    it, which may take a while, or never happen in a container whose init
+    does not reap, and a signal still reaches a zombie:
     `os.killpg(group, 0)` would keep a stopped group waiting the whole grace
     period. On Linux the members' states are read from ``/proc`` instead;
     elsewhere a zombie counts as running.
