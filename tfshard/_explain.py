@@ -144,22 +144,13 @@ def _weights(engine: Engine, call: Call, name: str, fn: Any) -> list[str]:
 def format_bytes(n: int) -> str:
     """``n`` bytes as a short size: ``"512 B"``, ``"12.8 KiB"``, ``"5.0 MiB"``, ``"1.5 GiB"``.
 
-    Binary (IEC) units, powers of 1024: what ``nvidia-smi`` reports memory in (``MiB``) and
-    what TensorFlow's out-of-memory messages say (``GiB``), so a size `explain` or a
-    `Timeline` shows can be set against a GPU's memory without converting (a decimal MB is
-    5 % less than a MiB, a GB 7 % less than a GiB). One unit system for every size tfshard
-    prints.
+    Binary units (powers of 1024), the units of ``nvidia-smi`` and TensorFlow's out-of-memory
+    messages, for every size tfshard prints; one decimal, whole bytes below 1 KiB.
 
     >>> format_bytes(0), format_bytes(1023), format_bytes(13056), format_bytes(5 * 2**20)
     ('0 B', '1023 B', '12.8 KiB', '5.0 MiB')
     >>> format_bytes(2**20 - 1), format_bytes(3 * 2**40)
     ('1.0 MiB', '3072.0 GiB')
-
-    Args:
-        n: A number of bytes, >= 0.
-
-    Returns:
-        The size with one decimal and its unit; whole bytes below 1 KiB.
     """
     if n < 1024:
         return f"{n} B"
