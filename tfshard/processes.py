@@ -330,7 +330,7 @@ def run_per_device(
 def _check_arguments(
     fn: Any, per_device_args: Any, shared: Any, devices: Any, timeout: Any, grace: Any
 ) -> tuple[dict[str, Any], float | None]:
-    """Checks run_per_device's arguments before any worker starts; ``shared`` as a dict, ``timeout``."""
+    """Checks run_per_device's arguments before any worker starts: ``shared`` (a dict), timeout."""
     if not callable(fn):
         raise ArgumentError(
             f"fn={fn!r} is not callable; pass a function defined at the top level of a module"
