@@ -70,24 +70,17 @@ def uncarried(value: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 
 def prefix_sums(sizes: tf.Tensor, count: int, exclusive: bool) -> tf.Tensor:
-    """The running sums of an int32 ``[count]`` vector (each shard's first row, or end).
-
-    A product with a constant triangle and a Sum, not Cumsum: TensorFlow's int32
-    Cumsum on a GPU holds its values in device memory, these ops in host memory.
-    """
+    """The running sums of an int32 ``[count]`` vector (each shard's first row, or end),
+    by a constant triangle, not Cumsum, whose GPU kernel holds int32 in device memory."""
     lower = [[1 if (j < k if exclusive else j <= k) else 0 for j in range(count)]
              for k in range(count)]  # fmt: skip
     return tf.reduce_sum(sizes[None, :] * tf.constant(lower, tf.int32), axis=1)
 
 
 def placed(device: str | None) -> contextlib.AbstractContextManager:
-    """`tf.device(device)`; where `device` is None or "" (a tensor of a graph, whose
-    device Python does not know: a stream's batch), the caller's own device scope.
-
-    Not ``tf.device(None)``, which clears the caller's scope: a stream's batch,
-    fed on the host, would be split on whatever device calls the loop (the
-    output device), the whole batch crossing there first.
-    """
+    """`tf.device(device)`, or where `device` is None or "" (unknown: a stream's batch),
+    the caller's scope; ``tf.device(None)`` would clear it, and a stream's batch would
+    cross to the loop's device to be split."""
     return tf.device(device) if device else contextlib.nullcontext()
 
 

@@ -161,15 +161,10 @@ class Options:
     def for_function(self, fn: Any, devices: Sequence[str]) -> Options:
         """These options with `jit_compile` decided for `fn` on `devices` (always a bool).
 
-        As given when given. Otherwise, for a Keras model, the model's own
-        ``model.jit_compile``, which `predict` reads too (Keras 3 resolves it:
-        True where the machine has a GPU and every layer supports XLA, False on
-        a CPU-only machine or for a model made in a `tf.distribute` strategy's
-        scope, else what ``compile(jit_compile=...)`` set), where XLA can run
-        the model on `devices`: it is built and every shard reads its weights
-        on its own device (one device holding them, or replicas of them on
-        these devices, `tfshard.replicas`); XLA cannot read a variable on
-        another device, so elsewhere False. Anything else: False.
+        As given when given. For a Keras model, the model's own ``model.jit_compile``
+        (what `predict` reads), where XLA can run it on `devices`: built, and every
+        shard reading its weights on its own device (XLA cannot read a variable on
+        another device). Anything else: False.
         """
         if self.jit_compile is not None:
             return self
