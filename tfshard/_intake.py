@@ -77,23 +77,10 @@ def take(
     cpu_only: bool = False,
 ) -> Intake:
     """The dataset taken in as the call asked: a Keras model's ``x`` (`model_inputs`),
-    elements checked against the function's parameters, batched if asked (`prepare`).
-
-    Args:
-      arguments: the function's arguments' sorter.
-      fn: the user's function (a Keras model takes ``x`` of each element).
-      dataset: the input.
-      args: further positional arguments, passed with every batch.
-      kwargs: further keyword arguments, passed with every batch.
-      batch_size: as for `prepare`.
-      batched: as for `prepare`.
-      progress: True, False or a stream with ``.write``.
-      cpu_only: as for `prepare`.
-
-    Raises:
-      ArgumentError: the dataset or an option is not what it should be, or its
-        elements do not fit the function.
-    """
+    elements checked against the function's parameters, batched if asked (`prepare`,
+    which takes `batch_size`, `batched`, `cpu_only`); `args` and `kwargs` go with
+    every batch. Raises ArgumentError where the dataset, an option or the elements
+    do not fit the function."""
     dataset = model_inputs(dataset, fn)
     _check_specs(arguments, dataset, args, kwargs)
     batches = prepare(dataset, batch_size, batched, cpu_only=cpu_only)
