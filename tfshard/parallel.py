@@ -595,14 +595,9 @@ class _BoundMethod(ShardedFunction):
 class _Shared:
     """What one parallelized function is made of, shared with its bound methods.
 
-    Attributes:
-      fn: the user's function.
-      options: what `parallelize` was asked for.
-      arguments: how its calls' arguments are sorted.
-      lock: guards making the engine and the runner.
-      engine: the engine, made when the devices are first needed.
-      runner: what runs datasets through the engine, made at the first stream.
-      bound: a decorated method's function per instance, weakly keyed.
+    `lock` guards making `engine` (when the devices are first needed) and `runner`
+    (at the first stream); `bound` is a decorated method's function per instance,
+    weakly keyed.
     """
 
     fn: Callable[..., Any]

@@ -476,12 +476,10 @@ class _ActiveContexts:
     """Where `active_contexts` looks: this thread's `use_contexts` blocks, innermost
     last, then the process's `set_contexts` map, then ``TFSHARD_CONTEXTS``.
 
-    Process state on purpose, as TensorFlow's own `tf.device` scopes are: an op
-    reads the active device scope, and `resolve_device` reads the active map, so a
-    map chosen once (a ``--contexts`` flag, the environment, a ``with`` block)
-    reaches every name resolved under it without passing through the user's code.
-    It lives in this one object, which only `active_contexts`, `set_contexts`,
-    `use_contexts` and `resolve_device` touch (tests swap in a fresh one).
+    Process state on purpose, as `tf.device` scopes are: a map chosen once (a
+    ``--contexts`` flag, the environment, a ``with`` block) reaches every name
+    resolved under it without passing through the user's code. Only
+    `active_contexts`, `set_contexts`, `use_contexts` and `resolve_device` touch it.
 
     The variable is parsed once per value, under the lock (any thread may read it
     first), and logged once, when `resolve_device` first reads a name: logging
