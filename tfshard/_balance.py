@@ -37,20 +37,19 @@ use, beside whatever else the machine runs then.
 - A device's time per row is the lower quartile of its last `WINDOW`
   measurements (seconds over rows of one call, or of one call of a
   stream's loop): another job on a shared machine only ever slows a call,
-  so the device's own speed is what its least disturbed calls show: up to
-  6 of its 9 measurements slowed by others leave it as it is.
+  so the device's own speed is what its least disturbed calls show.
 - Its weight is its speed, the fastest's time per row over its own,
   shown with the slowest device at 1 and rounded to 2 decimals (``[2.95,
   1.0]``): `ShardedFunction.weights` gives what the plan uses, to read or to
   pass again as ``weights=``.
 - The plan changes only when the best weights are predicted to finish a
-  call at least `BAND` (5 %) and `MIN_GAIN` (0.25 ms) sooner than the
+  call at least `BAND` and `MIN_GAIN` sooner than the
   weights in use, both predicted from the same times per row for the last
   call's rows: noise inside the band never moves the plan, and a function
   so cheap that its shards' fixed costs (and the machine's jitter) outweigh
   their rows keeps its plan.
 - A device keeps a weight, and so rows, unless it is measured useless: more
-  than `USELESS` (50) times slower per row than the fastest. A useless device
+  than `USELESS` times slower per row than the fastest. A useless device
   gets no rows from then on (and is not measured again: make a new function
   to measure it again).
 - The split pays or not: the fastest device alone holds every row (weighted
@@ -60,10 +59,9 @@ use, beside whatever else the machine runs then.
   is still measured now and then, by its own weights, and is the plan again
   once it is found to end calls sooner so.
 - The first run of each traced graph warms up (kernels made, memory
-  allocated) and is not counted, nor is a shard that took under `SHORTEST`
-  (20 us), which times the clock more than the device. Until every device
-  has been measured `MIN_SAMPLES` (3) times, the split stays even (or as it
-  was).
+  allocated) and is not counted, nor is a shard that took under `SHORTEST`,
+  which times the clock more than the device. Until every device has been
+  measured `MIN_SAMPLES` times, the split stays as it is (even at first).
 """
 
 from __future__ import annotations
@@ -306,9 +304,8 @@ class Balance:
 
     @property
     def settled(self) -> bool:
-        """The plan stayed the same over the last `SETTLED` measurements (a device whose
-        shards are too short to time, `SHORTEST`, leaves it as it is: a call that cheap
-        has nothing to gain from another plan)."""
+        """The plan stayed the same over the last `SETTLED` measurements (shards too short
+        to time, `SHORTEST`, leave it as it is)."""
         return self._steady >= SETTLED
 
     def due(self) -> str | None:
