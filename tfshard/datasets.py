@@ -528,19 +528,13 @@ def _symbolic(spec: Any) -> Any:
 
 
 def _stand_ins(leaves: Sequence[Any]) -> tuple[Any, ...]:
-    """Symbolic tensors of a tiny graph with the specs of `leaves` (tensors of any graph).
-
-    They tell collect what `leaves` would (dtype, shapes, ragged parts) without keeping
-    the graph of `leaves` alive.
-    """
+    """Symbolic tensors of a tiny graph with the specs of `leaves`: what collect reads of
+    them, without keeping the graph of `leaves` alive."""
     return tuple(_symbolic([tf.type_spec_from_value(leaf) for leaf in leaves]))
 
 
 def _static_inner_shapes(spec: Any) -> bool:
-    """Whether every leaf of an element spec fixes its per-sample shape.
-
-    The leaves are TensorSpecs and RaggedTensorSpecs (`_intake.prepare` refuses others).
-    """
+    """Whether every leaf (a TensorSpec or RaggedTensorSpec) fixes its per-sample shape."""
     return all(_kinds.of(leaf).fixed_sample_shape(leaf) for leaf in _trees.flatten(spec)[0])
 
 
@@ -562,8 +556,8 @@ class _Loop:
     handles are the calls' inputs and outputs) and are concatenated once
     after the last batch (`collect.concat_all`): every output row is copied
     once, and the lists and the result are alive together at the end, about
-    twice the result on the output device at peak (``benchmarks/stream_memory.py``
-    measures it; `ShardedFunction.iterate` holds one batch's result at a time).
+    twice the result on the output device at peak (`ShardedFunction.iterate`
+    holds one batch's result at a time).
     The lists are carried on the output device, between calls too. With a
     reduction, each batch is reduced as a call would be, and a running sum (or
     max, or min) is carried from batch to batch as a `collect.Total`, in its
