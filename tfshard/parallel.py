@@ -55,13 +55,6 @@ class ShardedFunction:
     It is not a `tf.function`: `tf.saved_model.save` does not export one stored
     on a module. Export a `tf.function` that calls it instead, e.g.
     ``module.serve = tf.function(f, input_signature=[tf.TensorSpec([None, 3])])``.
-
-    Attributes:
-      devices: the canonical device names, one shard each, in shard order.
-      weights: the weights the plan uses now (None: an even split).
-      trace_count: how many graphs have been traced (one per distinct argument
-        signature; per sample, one more for exactly the first batch size; one
-        more for batches with fewer rows than devices).
     """
 
     def __init__(self, fn: Callable[..., Any], options: _options.Options) -> None:
@@ -103,7 +96,11 @@ class ShardedFunction:
 
     @property
     def trace_count(self) -> int:
-        """How many graphs have been traced so far (loops over datasets included)."""
+        """How many graphs have been traced so far (loops over datasets included).
+
+        One per distinct argument signature; per sample, one more for exactly the
+        first batch size; one more for batches with fewer rows than devices.
+        """
         streams = 0 if self._shared.runner is None else self._shared.runner.trace_count
         return (0 if self._shared.engine is None else self._shared.engine.trace_count) + streams
 
@@ -368,8 +365,7 @@ class ShardedFunction:
           path: the directory to write (made if missing; a new or empty one,
             or one this method wrote).
           *args: further arguments, passed with every batch, as for `iterate`.
-          batch_size: batch a dataset of single samples into global batches of
-            this many (the last may be smaller).
+          batch_size: as for `iterate`.
           batched: as for `iterate`.
           progress: True for progress lines on stderr (or a stream to print
             them to); on a log file or pipe a line every 10 s, with the time
