@@ -27,12 +27,8 @@ The format: `path` is a directory holding
 Plain ``.npy`` files, because what people do next with embeddings or scores
 is NumPy: ``np.load(path + "/emb.npy", mmap_mode="r")`` reads a finished
 write without tfshard, memory-mapped, and `load` gives the outputs' structure
-of memory maps. Against the alternatives: `tf.data.Dataset.save` checkpoints a
-pipeline, not a computation on several devices, and reads back only through
-`tf.data` (no memory map, no random access); TFRecord is a stream of
-serialized records, read row by row through TF or a protobuf parser; HDF5
-(h5py) and zarr would be new dependencies, and an HDF5 file interrupted while
-being written can be left unreadable as a whole. A ``.npy`` header is plain
+of memory maps (`tf.data.Dataset.save` and TFRecord read back only through TF,
+row by row; HDF5 and zarr would be new dependencies). A ``.npy`` header is plain
 text with NumPy's growth padding, so the row count is rewritten in place as
 rows arrive, and each file is a valid array of the rows committed so far.
 
@@ -440,12 +436,9 @@ class Store:
         """Raises unless `result`, a committed batch computed again, equals what is on disk.
 
         The batch is the first (`first_row` 0) or the last committed; each of
-        its parts must equal the same entries of its file (the head of each
-        file, or the tail of what is committed): integers and bools exactly,
-        floats to a few units of their precision (another split of the batch
-        may round another way). So another function, changed weights, a dataset
-        that changed before this batch ends, or a random function are refused
-        before anything is appended (`overwrite=True` writes anew).
+        its parts must equal the same entries of its file as `_difference` says.
+        So another function, changed weights, a dataset that changed before this
+        batch ends, or a random function are refused before anything is appended.
         """
         values, structure = _trees.flatten(result, "output")
         parts = [_parts(value) for value in values]
@@ -705,12 +698,8 @@ class _Column:
 
 
 def _header(dtype: np.dtype, rows: int, shape: tuple[int, ...]) -> bytes:
-    """A ``.npy`` header (version 1.0) for `rows` rows of `shape`, NumPy's own bytes.
-
-    NumPy pads the header so that the first dimension can grow to 21 digits
-    without changing its length (`np.lib.format.GROWTH_AXIS_MAX_DIGITS`): the
-    row count is rewritten in place.
-    """
+    """A ``.npy`` header (version 1.0) for `rows` rows of `shape`, NumPy's own bytes, padded
+    so the row count can be rewritten in place (`np.lib.format.GROWTH_AXIS_MAX_DIGITS`)."""
     out = io.BytesIO()
     fields = {
         "descr": np.lib.format.dtype_to_descr(dtype),
