@@ -403,7 +403,7 @@ def _worker_command(jobs: Jobs, job: str, task: int) -> str:
 
 
 def _local_address(local: str | None) -> str:
-    """This process's gRPC address on a free port, on `local`: the probe's side of the link."""
+    """This process's gRPC address: a free port on `local`, the interface the probe used."""
     host = local or "127.0.0.1"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
