@@ -96,11 +96,8 @@ class ShardedFunction:
 
     @property
     def trace_count(self) -> int:
-        """How many graphs have been traced so far (loops over datasets included).
-
-        One per distinct argument signature; per sample, one more for exactly the
-        first batch size; one more for batches with fewer rows than devices.
-        """
+        """Graphs traced so far (dataset loops included): one per argument signature, one more
+        per sample for exactly the first batch size, one for fewer rows than devices."""
         streams = 0 if self._shared.runner is None else self._shared.runner.trace_count
         return (0 if self._shared.engine is None else self._shared.engine.trace_count) + streams
 
