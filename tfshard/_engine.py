@@ -295,13 +295,8 @@ class Engine:
     def _may_be_empty(
         self, rows: int | None, weights: tuple[int, ...] | None, shards: tuple[int, ...] | None
     ) -> bool:
-        """Whether a shard of a call of `rows` rows (None: not known) may have none.
-
-        A call whose plan gives every device it holds (`shards`) a row runs a
-        graph without the empty-shard guard (`Step.guarded`); one smaller than
-        the devices (or rows unknown, as in a user's tf.function or a stream's
-        loop) runs one with it, traced once more.
-        """
+        """Whether a shard of a call of `rows` rows (None: not known) may have none, so
+        the call needs the graph with the empty-shard guard (`Step.guarded`)."""
         if rows is None:
             return True
         sizes = plan_rows(rows, len(self.devices), weights)

@@ -75,7 +75,6 @@ def choose(
       devices: the shards' devices.
       output: where results land; `host`, the CPU where the plan runs.
       replicas: whether shards read replicated variables (each its device's copy).
-      jit_compile: compile each shard with XLA.
       beside_transfers: other copies are pending beside the shards (a stream
         feeding its next batch ahead).
       chunked: shards run in chunks (``max_rows``), in a loop that would call a
@@ -199,14 +198,9 @@ def unordered(function: TokenShardFn, devices: Sequence[str]) -> list[ShardFn]:
     trace order (a call is stateful when its body is), but order ops that take a
     resource only per resource. Each call takes a token (`token`), made before
     any shard, so the calls are ordered only by the resources they write. Every
-    call still runs, and keeps the order of the side effects inside it.
-
-    Args:
-      function: a shard's computation from its rows, their number and a token.
-      devices: the device of each call, in shard order.
-
-    Returns:
-      One computation per device, from its rows, their number and its position.
+    call still runs, and keeps the order of the side effects inside it. Returns
+    one computation per device (in shard order) from its rows, their number and
+    its position.
     """
     tokens = [token(device) for device in devices]
     return [functools.partial(_with_token, function, t) for t in tokens]

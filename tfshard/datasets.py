@@ -325,12 +325,8 @@ class Runner:
         meter: _stream.Progress | None,
         first_row: int = 0,
     ) -> Iterator[tuple[Any, int]]:
-        """``(result, rows)`` for each of `batches` (the intake's, or a part of them), one
-        call each, in order (the Python loop, `_batches`).
-
-        `first_row` is the global row of the first batch's first row, which
-        `tfshard.row_index` counts on from (a resumed write's rows on disk).
-        """
+        """``(result, rows)`` for each of `batches`, one call each, in order (`_batches`),
+        `first_row` the global row of the first batch's first row (`tfshard.row_index`)."""
         stream = _batches(self.engine.call, intake, batches, meter, first_row)
         return _reported(stream, meter)
 
