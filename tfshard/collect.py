@@ -384,12 +384,8 @@ def shard_value(total: Total, size: tf.Tensor, op: Reduction) -> tf.Tensor:
 
 
 def combine(partials: Sequence[Total], op: Reduction) -> Total:
-    """The shards' partials combined into one `Total` over all their samples.
-
-    A mean stays undivided: `finished` divides it by the number of samples
-    (the mean over samples, not the mean of shard means), once, for a call
-    or after a stream's last batch.
-    """
+    """The shards' partials combined into one `Total` over all their samples; a mean stays
+    undivided (`finished` divides it by the samples once: not a mean of shard means)."""
     stacked = tf.stack([p.value for p in partials])  # K x [...] -> [K, ...]
     return Total(op.over_rows(stacked), partials[0].output_dtype)
 
@@ -436,11 +432,8 @@ def accumulate(totals: Sequence[Total], values: Sequence[Total], op: Reduction) 
 
 
 def running_spec(op: Reduction, dtype: tf.DType) -> tf.TypeSpec:
-    """The spec of a running `Total` of outputs of `dtype`, of any shape (it starts a scalar).
-
-    A stream's traced loop takes and returns its totals in this spec, so they
-    cross from call to call in the accumulator dtype.
-    """
+    """The spec of a running `Total` of outputs of `dtype`, of any shape (it starts a scalar):
+    a stream's traced loop carries its totals in it, in the accumulator dtype."""
     return Total.Spec(value=tf.TensorSpec(None, op.accumulator(dtype)), output_dtype=dtype)
 
 
