@@ -715,11 +715,10 @@ def down_hint() -> str | None:
 
 
 def all_answer(probe_timeout: float = 2.0) -> bool:
-    """Whether every task of the connected cluster answers now (True without a cluster).
+    """Whether every task of the connected cluster answers (True without a cluster).
 
-    Tasks found down before are not probed again; those down now are
-    recorded. Shared internal: the engine clears TensorFlow's async error
-    state only when this holds (see `_Connection`).
+    Probes the tasks not found down yet and records those down. The engine clears
+    TensorFlow's async error state only when this holds (see `_Connection`).
     """
     connection = _connection
     return connection is None or not connection.find_down(probe_timeout)
