@@ -13,9 +13,13 @@ run: $(VENV)/.installed
 # (once: its own stamp), and the GPU suite then fails instead of skipping.
 GPU_STAMP := $(if $(filter 1,$(TFSHARD_REQUIRE_GPU)),$(VENV)/.installed-cuda)
 
+# The suite runs in WORKERS processes (pytest-xdist), each test file in one of them, so a
+# file's module fixtures are made once; WORKERS=0 runs it in this process.
+WORKERS ?= 2
+
 test: $(VENV)/.installed-test $(GPU_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile $(ARGS)
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
