@@ -217,11 +217,8 @@ class Engine:
         step = Step(
             fn=self._converted,
             name=self.name,
-            per_sample=options.per_sample,
-            ragged=options.ragged,
-            reduce=options.reduce,
+            options=options,
             weights=weights,
-            jit_compile=options.jit_compile,
             devices=devices,
             output=self.output,
             host=self.host,

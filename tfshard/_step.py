@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from tfshard import _arguments, _balance, _chunks, _kinds, _sharding, _trees, collect, pinning
 from tfshard._kinds import prefix_sums
+from tfshard._options import Options
 from tfshard._plan import (
     Planned,
     onto_devices,
@@ -76,12 +77,11 @@ class Step:
     Attributes:
       fn: the user's function, autograph applied.
       name: its name, for messages.
-      per_sample: map it over rows, or call it on whole shards.
-      ragged: stack per-sample outputs as ragged tensors.
-      reduce: the reduction record, or None to gather.
+      options: the function's options (`tfshard._options.Options`, with
+        `jit_compile` decided), read for what is the same in every step of it:
+        `per_sample`, `ragged`, `reduce`, `jit_compile`.
       weights: integer weights for the plan, or None for an even split (or,
         `balanced`, until the call feeds its own).
-      jit_compile: compile each shard with XLA.
       devices: the shards' devices; `output` where results land (and the
         outputs' rows are checked), `host` the CPU where a plan of weights fed at
         run time runs (others run where the batch is: `tfshard._plan`).
@@ -111,11 +111,8 @@ class Step:
 
     fn: Callable[..., Any]
     name: str
-    per_sample: bool
-    ragged: bool
-    reduce: collect.Reduction | None
+    options: Options
     weights: tuple[int, ...] | None
-    jit_compile: bool
     devices: tuple[str, ...]
     output: str
     host: str
@@ -236,8 +233,8 @@ class Step:
             shared,
             example,
             name=self.name,
-            per_sample=self.per_sample,
-            ragged=self.ragged,
+            per_sample=self.options.per_sample,
+            ragged=self.options.ragged,
         )
 
         def guarded(rows_in: Sequence[Any], n: tf.Tensor, position: Position) -> Any:
@@ -251,7 +248,7 @@ class Step:
             self.output,
             self.host,
             replicas=self.replicas is not None,
-            jit_compile=self.jit_compile,
+            jit_compile=self.options.jit_compile,
             beside_transfers=self.beside_transfers,
             chunked=self.max_rows is not None,
         )
@@ -323,8 +320,8 @@ class Step:
             rows,
             position,
             limit,
-            reduce=self.reduce,
-            per_sample=self.per_sample,
+            reduce=self.options.reduce,
+            per_sample=self.options.per_sample,
             device=device,
         )
 
@@ -337,20 +334,20 @@ class Step:
         """
         leaves = outputs.leaves()
         with tf.name_scope(COLLECT_SCOPE), tf.device(self.output):
-            if self.reduce is None and self.alone:
+            if self.options.reduce is None and self.alone:
                 outputs.check_gatherable()
                 # One shard's outputs are the call's: no gather (a copy where they
                 # land elsewhere, as a tf.function's outputs are copied).
                 here = pinning.same_device(self.devices[0], self.output)
                 results = [v[0] if here else _moved(v[0]) for v in leaves]
                 counted = {}
-            elif self.reduce is None:
+            elif self.options.reduce is None:
                 outputs.check_gatherable()
                 results, counted = collect.gather_leaves(leaves)
             else:
-                by_row = [self.per_sample or per_row(values[0]) for values in leaves]
+                by_row = [self.options.per_sample or per_row(values[0]) for values in leaves]
                 paths = [outputs.path(i) for i in range(len(leaves))]
-                sizes, op = planned.sizes, self.reduce
+                sizes, op = planned.sizes, self.options.reduce
                 results = collect.reduce_leaves(leaves, paths, self.devices, sizes, op, by_row)
                 counted = {}
         self._check_rows(outputs, planned, counted)
@@ -358,24 +355,24 @@ class Step:
 
     def check(self, outputs: ShardOutputs, planned: Planned) -> None:
         """The checks `collect` makes, for outputs a stream gathers itself."""
-        if self.reduce is None:
+        if self.options.reduce is None:
             outputs.check_gatherable()
         self._check_rows(outputs, planned, {})
 
     def finish(self, totals: Sequence[Any], rows: Any) -> list[Any]:
         """`collect`'s results as the call's: a reduction's totals over `rows` divided
         (a mean) and in the outputs' dtypes; gathered outputs as they are."""
-        if self.reduce is None:
+        if self.options.reduce is None:
             return list(totals)
         with tf.device(self.output):
-            return [collect.finished(t, rows, self.reduce) for t in totals]
+            return [collect.finished(t, rows, self.options.reduce) for t in totals]
 
     def _check_rows(
         self, outputs: ShardOutputs, planned: Planned, counted: dict[int, tf.Tensor]
     ) -> None:
         # Per-sample outputs have one row per row by construction.
-        if not self.per_sample:
-            reduced = self.reduce is not None
+        if not self.options.per_sample:
+            reduced = self.options.reduce is not None
             host = self._checks_on()
             check_rows(outputs, planned.sizes, self.devices, host, counted, reduced)
 
@@ -435,7 +432,7 @@ class Step:
         if self.shards is None:
             return results
         with tf.device(self.output):
-            empties = [no_rows_like(leaf, self.per_sample) for leaf in outputs.flat[0]]
+            empties = [no_rows_like(leaf, self.options.per_sample) for leaf in outputs.flat[0]]
             empty = _trees.build(outputs.structure, iter(empties))
         held = dict(zip(self.shards, results))
         return [held.get(k, empty) for k in range(self.listed or len(self.devices))]

@@ -372,7 +372,7 @@ class Runner:
                 # and with XLA, whose compiled shard is the guarded one either way.
                 steps = [engine.step(call, beside_transfers=True, guarded=g) for g in (False, True)]
                 weights = steps[0].weights
-                bare = not steps[0].jit_compile and not (weights and 0 in weights)
+                bare = not steps[0].options.jit_compile and not (weights and 0 in weights)
                 shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
                 loop = _Loop(*steps, relaxed, shared_specs, engine.checked, bare=bare)
                 self.loops[key] = loop
@@ -590,7 +590,7 @@ class _Loop:
         self._bare = bare  # whether a stream starts with bare shards (`_run_chunk`)
         self._tracing = threading.Lock()  # threads that need a loop trace it once
         self._count = len(step.devices)
-        self._op = step.reduce
+        self._op = step.options.reduce
         self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
         self._shared_specs = list(shared_specs)
         self._batches: dict[bool, Any] = {}  # `_batch`'s graphs, bare and guarded
@@ -694,7 +694,7 @@ class _Loop:
         totals) and, where the step times its shards, ``(rows, seconds)``."""
         outputs = step.run(fed, shared, offset)
         like = _trees.build(outputs.structure, iter(outputs.flat[0]))
-        if step.reduce is None:
+        if step.options.reduce is None:
             step.check(outputs, fed)
             per_batch = outputs.flat
         else:
