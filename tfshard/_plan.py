@@ -257,12 +257,9 @@ def plan_and_split(
       host: the CPU of a plan made on the host.
     """
     batch = split_devices[0] if split_devices else ""
-    counts = [row_count(t, d or batch) for t, d in zip(inputs, split_devices)]
+    n = agreed_rows(inputs, split_devices, paths, batch)
     with _kinds.placed(batch):
-        checks = rows_agree(counts, split_devices, paths)
-        with tf.control_dependencies(checks):
-            n = tf.identity(counts[0]) if checks else counts[0]
-            total = tf.cast(n, tf.int64)
+        total = tf.cast(n, tf.int64)
     where = plan_device(split_devices, weights, host)
     with _kinds.placed(where):
         if planned_where_the_batch_is(weights):
@@ -285,6 +282,20 @@ def onto_devices(planned: Planned, devices: Sequence[str]) -> Planned:
             for field, parts in zip(pieces, planned.pieces):
                 field.append(tf.nest.map_structure(tf.identity, parts[k], expand_composites=True))
     return planned._replace(pieces=pieces)
+
+
+def agreed_rows(
+    inputs: Sequence[Any], split_devices: Sequence[str], paths: Sequence[str], where: str
+) -> tf.Tensor:
+    """The split arguments' rows (int32): the first's, counted where it lives (`where`
+    for one that came from a graph), after `rows_agree`'s check that every argument has
+    them, run at `where`. The one check of this rule in a graph (`plan_and_split`, and a
+    device alone, `tfshard._step.Step`)."""
+    counts = [row_count(t, d or where) for t, d in zip(inputs, split_devices)]
+    with _kinds.placed(where):
+        checks = rows_agree(counts, split_devices, paths)
+        with tf.control_dependencies(checks):
+            return tf.identity(counts[0]) if checks else counts[0]
 
 
 def rows_agree(

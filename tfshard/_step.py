@@ -47,11 +47,11 @@ from tfshard._kinds import prefix_sums
 from tfshard._options import Options
 from tfshard._plan import (
     Planned,
+    agreed_rows,
     onto_devices,
     plan_and_split,
     plan_device,
     row_count,
-    rows_agree,
 )
 from tfshard._shards import (
     ShardOutputs,
@@ -181,14 +181,11 @@ class Step:
         The rows are counted where the first argument lives (`_checks_on`: a
         Shape op, none where they are static), and where an argument came from
         a graph, the check that the arguments' rows agree runs there too
-        (`plan_and_split`'s, with its message).
+        (`tfshard._plan.agreed_rows`, the one `plan_and_split` makes).
         """
         device = self._checks_on()
-        counts = [row_count(t, d or device) for t, d in zip(inputs, self.split_devices)]
+        n = agreed_rows(inputs, self.split_devices, paths, device)
         with tf.device(device):
-            checks = rows_agree(counts, self.split_devices, paths)
-            with tf.control_dependencies(checks):
-                n = tf.identity(counts[0]) if checks else counts[0]
             sizes = tf.reshape(n, [1])
             total = tf.cast(n, tf.int64)
         return Planned(total, sizes, [[t] for t in inputs])
