@@ -125,22 +125,22 @@ class Engine:
         self._lock = threading.RLock()
         self._converted: Callable[..., Any] | None = None
         # Replicas of this engine's devices, as they were when its graphs were traced,
-        # and the generation of replicas that was (`refresh`).
+        # and the `Replicas.generation` they were looked up at (`refresh`).
         self._replicas: Replicas | None = None
-        self._generation = -1  # `Replicas.generation` when the replicas were last looked up
-        self._epoch = 0  # how many times this engine dropped what it traced
+        self._replicas_seen = -1  # `Replicas.generation` when the replicas were last looked up
+        self._traces_dropped = 0  # how many times this engine dropped what it traced
         # weights="auto": the measured weights, and the graphs that ran once (warmed up).
         self.balance = _balance.Balance(len(devices)) if options.balanced else None
         self._turns = _balance.Turns()
         self._warm: set[int] = set()
 
     @property
-    def generation(self) -> int:
-        """Which replicas this engine's steps read: it changes when they do (only
-        then), and what was traced from an older step (a stream's loop) must be
-        traced again."""
+    def traces_dropped(self) -> int:
+        """How many times this engine dropped what it traced, because the replicas its
+        steps read changed (only then): what was traced from an older step (a stream's
+        loop) must be traced again when this count moves."""
         self.refresh()
-        return self._epoch
+        return self._traces_dropped
 
     @property
     def trace_count(self) -> int:
@@ -242,9 +242,9 @@ class Engine:
         The graphs traced before go: one that captured a plain variable would
         not read the replicated one that a new model put in its place. Anything
         else traced from this engine's steps (a stream's loops) compares
-        `generation` with the one it was traced at.
+        `traces_dropped` with the count it was traced at.
         """
-        if self._generation == Replicas.generation:
+        if self._replicas_seen == Replicas.generation:
             return
         with self._lock:
             generation = Replicas.generation
@@ -254,8 +254,8 @@ class Engine:
                 self._graphs.clear()
                 self._first_rows.clear()
                 self._steps.clear()
-                self._epoch += 1
-            self._generation = generation
+                self._traces_dropped += 1
+            self._replicas_seen = generation
 
     def checked(self, graph: Any) -> Any:
         """A traced graph, once refused if a shard writes a replicated variable or,

@@ -81,7 +81,7 @@ class Runner:
 
     One per `ShardedFunction`, over its engine, whose steps it composes; the
     loops' cache lives here, and goes when the engine's replicas change (its
-    `generation`), as the engine's own graphs do (the Python loop's per-batch
+    `traces_dropped` moves), as the engine's own graphs do (the Python loop's per-batch
     graphs are the engine's: `Engine.call`, `Engine.totals`). Each public method
     takes the dataset in once (`_intake.take`) and runs the `Intake`.
 
@@ -94,7 +94,7 @@ class Runner:
         self._lock = threading.RLock()
         self.loops: dict[Any, _Loop] = {}  # traced loops, by element spec and trace key
         self._batches: dict[Any, Any] = {}  # a symbolic batch of each loop's element spec
-        self._generation = engine.generation
+        self._traces_dropped = engine.traces_dropped
 
     @property
     def trace_count(self) -> int:
@@ -103,11 +103,11 @@ class Runner:
 
     def _current(self) -> None:
         """Drops what was traced with replicas that have changed since."""
-        generation = self.engine.generation
-        if self._generation != generation:
+        dropped = self.engine.traces_dropped
+        if self._traces_dropped != dropped:
             with self._lock:
                 self.loops.clear()
-                self._generation = generation
+                self._traces_dropped = dropped
 
     def _take(
         self,
