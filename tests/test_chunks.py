@@ -130,9 +130,10 @@ def test_chunked_shards_with_a_stateful_function_still_run_at_once():
 
     The function is stateful (a stateful numpy_function): without the loop's own token,
     TensorFlow would chain one shard's loop after the other's, and the barrier would
-    time out.
+    never be met: its bound only ends that wait, generous for a machine whose cores other
+    jobs keep busy (20 s ran out once beside two busy loops and a second test process).
     """
-    barrier = threading.Barrier(2, timeout=20)
+    barrier = threading.Barrier(2, timeout=120)
 
     def meet(x):
         barrier.wait()
