@@ -12,7 +12,7 @@ composite tensors included, is a leaf.
 
 A hand-written walker rather than `tf.nest`, because every call needs a
 hashable key of the structure for its trace key, and `tf.nest` would take a
-second pass for it. Other modules read a key with `fold` and `labels` rather
+second pass for it. The write store (`writing`) reads a key with `fold` and `labels` rather
 than walking the value again. The walk builds no path strings: a path is built
 only for an error, by a second walk.
 

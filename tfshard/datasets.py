@@ -301,9 +301,9 @@ class Runner:
         name = self.engine.name
         if isinstance(batch_index, bool) or not isinstance(batch_index, int) or batch_index < 0:
             raise ArgumentError(f"batch_index={batch_index!r}: the batch to record, an int >= 0")
-        intake = _intake.take(
-            arguments, self.engine.fn, dataset, args, kwargs, batch_size=batch_size,
-            batched=batched,
+        intake = self._take(
+            arguments, dataset, args, kwargs, ".timeline(dataset)",
+            batch_size=batch_size, batched=batched,
         )  # fmt: skip
         with tf.device(HOST):
             element = next(iter(intake.batches.skip(batch_index).take(1)), None)

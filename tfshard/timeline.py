@@ -365,7 +365,7 @@ def _load(logdir: Path, name: str) -> list[_Plane]:
     paths = sorted(logdir.glob("plugins/profile/*/*.xplane.pb"))
     if not paths:
         raise TfshardError(
-            f"{name}.timeline(): TensorFlow's profiler wrote no record under {logdir}; "
+            f"{name}.timeline(): TensorFlow's profiler wrote no record of the call; "
             "a timeline needs TensorFlow's profiler (tf.profiler.experimental)"
         )
     planes = []
