@@ -93,6 +93,14 @@ def test_a_device_found_useless_stays_so_whatever_the_others_do():
     assert balance.integer() == (1, 0)
 
 
+def test_a_function_left_with_one_device_measures_no_more_calls():
+    """Every other device useless: the call is one device's plain trace, and nothing is
+    measured (no host read, no turn alone among threads), settled or not."""
+    balance = Balance(2)
+    assert _measured(balance, [50, 50], [0.01, 0.6], times=3) == (1.0, 0.0)
+    assert [balance.due() for _ in range(30)] == [None] * 30
+
+
 def test_calls_slowed_by_other_jobs_leave_a_devices_time_as_it_is():
     """Another job only slows a call: up to 6 of a device's 9 measurements slowed leave
     its time per row (the window's lower quartile) where its undisturbed calls put it."""

@@ -184,8 +184,8 @@ class Turns:
     that come meanwhile wait until it has ended, so its shards' seconds are
     its own (another call's shards on the same device would otherwise run
     inside its timestamps). One measured call at a time: a call due while
-    another measures, or made from inside a call of this function on the
-    same thread, runs unmeasured and waits for nothing. A wait that passes
+    another measures runs unmeasured, after it; a call made from inside a call
+    of this function on the same thread runs unmeasured and waits for nothing. A wait that passes
     `LONGEST_WAIT_S` (a call made from inside another's shard, which that
     call waits for) gives up: the call then runs unmeasured, or beside the
     measured one.
@@ -291,7 +291,7 @@ class Balance:
             if kind == "split":
                 return _integer(self._split, self._count)
             if kind == "alone":
-                fastest = self._fastest()
+                fastest = self._candidate()
                 if fastest is not None:
                     return tuple(int(k == fastest) for k in range(self._count))
             return self.integer()
@@ -323,9 +323,11 @@ class Balance:
         that is not), the two in turn.
         """
         with self._lock:
-            fastest = self._fastest()
+            fastest = self._candidate()
             kept = sum(1 for w in (self._split or (1.0,) * self._count) if w > 0)
-            weighing = fastest is not None and kept > 1  # alone or split: which pays
+            if kept <= 1:
+                return None  # every other device useless: one device, nothing to measure
+            weighing = fastest is not None  # alone or split: which pays
             learning = weighing and (
                 len(self._split_calls) < MIN_SAMPLES
                 or len(self._alone_calls[fastest]) < MIN_SAMPLES
@@ -398,6 +400,11 @@ class Balance:
         else:
             self._steady += 1
 
+    def _candidate(self) -> int | None:
+        """The device alone that calls weigh against the split: the one holding every row,
+        else the fastest (None until every device is measured `MIN_SAMPLES` times)."""
+        return self._alone if self._alone is not None else self._fastest()
+
     def _fastest(self) -> int | None:
         """The device of least time per row among those kept, or None: not every device
         measured `MIN_SAMPLES` times yet."""
@@ -433,7 +440,7 @@ class Balance:
         """The fastest device alone, or the split: the other one once it is found to end a
         whole call `BAND` and `MIN_GAIN` sooner (each known from `MIN_SAMPLES` calls) in
         `MIN_SAMPLES` comparisons in a row, so that two near alike do not take turns."""
-        fastest = self._fastest() if self._alone is None else self._alone
+        fastest = self._candidate()
         if fastest is None:
             return
         alone, split = self._alone_calls[fastest], self._split_calls

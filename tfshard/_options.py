@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 
 from tfshard import _plan, collect, pinning
 from tfshard._autograph import keras_of
@@ -190,7 +191,8 @@ def _model_compiles(fn: Any, devices: Sequence[str]) -> bool:
     for variable in fn.variables:
         if replicas is not None and replicas.holds(variable):
             continue
-        home = getattr(variable, "value", variable).device  # a Keras variable's tf.Variable
+        # A Keras 3 variable holds its tf.Variable as .value; tf_keras's are tf.Variables.
+        home = variable.device if isinstance(variable, tf.Variable) else variable.value.device
         if not all(pinning.same_device(home, d) for d in devices):
             return False
     return True
