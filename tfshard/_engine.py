@@ -276,12 +276,6 @@ class Engine:
         held = self._held(call.rows, weights)
         return self._traced(call, "call", offset=False, measured=measured, **held).graph
 
-    def inputs(self, call: _arguments.Call, measured: bool = False) -> list[Any]:
-        """What `trace`'s graph takes for this call: its tensors, then `feeds`."""
-        weights = self.plan_weights()
-        shards = self._held(call.rows, weights)["shards"]
-        return [*call.tensors, *self.feeds(shards=shards, weights=weights, measured=measured)]
-
     def _held(self, rows: int | None, weights: tuple[int, ...] | None) -> dict[str, Any]:
         """The devices a call of `rows` rows holds (`holding`), whether it is guarded, and
         the integer `weights` it plans by (those in use, read once by the caller)."""
