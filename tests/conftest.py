@@ -169,13 +169,15 @@ def executed_nodes() -> Callable[..., list[tuple[str, str, str]]]:
 
 @pytest.fixture(autouse=True)
 def no_active_contexts(monkeypatch):
-    """Every test starts with no context map, explicit or from the environment.
+    """Every test starts and leaves with no context map, explicit or from the environment.
 
-    A fresh copy of pinning's one piece of process state (its docstring says why
-    there is one): no `set_contexts` map, no `use_contexts` block, nothing logged.
+    `pinning.reset_contexts` forgets pinning's one piece of process state: no
+    `set_contexts` map, no `use_contexts` block, nothing logged.
     """
-    monkeypatch.setattr(pinning, "_active", pinning._ActiveContexts())
+    pinning.reset_contexts()
     monkeypatch.delenv(pinning.CONTEXTS_ENV, raising=False)
+    yield
+    pinning.reset_contexts()
 
 
 def _process_gone(pid: int, seconds: float = 10.0) -> bool:

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfshard
+from tfshard import pinning
 from tfshard.errors import (
     ArgumentError,
     ContextMapError,
@@ -266,6 +267,37 @@ def test_environment_variable_supplies_the_map(monkeypatch):
     assert tfshard.resolve_device("dev1") == "/device:CPU:2"
     with tfshard.use_contexts("dev1->cpu:3", log=False):  # An explicit map wins.
         assert tfshard.resolve_device("dev1") == "/device:CPU:3"
+
+
+def test_reset_contexts_forgets_every_map_and_the_variable_counts_again(monkeypatch, caplog):
+    monkeypatch.setenv("TFSHARD_CONTEXTS", "dev0->cpu:1")
+    opened, reset = threading.Event(), threading.Event()
+    seen_in_thread = []
+
+    def open_block():  # another thread's block is forgotten too
+        with tfshard.use_contexts("dev0->cpu:3", log=False):
+            opened.set()
+            reset.wait(timeout=60)
+            seen_in_thread.append(tfshard.active_contexts())
+
+    with caplog.at_level(logging.INFO, logger="tfshard"):
+        assert tfshard.resolve_device("dev0") == "/device:CPU:1"
+        tfshard.set_contexts("dev0->cpu:2", log=False)
+        thread = threading.Thread(target=open_block)
+        thread.start()
+        assert opened.wait(timeout=60)
+        with tfshard.use_contexts("dev0->cpu:3", log=False):
+            assert tfshard.resolve_device("dev0") == "/device:CPU:3"
+            pinning.reset_contexts()
+            reset.set()
+            assert tfshard.resolve_device("dev0") == "/device:CPU:1"
+        assert tfshard.resolve_device("dev0") == "/device:CPU:1"  # set_contexts' map is gone
+        thread.join(timeout=60)
+    assert seen_in_thread == [tfshard.active_contexts()]
+    assert str(seen_in_thread[0]) == "dev0->cpu:1"
+    messages = [r.getMessage() for r in caplog.records]
+    # The variable is read and logged afresh after the reset.
+    assert sum(m.startswith("Mapped name dev0 to device /device:CPU:1") for m in messages) == 2
 
 
 def test_environment_map_logs_its_mappings_once(monkeypatch, caplog):

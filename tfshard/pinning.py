@@ -60,6 +60,7 @@ __all__ = (
     "list_devices",
     "num_gpus",
     "pin",
+    "reset_contexts",
     "resolve_device",
     "set_contexts",
     "to_device",
@@ -479,7 +480,8 @@ class _ActiveContexts:
     Process state on purpose, as `tf.device` scopes are: a map chosen once (a
     ``--contexts`` flag, the environment, a ``with`` block) reaches every name
     resolved under it without passing through the user's code. Only
-    `active_contexts`, `set_contexts`, `use_contexts` and `resolve_device` touch it.
+    `active_contexts`, `set_contexts`, `use_contexts`, `reset_contexts` and
+    `resolve_device` touch it.
 
     The variable is parsed once per value, under the lock (any thread may read it
     first), and logged once, when `resolve_device` first reads a name: logging
@@ -488,11 +490,16 @@ class _ActiveContexts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # Guards all but the per-thread blocks.
-        self._thread = threading.local()
-        # `set_contexts`' map: [] until set, then [map] ([None] hides the variable's).
-        self._explicit: list[ContextMap | None] = []
-        self._env: tuple[str, ContextMap] | None = None  # (text, its map)
-        self._env_logged = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every map: the set one, every thread's blocks, the variable's parse."""
+        with self._lock:
+            self._thread = threading.local()
+            # `set_contexts`' map: [] until set, then [map] ([None] hides the variable's).
+            self._explicit: list[ContextMap | None] = []
+            self._env: tuple[str, ContextMap] | None = None  # (text, its map)
+            self._env_logged = False
 
     def blocks(self) -> list[ContextMap | None]:
         """This thread's `use_contexts` maps, innermost last; a new thread has none."""
@@ -595,6 +602,18 @@ def set_contexts(
         parsed.log_mappings()
     _active.set(parsed)
     return parsed
+
+
+def reset_contexts() -> None:
+    """Forgets every context map this process was given, as if tfshard were just imported.
+
+    `set_contexts`' map is dropped (``TFSHARD_CONTEXTS`` counts again, and is
+    read and logged afresh at the next lookup), and so is every thread's
+    `use_contexts` block: a block still open keeps no map from then on, and
+    closing it restores none. For a long-lived process that starts over (a
+    notebook, a test suite giving each test no map).
+    """
+    _active.reset()
 
 
 @contextlib.contextmanager
