@@ -7,6 +7,7 @@ few timelines (contention only lowers it; a chained function cannot rise above 1
 however the cores are shared), with margins.
 """
 
+import gzip
 import importlib
 import sys
 import types
@@ -30,11 +31,13 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _layers(layers=20, seed=0):
+    """The weights, on the host (a GPU machine's eager constants would live on GPU:0)."""
     rng = np.random.default_rng(seed)
-    return [
-        tf.constant((rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32))
-        for _ in range(layers)
-    ]
+    with tf.device("/cpu:0"):
+        return [
+            tf.constant((rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)).astype(np.float32))
+            for _ in range(layers)
+        ]
 
 
 def _rows(n, seed=1):
@@ -220,7 +223,8 @@ def test_the_table_names_every_device_rows_and_parallelism(pure_four):
     for c in timeline.copies:
         line = next(line for line in lines if line.split()[:1] == [c.device])
         assert line.split()[1:3] == [str(c.tensors_in), str(c.tensors_out)]
-        assert line.endswith("none recorded (shared memory)")
+        if c.device in DEVICES:  # a GPU machine's GPU:0 may copy something of its own
+            assert line.endswith("none recorded (shared memory)")
 
 
 def test_shards_traced_in_place_with_replicas_are_recorded_alike():
@@ -490,6 +494,65 @@ def test_a_gpu_profile_names_the_op_of_each_kernel(one_gpu, tmp_path):
                     if stat_names.get(stat.metadata_id) == "tf_op":
                         named.append(stat_names.get(stat.ref_value) or stat.str_value)
     assert any(op.startswith("tfshard_shard_0/") for op in named), sorted(set(named))[:20]
+
+
+# ------------------------------------------ a GPU's record, read on any machine
+
+GPUS = [f"/device:GPU:{k}" for k in range(4)]
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _recorded(tmp_path, variant):
+    """The timeline of one call recorded on an H100 split into 4 logical GPUs (2026-11-24).
+
+    tfshard's graph of that day, 40 x (matmul by a [256, 256] constant, tanh) per
+    shard, 256 rows of 256 float32 each, the input on GPU:0 and the results gathered
+    there. Shard 0's ops carry its scope; shards 1-3 call one shared trace, whose
+    kernels name no shard. `variant` "pure", or "uniform": the function also draws
+    ``tf.random.uniform``, which made shards 1-3 run one after another (read from the
+    raw trace by hand that day: ../shared/gpu/README.md, "Second probe").
+    """
+    path = tmp_path / f"{variant}.xplane.pb"
+    path.write_bytes(gzip.decompress((DATA / f"gpu_{variant}.xplane.pb.gz").read_bytes()))
+    function = {"pure": "__inference_body_1083", "uniform": "__inference_body_2098"}[variant]
+    return timeline_lib.read(path, function, devices=GPUS, output=GPUS[0], rows=[256] * 4)
+
+
+@pytest.mark.parametrize("variant", ["pure", "uniform"])
+def test_a_gpu_record_puts_every_shards_kernels_on_its_logical_gpu(tmp_path, variant):
+    # One card split in four has one plane: each kernel is its shard's by its name's
+    # scope or by the run that launched it, never by the plane.
+    timeline = _recorded(tmp_path, variant)
+    assert [s.device for s in timeline.shards] == GPUS
+    assert [s.rows for s in timeline.shards] == [256] * 4
+    kernels = [s.ops for s in timeline.shards]
+    assert kernels[0] >= 80 and len(set(kernels)) == 1, kernels  # each: 40 matmuls, 40 tanh
+    assert all(0 < s.busy_ms <= s.end_ms - s.start_ms for s in timeline.shards)
+
+
+def test_a_gpu_record_counts_each_shards_rows_in_and_result_out(tmp_path):
+    timeline = _recorded(tmp_path, "pure")
+    copies = {c.device: c for c in timeline.copies}
+    piece = 256 * 256 * 4  # a shard's rows, and its result, in bytes
+    for device in GPUS[1:]:
+        c = copies[device]
+        assert (c.bytes_in, c.bytes_out) == (piece, piece)
+        assert c.tensors_in >= 1 and c.tensors_out >= 1 and c.ms > 0
+    assert copies[GPUS[0]].bytes_in == 3 * piece  # the other shards' results, gathered
+
+
+def test_a_gpu_record_shows_shards_running_at_once_or_in_turn(tmp_path):
+    pure = _recorded(tmp_path, "pure").shards
+    for a in pure:
+        for b in pure:
+            assert a.start_ms < b.end_ms, (a, b)  # every pair overlaps
+    _, one, two, three = _recorded(tmp_path, "uniform").shards
+    assert one.end_ms <= two.start_ms and two.end_ms <= three.start_ms
+
+
+def test_reading_a_profile_that_is_not_there_names_the_path(tmp_path):
+    with pytest.raises(tfshard.ArgumentError, match="no such file or directory"):
+        timeline_lib.read(tmp_path / "nothing", "f", devices=GPUS, output=GPUS[0])
 
 
 # ------------------------------------------------------------------ plot

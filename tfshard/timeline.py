@@ -33,7 +33,10 @@ devices), else the device the graph placed its ops on, else the output
 device. An op in a shard's name scope (``tfshard_shard_k/``) is that shard's;
 an op of a function that a shard calls (the shared trace, a cond's branch) is
 the shard's whose call op started it; the gather is the ``tfshard_collect/``
-scope; a GPU kernel belongs to the op its ``tf_op`` stat names.
+scope. An op that runs on a GPU leaves no event on the host: its kernels on
+the GPU's plane name it (``tf_op``), and the host thread's launch of each,
+inside its run, carries the kernel's ``correlation_id``: a kernel is its
+shard's by its op's scope, else by the run that launched it.
 
 What the record may lack: with ``jit_compile=True``, TensorFlow's profiler
 leaves a compiled shard's call out of some records (the XSpace holds the
@@ -67,7 +70,7 @@ from tfshard._explain import format_bytes
 from tfshard._step import COLLECT_SCOPE
 from tfshard.errors import ArgumentError, TfshardError, shard_in
 
-__all__ = ("Copies", "Shard", "Span", "Timeline", "record", "xspace_message")
+__all__ = ("Copies", "Shard", "Span", "Timeline", "read", "record", "xspace_message")
 
 # Ops that call functions (a call, a cond's If, a loop's While): each runs its function's
 # ops, which the record lists in a run of their own, so the caller only waits.
@@ -127,16 +130,16 @@ class Shard(Span):
 class Copies:
     """What crossed into and out of one device during the call.
 
-    Tensors are counted from the call's sends: each ``_Send`` of the
-    executed partitions hands one tensor from its device to another (a
-    tensor that two devices receive counts once for each). Bytes and time
-    are what a GPU's copy engine recorded (its ``Memcpy`` events: host to
-    device counts in, device to host out, and a copy between devices in for
-    the device whose op made it; a copy whose op the record does not name
-    goes to the GPU whose plane holds it, the card's first logical device
-    where one card is split). Logical CPU devices share the host's
-    memory: TF hands tensors over without copying, and the record has no
-    size or time for them (`bytes_in`, `bytes_out` and `ms` are None).
+    Tensors are counted from the call's rendezvous keys: each hands one
+    tensor from its device to another (a tensor that two devices receive
+    counts once for each), named by the host's record of a send or by a
+    GPU's copy. Bytes and time are what a GPU's copy engine recorded (its
+    ``Memcpy`` events): a copy between devices counts out for its source and
+    in for its destination; one without a key (an eager input copied to the
+    device) in or out for the GPU whose stream made it; a copy inside one
+    device, not at all. Logical CPU devices share the host's memory: TF
+    hands tensors over without copying, and the record has no size or time
+    for them (`bytes_in`, `bytes_out` and `ms` are None).
 
     Attributes:
       device: the device.
@@ -337,7 +340,10 @@ def record(
             "this process's devices only (run it on the devices of one process)"
         )
     function = concrete.function_def.signature.name
-    placed = {op.name: _local(op.device) for op in concrete.graph.get_operations() if op.device}
+    # Every op of the call's graph, with its device where the graph placed it (else "").
+    placed = {
+        op.name: _local(op.device) if op.device else "" for op in concrete.graph.get_operations()
+    }
     with tempfile.TemporaryDirectory(prefix="tfshard_timeline_") as logdir:
         try:
             # The default options record what a timeline reads: TF's ops on the host
@@ -356,13 +362,57 @@ def record(
             tf.test.experimental.sync_devices()  # a GPU's kernels end inside the record
         finally:
             tf.profiler.experimental.stop()
-        planes = _load(Path(logdir), name)
-    return _read(planes, function, placed, devices, rows, _local(output), name)
+        return read(
+            logdir, function, devices=devices, rows=rows, output=output, placed=placed, name=name
+        )
 
 
-def _load(logdir: Path, name: str) -> list[_Plane]:
-    """The planes of the XSpaces the profiler wrote under `logdir` (one file per host)."""
-    paths = sorted(logdir.glob("plugins/profile/*/*.xplane.pb"))
+def read(
+    path: str | os.PathLike[str],
+    function: str,
+    *,
+    devices: Sequence[str],
+    output: str,
+    rows: Sequence[int] | None = None,
+    placed: dict[str, str] | None = None,
+    name: str = "f",
+) -> Timeline:
+    """The `Timeline` of the calls of one traced function in a profile TensorFlow wrote.
+
+    `record` reads its own profile with it; it reads one you made with
+    ``tf.profiler.experimental`` around calls of a parallelized function as
+    well (every call in the profile counts as one).
+
+    Args:
+      path: the profile's log directory (``plugins/profile/*/*.xplane.pb``
+        under it), or one ``.xplane.pb`` file.
+      function: the traced function's name in the record
+        (``concrete.function_def.signature.name``: ``__inference_...``).
+      devices: the shards' devices, in shard order.
+      output: the output device, where the graph's ops without a device run.
+      rows: each shard's rows, or None when unknown.
+      placed: the call's graph's ops and the devices the graph placed them on
+        (``""`` where none); None when unknown (ops are then placed by
+        what the record shows).
+      name: the function's name, for the table and the errors.
+
+    Raises:
+      ArgumentError: `path` does not exist.
+      TfshardError: the path holds no profile, or the profile holds no op of
+        `function`.
+    """
+    if not os.path.exists(path):
+        raise ArgumentError(
+            f"tfshard.timeline.read({str(path)!r}): no such file or directory; pass a profile's "
+            "log directory (tf.profiler.experimental.start's) or one of its .xplane.pb files"
+        )
+    planes = _load(Path(path), name)
+    return _read(planes, function, placed or {}, devices, rows, _local(output), name)
+
+
+def _load(path: Path, name: str) -> list[_Plane]:
+    """The planes of the XSpaces at `path`: one file, or a log directory (one file per host)."""
+    paths = [path] if path.is_file() else sorted(path.glob("plugins/profile/*/*.xplane.pb"))
     if not paths:
         raise TfshardError(
             f"{name}.timeline(): TensorFlow's profiler wrote no record of the call; "
@@ -592,13 +642,16 @@ def _nest(events: list[_Event]) -> list[tuple[_Event, list[_Event]]]:
 
 def _host_ops(
     host: list[_Event], function: str, placed: dict[str, str], output: str
-) -> tuple[list[_Op], float | None]:
+) -> tuple[list[_Op], float | None, dict[Any, tuple[str, Any]]]:
     """The executor's ops of the call of `function`, each with its device and part.
 
     The call's partitions are the ``FunctionRun`` events inside its eager
     execution (returned with its start); a function an op calls runs as a
     ``FunctionRun`` inside that op's event; an op runs in the run whose id
     (``_p``) its enclosing ``ExecutorState::Process`` event consumes (``_c``).
+    A GPU kernel's launch is an event of the host thread that ran its op,
+    inside that run, with the kernel's ``correlation_id``: returned too, as
+    the device and part of the run each launch happened in.
     """
     nested = _nest(host)
     window = [
@@ -610,12 +663,18 @@ def _host_ops(
     raw: list[tuple[str, str, Any, float, float, dict[str, Any], Any]] = []
     done: dict[Any, float] = {}
     pending_runs: list[tuple[_Event, list[_Event]]] = []
+    launches: list[tuple[Any, Any]] = []  # (correlation id, run)
     for event, outer in nested:
         if event.name == _RUN:
             pending_runs.append((event, outer))
             continue
         if event.name == _ASYNC_DONE:
             done[event.stats.get("_c")] = event.end
+            continue
+        if "correlation_id" in event.stats:  # a GPU kernel's or copy's launch
+            process = next((e for e in reversed(outer) if e.name == _PROCESS), None)
+            if process is not None:
+                launches.append((event.stats["correlation_id"], process.stats.get("_c")))
             continue
         if event.name == _ASYNC_START:
             op_name, op = str(event.stats.get("name", "")), str(event.stats.get("kernel_type", ""))
@@ -655,7 +714,7 @@ def _host_ops(
             pass
         elif op in _SENDS and isinstance(key, str) and ";" in key:
             runs[run].votes[_local(key.split(";")[0])] += 1
-        elif op_name in placed:
+        elif placed.get(op_name):
             runs[run].votes[placed[op_name]] += 1
         ops.append(_Op(op_name, op, "", start, end, "op", stats=stats))
         ran_in.append(runs.get(run))
@@ -666,22 +725,59 @@ def _host_ops(
         if parent is not None:
             run.part = _part(run.caller) or parent.part
     for o, run in zip(ops, ran_in):
-        o.device = run.device if run is not None else placed.get(o.name, output)
+        o.device = run.device if run is not None else placed.get(o.name) or output
         o.part = _part(o.name) or (run.part if run is not None else None)
-    return ops, min((w.start for w in window), default=None)
+    launched = {c: (runs[r].device, runs[r].part) for c, r in launches if r in runs}
+    return ops, min((w.start for w in window), default=None), launched
 
 
-def _device_ops(planes: list[_Plane], ops: list[_Op], since: float) -> list[_Op]:
-    """A GPU's kernels of the call's ops (the op its ``tf_op`` stat names) and its copies.
+def _device_ops(
+    planes: list[_Plane],
+    ops: list[_Op],
+    since: float,
+    launched: dict[Any, tuple[str, Any]],
+    devices: Sequence[str],
+    placed: dict[str, str],
+    output: str,
+) -> list[_Op]:
+    """A GPU's kernels of the call (the op each one's ``tf_op`` stat names) and its copies.
 
-    A kernel whose op ran on several devices (a shared trace's op, called by
-    two shards) goes to the device its stream's other kernels ran for. A copy
-    is the call's if it started after the call did (`since`).
+    An op that runs on a GPU leaves no event of its own on the host (its
+    executor annotates its kernels instead), so a kernel is attributed, in
+    this order: by its op's name (a shard's scope: that shard's, on its
+    device; the gather's scope: the gather's); by the run its launch
+    happened in (`launched`: an op of the function a shard's call op called,
+    the shared trace, is that shard's); by an op of that name the host
+    recorded; by the call's graph (an op of the plan, where the graph placed
+    it). A kernel known by none of these goes to the device whose known
+    kernels ran on its stream (one card split into logical GPUs has one
+    plane, with streams of its own for each logical device), and to that
+    device's shard where it holds one. A copy is the call's if it started
+    after the call did (`since`).
     """
+    local = [_local(d) for d in devices]
     where: dict[str, set[tuple[str, Any]]] = collections.defaultdict(set)
     for o in ops:
         where[o.name].add((o.device, o.part))
-    found: list[tuple[_Op, set[tuple[str, Any]], tuple[str, int]]] = []
+
+    def known(name: str, correlation: Any) -> set[tuple[str, Any]]:
+        part = _part(name)
+        run = launched.get(correlation)
+        if part is None and run is not None:
+            part = run[1]
+        if part is not None and part[0] == "shard" and part[1] < len(local):
+            return {(local[part[1]], part)}
+        if part is not None:
+            return {(output, part)}
+        if run is not None:
+            return {(run[0], None)}
+        if name in where:
+            return where[name]
+        if name in placed:
+            return {(placed[name] or output, None)}
+        return set()
+
+    found: list[tuple[_Op, set[tuple[str, Any]], tuple[int, int], str]] = []
     for plane in planes:
         match = re.fullmatch(r"/device:GPU:(\d+)", plane.name)
         if match is None:
@@ -689,32 +785,40 @@ def _device_ops(planes: list[_Plane], ops: list[_Op], since: float) -> list[_Op]
         own = f"/device:GPU:{match.group(1)}"
         for event in plane.events:
             named = str(event.stats.get("tf_op", ""))
-            candidates = where.get(named.rsplit(":", 1)[0], set()) if named else set()
             if event.name in _MEMCPY_IN or event.name in _MEMCPY_OUT:
                 if event.start < since:
                     continue
                 kind = "memcpy"
-            elif candidates:
+            elif named:
                 kind = "kernel"
             else:
                 continue
             o = _Op(named or event.name, event.name, own, event.start, event.end, kind)
             o.stats = event.stats
-            found.append((o, candidates, (id(plane), event.line)))
+            correlation = event.stats.get("correlation_id")
+            candidates = known(named.rsplit(":", 1)[0], correlation) if kind == "kernel" else set()
+            found.append((o, candidates, (id(plane), event.line), own))
+    # Each stream's device: the one its kernels of a known device ran for.
     votes: dict[tuple[int, int], collections.Counter] = collections.defaultdict(
         collections.Counter
     )
-    for o, candidates, line in found:
-        if o.kind == "kernel" and len(candidates) == 1:
+    for o, candidates, line, _ in found:
+        if o.kind == "kernel" and len({c[0] for c in candidates}) == 1:
             votes[line][next(iter(candidates))[0]] += 1
     device_ops = []
-    for o, candidates, line in found:
+    for o, candidates, line, own in found:
         stream = votes[line].most_common(1)[0][0] if votes[line] else None
-        mine = [c for c in candidates if c[0] == stream] if len(candidates) > 1 else candidates
+        o.device = stream or own
+        if o.kind == "memcpy":
+            device_ops.append(o)
+            continue
+        mine = [c for c in candidates if c[0] == o.device] or list(candidates)
         if len(mine) == 1:
-            o.device, o.part = next(iter(mine))
-        elif stream is not None:
-            o.device = stream
+            o.device, o.part = mine[0]
+        elif not candidates:  # an op of a function a shard called: the device's one shard
+            held = [k for k, d in enumerate(local) if d == o.device]
+            if len(held) == 1:  # else two shards on one device share it: unattributed
+                o.part = ("shard", held[0])
         device_ops.append(o)
     return device_ops
 
@@ -756,16 +860,38 @@ def _span(ops: list[_Op], device: str) -> dict[str, Any]:
     )
 
 
+def _ends(key: Any) -> tuple[str, str] | None:
+    """The source and destination devices a rendezvous key names (``src;n;dst;edge;frame``)."""
+    if not isinstance(key, str) or key.count(";") < 2:
+        return None
+    source, _, destination = key.split(";")[:3]
+    return _local(source), _local(destination)
+
+
 def _copies(ops: list[_Op], device_ops: list[_Op], gpus: bool) -> tuple[Copies, ...]:
-    """Tensors each device sent and received (the sends' keys), and a GPU's copies."""
+    """Tensors each device sent and received, and a GPU's copies.
+
+    A tensor crossing between devices is one rendezvous key: the host
+    records the sends of its own ops, a GPU's copies name the key of the
+    transfer they make; each key counts once. A copy between two devices
+    counts out for its source and in for its destination; a copy without a
+    key (an eager input's copy to the device) in or out for the device whose
+    stream made it; a copy inside one device moves nothing between devices.
+    """
     tensors_in: collections.Counter = collections.Counter()
     tensors_out: collections.Counter = collections.Counter()
+    crossed: set[str] = set()
+
+    def cross(key: str, source: str, destination: str) -> None:
+        if key not in crossed and source != destination:
+            crossed.add(key)
+            tensors_out[source] += 1
+            tensors_in[destination] += 1
+
     for o in ops:
-        key = o.stats.get("key")
-        if o.op in _SENDS and isinstance(key, str) and key.count(";") >= 2:
-            source, _, destination = key.split(";")[:3]
-            tensors_out[_local(source)] += 1
-            tensors_in[_local(destination)] += 1
+        ends = _ends(o.stats.get("key"))
+        if o.op in _SENDS and ends is not None:
+            cross(o.stats["key"], *ends)
     bytes_in: collections.Counter = collections.Counter()
     bytes_out: collections.Counter = collections.Counter()
     ms: collections.Counter = collections.Counter()
@@ -774,8 +900,22 @@ def _copies(ops: list[_Op], device_ops: list[_Op], gpus: bool) -> tuple[Copies, 
             continue
         size = _SIZE.search(str(o.stats.get("memcpy_details", "")))
         moved = int(size.group(1)) if size else 0
-        (bytes_in if o.op in _MEMCPY_IN else bytes_out)[o.device] += moved
-        ms[o.device] += o.end - o.start
+        ends = _ends(o.stats.get("key"))
+        if ends is not None and ends[0] != ends[1]:
+            cross(o.stats["key"], *ends)
+            source, destination = ends
+        elif ends is None and o.op in _MEMCPY_IN - {"MemcpyD2D", "MemcpyP2P"}:
+            source, destination = "", o.device
+        elif ends is None and o.op in _MEMCPY_OUT:
+            source, destination = o.device, ""
+        else:
+            continue
+        if source:
+            bytes_out[source] += moved
+        if destination:
+            bytes_in[destination] += moved
+        gpu = destination if _device_order(destination)[0] == "GPU" else source
+        ms[gpu] += o.end - o.start  # the GPU's copy engine's time
     devices = set(tensors_in) | set(tensors_out) | set(ms)
     copies = []
     for d in sorted(devices, key=_device_order):
@@ -808,13 +948,18 @@ def _read(
     name: str,
 ) -> Timeline:
     host = [e for p in planes if p.name == "/host:CPU" for e in p.events]
-    ops, since = _host_ops(host, function, placed, output)
-    if not ops:
+    ops, since, launched = _host_ops(host, function, placed, output)
+    if since is None and ops:
+        since = min(o.start for o in ops)
+    device_ops = (
+        [] if since is None else _device_ops(planes, ops, since, launched, devices, placed, output)
+    )
+    if not ops and not any(o.kind == "kernel" for o in device_ops):
         raise TfshardError(
             f"{name}.timeline(): TensorFlow's profile holds no op of the call "
-            f"({function}); a timeline needs the profiler's host trace of TensorFlow ops"
+            f"({function}); a timeline needs the profiler's trace of TensorFlow ops "
+            "(on the host, and a GPU's kernels)"
         )
-    device_ops = _device_ops(planes, ops, min(o.start for o in ops) if since is None else since)
     everything = ops + device_ops
     base = min(o.start for o in everything)
     for o in everything:
