@@ -38,7 +38,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfshard import _sharding, _trees, collect
-from tfshard._shards import per_row
+from tfshard._shards import by_row
 from tfshard.position import Position
 
 
@@ -70,9 +70,9 @@ def in_chunks(
     first = run([t[:head] for t in rows_in], head, position)
     leaves, structure = _trees.flatten(first)
     # Which outputs are one value per row (concatenated), which a shard's value.
-    by_row = [per_sample or reduce is None or per_row(leaf) for leaf in leaves]
-    rowed = [leaf for leaf, r in zip(leaves, by_row) if r]
-    fixed = [leaf for leaf, r in zip(leaves, by_row) if not r]
+    rowed_at = [by_row(leaf, per_sample=per_sample, reduce=reduce) for leaf in leaves]
+    rowed = [leaf for leaf, r in zip(leaves, rowed_at) if r]
+    fixed = [leaf for leaf, r in zip(leaves, rowed_at) if not r]
     flows = collect.write_shards(collect.new_arrays(rowed), rowed, tf.constant(0), [rowed])
     totals = [collect.shard_partial(v, head, reduce, per_sample=False).value for v in fixed]
     handle = _sharding.token(device)
@@ -81,8 +81,8 @@ def in_chunks(
         n = tf.minimum(count - start, size)
         chunk = run([t[start : start + n] for t in rows_in], n, position.after(start))
         values = _trees.flatten(chunk)[0]
-        rowed_now = [v for v, r in zip(values, by_row) if r]
-        fixed_now = [v for v, r in zip(values, by_row) if not r]
+        rowed_now = [v for v, r in zip(values, rowed_at) if r]
+        fixed_now = [v for v, r in zip(values, rowed_at) if not r]
         flows = collect.write_shards(flows, rowed, i, [rowed_now])
         totals = [
             reduce.accumulate(total, collect.shard_partial(v, n, reduce, per_sample=False).value)
@@ -109,7 +109,7 @@ def in_chunks(
         for total, v in zip(totals, fixed)
     )
     results = []
-    for leaf, r in zip(leaves, by_row):
+    for leaf, r in zip(leaves, rowed_at):
         value = next(gathered) if r else next(reduced)
         if not r:
             value.set_shape(leaf.shape)

@@ -4,7 +4,8 @@
 rows (`vectorized`) or one call on the whole shard (`whole_shard`), and what a
 shard with no rows returns instead (`skip_if_empty`). The outputs of all
 shards come back as `ShardOutputs`, checked alike (`check_outputs`), and
-whole-shard outputs are checked to have one row per row (`check_rows`).
+every output that is one value per row (`by_row`) is checked to have one row
+per row of its shard (`check_rows`, the one check of that rule).
 """
 
 from __future__ import annotations
@@ -123,19 +124,24 @@ def check_rows(
     devices: Sequence[str],
     where: str,
     counted: dict[int, tf.Tensor],
-    reduced: bool,
+    *,
+    per_sample: bool,
+    reduce: collect.Reduction | None,
 ) -> None:
-    """Checks, on `where`, that per-row outputs of whole shards have one row per row.
+    """Checks, on `where`, that every output that is one value per row (`by_row`) has one
+    row per row of its shard: the rule's one check, for every path of a call.
 
-    Gathered outputs are all per-row; under a reduction (`reduced`), those
-    whose first dimension is unknown when traced (as the shard's rows are)
-    are. A gathered output's counts come from its gather, where it lands
-    (`counted`: int32, nothing more crosses); others get a Shape op per shard.
-    `sizes` are the plan's, int32. The check's message starts with `ROWS_DIFFER`.
+    A per-sample function's outputs have by construction (one stacked per
+    sample): nothing is checked. A gathered output's counts come from its
+    gather, where it lands (`counted`: int32, nothing more crosses); others get
+    a Shape op per shard. `sizes` are the plan's, int32. The check's message
+    starts with `ROWS_DIFFER` (`tfshard.errors.rows_error` names it).
     """
+    if per_sample:
+        return
     with tf.name_scope("tfshard_rows"):
         for i, per_shard in enumerate(outputs.leaves()):
-            if reduced and not per_row(per_shard[0]):
+            if not by_row(per_shard[0], per_sample=per_sample, reduce=reduce):
                 continue
             got = counted.get(i)
             if got is None:
@@ -150,6 +156,14 @@ def check_rows(
                     "rows: with per_sample=False an output needs one row per input row, "
                     "or a fixed shape under reduce=)",
                 )
+
+
+def by_row(value: Any, *, per_sample: bool, reduce: collect.Reduction | None) -> bool:
+    """Whether an output holds one value per row of its shard (gathered, chunked and reduced
+    row by row, and checked by `check_rows`) rather than the shard's own value: every
+    output of a per-sample function and every gathered output; under a reduction, a
+    whole-shard output whose first dimension is unknown when traced (`per_row`)."""
+    return per_sample or reduce is None or per_row(value)
 
 
 class ShardOutputs(NamedTuple):

@@ -55,10 +55,10 @@ from tfshard._plan import (
 )
 from tfshard._shards import (
     ShardOutputs,
+    by_row,
     check_outputs,
     check_rows,
     no_rows_like,
-    per_row,
     shard_of,
     skip_if_empty,
 )
@@ -325,9 +325,9 @@ class Step:
     def collect(self, outputs: ShardOutputs, planned: Planned) -> list[Any]:
         """The outputs gathered in input order, or the reduction's running totals.
 
-        Gathered outputs are checked to have one row per row (a whole-shard
-        function's), with the counts the gather saw; a reduction's totals are
-        undivided (`finish` divides a mean), so a stream can add up batches.
+        Outputs are checked as `check` says, the gathered ones' rows with the
+        counts the gather saw; a reduction's totals are undivided (`finish`
+        divides a mean), so a stream can add up batches.
         """
         leaves = outputs.leaves()
         with tf.name_scope(COLLECT_SCOPE), tf.device(self.output):
@@ -342,16 +342,18 @@ class Step:
                 outputs.check_gatherable()
                 results, counted = collect.gather_leaves(leaves)
             else:
-                by_row = [self.options.per_sample or per_row(values[0]) for values in leaves]
+                per_sample, sizes, op = self.options.per_sample, planned.sizes, self.options.reduce
+                rowed = [by_row(values[0], per_sample=per_sample, reduce=op) for values in leaves]
                 paths = [outputs.path(i) for i in range(len(leaves))]
-                sizes, op = planned.sizes, self.options.reduce
-                results = collect.reduce_leaves(leaves, paths, self.devices, sizes, op, by_row)
+                results = collect.reduce_leaves(leaves, paths, self.devices, sizes, op, rowed)
                 counted = {}
         self._check_rows(outputs, planned, counted)
         return results
 
     def check(self, outputs: ShardOutputs, planned: Planned) -> None:
-        """The checks `collect` makes, for outputs a stream gathers itself."""
+        """The checks `collect` makes, for outputs a stream gathers itself: gathered
+        outputs are not a scalar per shard, and each output of one value per row has
+        one row per row (`tfshard._shards.check_rows`)."""
         if self.options.reduce is None:
             outputs.check_gatherable()
         self._check_rows(outputs, planned, {})
@@ -367,11 +369,12 @@ class Step:
     def _check_rows(
         self, outputs: ShardOutputs, planned: Planned, counted: dict[int, tf.Tensor]
     ) -> None:
-        # Per-sample outputs have one row per row by construction.
-        if not self.options.per_sample:
-            reduced = self.options.reduce is not None
-            host = self._checks_on()
-            check_rows(outputs, planned.sizes, self.devices, host, counted, reduced)
+        """`check_rows` with this step's plan, devices and options, where it checks."""
+        options = self.options
+        check_rows(
+            outputs, planned.sizes, self.devices, self._checks_on(), counted,
+            per_sample=options.per_sample, reduce=options.reduce,
+        )  # fmt: skip
 
     # ------------------------------------------------------ traced bodies
 
