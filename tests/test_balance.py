@@ -101,6 +101,48 @@ def test_a_function_left_with_one_device_measures_no_more_calls():
     assert [balance.due() for _ in range(30)] == [None] * 30
 
 
+def test_what_a_call_plans_by_is_the_weights_shown_after_every_measurement():
+    """A call reads the plan without computing it: after each measurement (a split's or
+    a device alone's, noisy, three devices, one of them turning useless), the integer
+    weights it plans by are the weights shown, in proportion, zeros where they are."""
+    rng = np.random.default_rng(11)
+    balance = Balance(3)
+    shown = set()
+    for i in range(300):
+        per_row = (1e-4, 3e-4, 2e-4 if i < 150 else 0.5)  # device 2 turns useless
+        rows = [40, 40, 40]
+        seconds = [n * t * (1.0 + rng.random()) for n, t in zip(rows, per_row)]
+        if i % 5 == 4:
+            balance.observe_alone(0, 120, 120 * 1e-4 * rng.random(), warm_up=False)
+        else:
+            balance.observe(rows, seconds, warm_up=False, call_seconds=max(seconds))
+        weights, planned = balance.weights, balance.integer()
+        assert balance.plan_for(None) == planned
+        if weights is None:
+            assert planned == (1, 1, 1)
+            continue
+        shown.add(weights)
+        assert [w == 0 for w in weights] == [p == 0 for p in planned], (weights, planned)
+        # Scaled to integers of a 2**24 total: a share's rounding is float32's.
+        want = np.float32(np.array(weights) / sum(weights))
+        numerics.assert_close(np.float32(np.array(planned) / sum(planned)), want)
+    assert len(shown) > 1 and balance.weights[2] == 0.0  # the plan moved, and dropped one
+
+
+def test_a_device_left_alone_is_left_alone_for_good():
+    balance = Balance(3)
+    _measured(balance, [50, 50, 50], [0.01, 0.6, 0.02], times=3)
+    assert balance.weights == (2.0, 0.0, 1.0) and not balance.one_left
+    assert balance.due() is not None  # two devices to weigh: still measured
+    # Device 2 slows 45x: once its window says so, it is useless too.
+    _measured(balance, [50, 0, 50], [0.01, 0.0, 0.9], times=_balance.WINDOW)
+    assert balance.weights == (1.0, 0.0, 0.0) and balance.one_left
+    # The one left slows 100x (another job on it): the others stay out, nothing measured.
+    _measured(balance, [100, 0, 0], [1.0, 0.0, 0.0], times=9)
+    assert balance.weights == (1.0, 0.0, 0.0) and balance.one_left
+    assert [balance.due() for _ in range(30)] == [None] * 30
+
+
 def test_calls_slowed_by_other_jobs_leave_a_devices_time_as_it_is():
     """Another job only slows a call: up to 6 of a device's 9 measurements slowed leave
     its time per row (the window's lower quartile) where its undisturbed calls put it."""
@@ -350,6 +392,42 @@ def test_calls_between_measured_ones_run_the_unmeasured_graph(monkeypatch):
     assert isinstance(graph.structured_outputs, tf.Tensor)
     assert [t.dtype for t in graph.inputs if t.dtype != tf.resource] == [tf.float32]
     assert not [op for op in graph.graph.get_operations() if op.type == "StatefulPartitionedCall"]
+
+
+def test_a_function_left_with_one_device_runs_as_that_device_alone():
+    """Every other device found useless: calls from several threads at once run the
+    graph of the device alone (no op elsewhere), nothing is measured, none waits."""
+    f = tfshard.parallelize(tf.identity, devices=CPUS[:2], weights="auto")
+    alone = tfshard.parallelize(tf.identity, devices=CPUS[:1])
+    x = np.arange(8, dtype=np.float32)
+    balance = f._engine().balance
+    _measured(balance, [4, 4], [1e-3, 1.0], times=_balance.MIN_SAMPLES)
+    assert f.weights == (1.0, 0.0) and balance.one_left
+    before = _measurements(f, x)
+    results, failures = [], []
+
+    def calls():
+        try:
+            for _ in range(2 * _balance.EVERY):
+                results.append(f(x).numpy())
+        except Exception as error:  # noqa: BLE001 (reported below)
+            failures.append(error)
+
+    threads = [threading.Thread(target=calls) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures and len(results) == 8 * _balance.EVERY
+    for result in results:
+        np.testing.assert_array_equal(result, x)
+    assert _measurements(f, x) == before and f.weights == (1.0, 0.0)
+    graph = f.get_concrete_function(x).graph
+    placed = {tf.DeviceSpec.from_string(op.device) for op in graph.get_operations() if op.device}
+    assert {(d.device_type, d.device_index) for d in placed} == {("CPU", 0)}
+    assert sorted(op.type for op in graph.get_operations()) == sorted(
+        op.type for op in alone.get_concrete_function(x).graph.get_operations()
+    )
 
 
 def test_a_call_where_the_split_does_not_pay_runs_on_the_fastest_device_alone():

@@ -245,6 +245,12 @@ class Balance:
 
     Args:
       count: the number of devices.
+
+    Attributes:
+      one_left: every device but one is useless (weighted 0): no call is measured
+        again, so none needs a turn (`Turns`); once True, True for good.
+      measured: measurements counted so far.
+      changes: times the plan changed.
     """
 
     def __init__(self, count: int) -> None:
@@ -263,11 +269,19 @@ class Balance:
         self._last = "alone"  # what the last measured call measured
         self._leaning = 0  # comparisons in a row that would change alone for split or back
         self._rows = 0  # the last measured call's rows
-        self.measured = 0  # measurements counted so far
-        self.changes = 0  # times the plan changed
+        self.measured = 0
+        self.changes = 0
         self._steady = 0  # measurements in a row that left the plan as it was
         self._since = 0  # calls since the last one measured, once settled
         self._trials = 0  # calls measured since the plan settled, to weigh alone and split
+        # What a call reads, kept as it is after each measurement (`_count_one`, the only
+        # place the plan changes): a call between measurements computes nothing of it.
+        # `weights` and `integer` together, so that a reader sees one plan's both.
+        self._in_use: tuple[tuple[float, ...] | None, tuple[int, ...]] = (
+            None, _integer(None, count)
+        )
+        self._weighed: int | None = None  # `_candidate`
+        self.one_left = count <= 1
 
     @property
     def weights(self) -> tuple[float, ...] | None:
@@ -275,13 +289,11 @@ class Balance:
 
         Where the fastest device alone ends a call sooner than the split, it is
         weighted 1 and the others 0."""
-        if self._alone is not None:
-            return tuple(1.0 if k == self._alone else 0.0 for k in range(self._count))
-        return self._split
+        return self._in_use[0]
 
     def integer(self) -> tuple[int, ...]:
         """The weights in use as the plan takes them (`_plan.integer_weights`); even: all 1."""
-        return _integer(self.weights, self._count)
+        return self._in_use[1]
 
     def plan_for(self, kind: str | None) -> tuple[int, ...]:
         """The integer weights a call of this `kind` (`due`) plans by: those in use
@@ -290,11 +302,9 @@ class Balance:
         with self._lock:
             if kind == "split":
                 return _integer(self._split, self._count)
-            if kind == "alone":
-                fastest = self._candidate()
-                if fastest is not None:
-                    return tuple(int(k == fastest) for k in range(self._count))
-            return self.integer()
+            if kind == "alone" and self._weighed is not None:
+                return tuple(int(k == self._weighed) for k in range(self._count))
+            return self._in_use[1]
 
     def per_row(self) -> list[float | None]:
         """Each device's time per row now (the lower quartile of its window), None until
@@ -322,11 +332,10 @@ class Balance:
         batch, never measures it); then one call in `EVERY` (the first after
         that is not), the two in turn.
         """
+        if self.one_left:
+            return None  # every other device useless: one device, nothing to measure
         with self._lock:
-            fastest = self._candidate()
-            kept = sum(1 for w in (self._split or (1.0,) * self._count) if w > 0)
-            if kept <= 1:
-                return None  # every other device useless: one device, nothing to measure
+            fastest = self._weighed
             weighing = fastest is not None  # alone or split: which pays
             learning = weighing and (
                 len(self._split_calls) < MIN_SAMPLES
@@ -391,14 +400,22 @@ class Balance:
             self._count_one(self._choose)
 
     def _count_one(self, decide: Callable[[], None]) -> None:
-        before = self.weights
+        before = self._in_use[0]
         decide()
         self.measured += 1
-        if self.weights != before:
+        if self._alone is not None:
+            now = tuple(1.0 if k == self._alone else 0.0 for k in range(self._count))
+        else:
+            now = self._split
+        if now != before:
             self.changes += 1
             self._steady = self._trials = 0
+            self._in_use = (now, _integer(now, self._count))
         else:
             self._steady += 1
+        self._weighed = self._candidate()
+        # A device found useless stays so (`_decide`): once one device is left, for good.
+        self.one_left = sum(1 for w in (self._split or (1.0,) * self._count) if w > 0) <= 1
 
     def _candidate(self) -> int | None:
         """The device alone that calls weigh against the split: the one holding every row,

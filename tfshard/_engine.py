@@ -290,6 +290,12 @@ class Engine:
         the call needs the graph with the empty-shard guard (`Step.guarded`)."""
         if rows is None:
             return True
+        if weights is None:
+            return rows < len(self.devices)
+        # A shard of weight w gets at least floor(rows * w / total) rows (`plan_rows`).
+        total = sum(weights)
+        if all(rows * w >= total for w in weights if w > 0):
+            return False
         sizes = plan_rows(rows, len(self.devices), weights)
         return any(sizes[k] == 0 for k in (range(len(sizes)) if shards is None else shards))
 
@@ -347,10 +353,14 @@ class Engine:
     def _run(self, call: _arguments.Call, body: str, offset: int | None) -> Any:
         """Runs a step's traced `body` on this call; with ``weights="auto"``, measured when
         the balance says it is due (`Balance.due`), alone among this function's calls."""
-        if self.balance is None or body == "per_shard" or not tf.executing_eagerly():
+        balance = self.balance
+        if balance is None or balance.one_left or body == "per_shard":
+            # One device left: no call is measured, so none waits for a turn.
+            return self._run_graph(call, body, offset, None)
+        if not tf.executing_eagerly():
             # Inside a user's tf.function there is nothing to read: never measured.
             return self._run_graph(call, body, offset, None)
-        kind = self.balance.due()
+        kind = balance.due()
         if kind == "alone" and (body != "call" or call.rows is None):
             kind = "split"  # a whole call's rows are needed to weigh it against the split
         with self._turns.call(kind is not None) as measured:
@@ -446,7 +456,7 @@ class Engine:
         self.refresh()
         measured = measured and self._weighs(shards) and body != "per_shard"
         feed = Feed(offset=offset, weights=measured)
-        exact = self._exact_rows(call, body)
+        exact = self._exact_rows(call, body, measured)
         held = None  # measured, or not weighed, or the kept devices weighted alike: even
         if self._weighs(shards) and not measured and len({w for w in weights if w}) > 1:
             held = weights
@@ -481,7 +491,7 @@ class Engine:
                 traced = self._graphs[key] = Traced(self.checked(graph), kept, feed, timed)
             return traced
 
-    def _exact_rows(self, call: _arguments.Call, body: str) -> int | None:
+    def _exact_rows(self, call: _arguments.Call, body: str, measured: bool) -> int | None:
         """The rows a call's graph is traced for exactly, or None: any rows.
 
         The first batch size of a per-sample function's trace key gets a graph for
@@ -490,10 +500,12 @@ class Engine:
         every size after it (as `tf.function(reduce_retracing=True)`).
 
         Not for a whole-shard function (exact rows would make a loss of 2 values
-        on a shard of 2 rows look per row, `_shards.per_row`), nor with
-        ``weights="auto"`` (fed weights leave the rows open), nor ragged rows.
+        on a shard of 2 rows look per row, `_shards.per_row`), nor for a `measured`
+        graph of ``weights="auto"`` (fed weights leave the rows open: the graph
+        between measured calls holds its weights, as static weights' does), nor
+        ragged rows.
         """
-        if call.rows is None or not self.options.per_sample or self.balance is not None:
+        if call.rows is None or not self.options.per_sample or measured:
             return None
         split = call.tensors[: call.template.split_count]
         if not all(isinstance(t, tf.Tensor) for t in split):

@@ -1,0 +1,264 @@
+r"""The host's work per call: what tfshard's call path costs beside the graph it runs.
+
+On a GPU a call returns once its kernels are queued, so whatever the host
+does per call (Python in the call path, a lock, a read of a tensor) is what a
+small call costs beyond the device's work. The CPU bed shows that cost as
+time per call of a function too small to hide it, in one process, rounds
+interleaved (`_harness.time_rounds`), and exactly as the Python function
+calls a call makes (cProfile's count, the same on any machine).
+
+Two cases, on 2 logical CPU devices (one intra-op thread each):
+
+``dropped``: ``weights="auto"`` after it found the second device useless (its
+shard sleeps ``--sleep_ms`` per call, in a `tf.py_function`: far over 50x
+slower per row), so the first holds every row; against the same function on
+the first device alone (tfshard, one device), static ``weights=[1, 0]``, and
+a plain `tf.function` of the function (without its sleep) on the first
+device. The promise: the settled call with a dropped device costs what the
+device alone costs.
+
+``settled``: ``weights="auto"`` on two alike devices, settled (whatever it
+settled on: a split, or one device alone where the split does not pay), its
+measured calls (one in 25) among those timed, against static weights equal to
+the ones it settled on. The promise: within 5 %.
+
+``small_batch``: an even 2-device call of ``--rows`` rows (8 by default)
+against the hand-written ``tf.device`` + ``tf.split`` + ``tf.concat`` graph
+(`cases.hand_graph`), called as a user calls it (a `tf.function`) and as its
+concrete function (no tf.function dispatch: the graph alone).
+
+  python benchmarks/call_overhead.py                     # every case
+  python benchmarks/call_overhead.py --case=dropped --profile=12
+
+Only tfshard's public API is used, so another version of it can be measured
+the same way (``PYTHONPATH=../other-checkout``).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import json
+import pstats
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from absl import app, flags
+
+CASES = ("dropped", "settled", "small_batch")
+_CASE = flags.DEFINE_multi_enum("case", list(CASES), list(CASES), "Cases to run.")
+_ROWS = flags.DEFINE_integer("rows", 8, "Rows per call.")
+_WIDTH = flags.DEFINE_integer("width", 16, "Feature size of the function's matmul + tanh.")
+_PER_SAMPLE = flags.DEFINE_bool(
+    "per_sample", False, "Map the function over rows (its graph then differs by rows)."
+)
+_SLEEP_MS = flags.DEFINE_float("sleep_ms", 10.0, "dropped: the slow shard's sleep per call.")
+_SETTLING = flags.DEFINE_integer("settling", 400, "settled: calls before timing.")
+_CALLS = flags.DEFINE_integer("calls", 200, "Calls per timed sample (their mean).")
+_REPEATS = flags.DEFINE_integer("repeats", 21, "Timed rounds (the median's sample size).")
+_PROFILED = flags.DEFINE_integer("profiled", 2000, "Calls of each method under cProfile.")
+_PROFILE = flags.DEFINE_integer(
+    "profile", 0, "Print this many of each method's functions by own time (0: none)."
+)
+_JSON = flags.DEFINE_string("json", None, "Write the numbers here.")
+
+
+def chain(tf: Any, tfshard: Any, width: int, sleep_s: float) -> Callable[[Any], Any]:
+    """``tanh(x @ w)``, whose shards other than the first also sleep `sleep_s` (0: none)."""
+    import numpy as np
+
+    w = tf.constant(np.random.default_rng(0).standard_normal([width, width]).astype("float32"))
+
+    def nap() -> float:
+        time.sleep(sleep_s)
+        return 0.0
+
+    def fn(x: Any) -> Any:
+        y = tf.tanh(tf.linalg.matvec(w, x, transpose_a=True) if x.shape.rank == 1 else x @ w)
+        if not sleep_s:
+            return y
+        slept = tf.cond(
+            tfshard.shard_index() > 0,
+            lambda: tf.py_function(nap, [], tf.float32),
+            lambda: tf.constant(0.0),
+        )
+        return y + 0.0 * slept
+
+    return fn
+
+
+def vectorized(tf: Any, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`fn` of one row, mapped over the rows as tfshard maps it."""
+    return lambda x: tf.vectorized_map(fn, x, fallback_to_while_loop=True)
+
+
+def calls_per_call(method: Callable[[Any], Any], x: Any, calls: int) -> tuple[float, Any]:
+    """The Python function calls one call of `method` makes (cProfile), and the stats."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        method(x)
+    profile.disable()
+    stats = pstats.Stats(profile)
+    return stats.total_calls / calls, stats
+
+
+def top(stats: Any, count: int, calls: int) -> list[str]:
+    """The `count` functions of most own time, as lines: us per call, calls per call."""
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:count]
+    return [
+        f"      {tt / calls * 1e6:7.2f} us {nc / calls:5.1f}x  {_where(func)}"
+        for func, (_, nc, tt, _, _) in rows
+    ]
+
+
+def _where(func: tuple[str, int, str]) -> str:
+    path, line, name = func
+    short = re.sub(r".*/(site-packages|lib/python[\d.]+)/", "", path)
+    return f"{short}:{line}({name})"
+
+
+def measure(harness: Any, methods: dict[str, Callable[[Any], Any]], x: Any) -> dict[str, Any]:
+    """Times the methods in interleaved rounds and counts their Python calls."""
+    errors = harness.check_outputs(methods, next(iter(methods)), x)
+    times = harness.time_rounds(
+        methods, [x], repeats=_REPEATS.value, warmup=20, inner=_CALLS.value
+    )
+    result: dict[str, Any] = {"methods": {}}
+    for name, method in methods.items():
+        count, stats = calls_per_call(method, x, _PROFILED.value)
+        result["methods"][name] = {
+            "median_us": harness.median(times[name]) * 1e6,
+            "python_calls_per_call": count,
+            "relative_error": errors[name],
+            "top": top(stats, _PROFILE.value, _PROFILED.value),
+        }
+    result["ratios"] = {
+        f"{a}/{b}": harness.paired_ratio(times[a], times[b])
+        for a in methods
+        for b in methods
+        if a != b
+    }
+    return result
+
+
+def print_case(name: str, result: dict[str, Any], ratios: list[str]) -> None:
+    print(f"== {name}: {result['description']}")
+    print(f"   {'method':<14}{'median us':>10}{'py calls':>10}")
+    for method, m in result["methods"].items():
+        print(f"   {method:<14}{m['median_us']:10.1f}{m['python_calls_per_call']:10.1f}")
+    for ratio in ratios:
+        print(f"   {ratio:<28} {result['ratios'][ratio]:.3f}x (median of per-round ratios)")
+    for method, m in result["methods"].items():
+        if m["top"]:
+            print(f"   {method}: own time per call under cProfile")
+            print("\n".join(m["top"]))
+    print(flush=True)
+
+
+def dropped_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) -> dict[str, Any]:
+    fn = chain(tf, tfshard, _WIDTH.value, _SLEEP_MS.value / 1e3)
+    x = harness.random_inputs([_ROWS.value, _WIDTH.value], 1, 1, devices[0])[0]
+    per_sample = _PER_SAMPLE.value
+    auto = tfshard.parallelize(fn, devices=devices, per_sample=per_sample, weights="auto")
+    calls = 0
+    while auto.weights is None or auto.weights[1] != 0:
+        if calls == 500:
+            raise SystemExit(f"weights='auto' kept the slow device: {auto.weights}")
+        auto(x)
+        calls += 1
+    plain = chain(tf, tfshard, _WIDTH.value, 0.0)  # without the slow shards' branch
+    if per_sample:
+        plain = vectorized(tf, plain)
+    with tf.device(devices[0]):
+        plain = tf.function(plain).get_concrete_function(x)
+    methods = {
+        "alone": tfshard.parallelize(fn, devices=devices[:1], per_sample=per_sample),
+        "auto": auto,
+        "static_1_0": tfshard.parallelize(
+            fn, devices=devices, per_sample=per_sample, weights=[1, 0]
+        ),
+        "tf_function": plain,
+    }
+    result = measure(harness, methods, x)
+    explained = auto.explain(x).splitlines()[1].strip()
+    result.update(
+        description=f"weights='auto' with the second device dropped after {calls} calls "
+        f"({explained}); {_ROWS.value} rows x {_WIDTH.value}",
+        dropped_after_calls=calls,
+    )
+    return result
+
+
+def settled_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) -> dict[str, Any]:
+    fn = chain(tf, tfshard, _WIDTH.value, 0.0)
+    x = harness.random_inputs([_ROWS.value, _WIDTH.value], 1, 1, devices[0])[0]
+    per_sample = _PER_SAMPLE.value
+    auto = tfshard.parallelize(fn, devices=devices, per_sample=per_sample, weights="auto")
+    for _ in range(_SETTLING.value):
+        auto(x)
+    weights = None if auto.weights is None else list(auto.weights)
+    methods = {
+        "auto": auto,
+        "static_same": tfshard.parallelize(
+            fn, devices=devices, per_sample=per_sample, weights=weights
+        ),
+    }
+    result = measure(harness, methods, x)
+    explained = auto.explain(x).splitlines()[1].strip()
+    result["description"] = (
+        f"weights='auto' after {_SETTLING.value} calls ({explained}), against static "
+        f"weights={weights}; {_ROWS.value} rows x {_WIDTH.value}"
+    )
+    return result
+
+
+def small_batch_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) -> dict[str, Any]:
+    import cases
+
+    fn = chain(tf, tfshard, _WIDTH.value, 0.0)
+    x = harness.random_inputs([_ROWS.value, _WIDTH.value], 1, 1, devices[0])[0]
+    hand = cases.hand_graph(fn, devices)
+    methods = {
+        "tfshard": tfshard.parallelize(fn, devices=devices, per_sample=False),
+        "hand_graph": hand,
+        "hand_concrete": hand.get_concrete_function(x),
+    }
+    result = measure(harness, methods, x)
+    result["description"] = f"an even call on 2 devices, {_ROWS.value} rows x {_WIDTH.value}"
+    return result
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import _harness
+
+    devices = _harness.setup_devices(2)
+    import tensorflow as tf
+
+    import tfshard
+
+    tf.get_logger().setLevel("ERROR")
+    report = {"environment": _harness.environment(devices), "cases": {}}
+    print(f"tfshard from {tfshard.__file__}; load {report['environment']['load_average_start']}")
+    for name in dict.fromkeys(_CASE.value):
+        if name == "dropped":
+            result = dropped_case(tf, tfshard, _harness, devices)
+            shown = ["auto/alone", "auto/static_1_0", "static_1_0/alone", "alone/tf_function"]
+        elif name == "settled":
+            result = settled_case(tf, tfshard, _harness, devices)
+            shown = ["auto/static_same"]
+        else:
+            result = small_batch_case(tf, tfshard, _harness, devices)
+            shown = ["tfshard/hand_graph", "tfshard/hand_concrete", "hand_graph/hand_concrete"]
+        report["cases"][name] = result
+        print_case(name, result, shown)
+    if _JSON.value:
+        with open(_JSON.value, "w") as out:
+            json.dump(report, out, indent=1)
+        print(f"wrote {_JSON.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)
