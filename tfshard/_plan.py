@@ -99,9 +99,10 @@ def plan_sizes_int32(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) 
     `INT32_TOTAL` (`device_plan`).
     """
     if weights is None:
-        # n // K + 1 for the first n % K shards: (n % K + K - 1 - k) // K is 1 exactly then.
-        later = tf.constant([count - 1 - k for k in range(count)], tf.int32)
-        return n // count + (n % count + later) // count
+        # n // K + 1 for the first n % K shards: ceil((n - k) / K), as floor((n - k - 1) /
+        # K) + 1 (no sum above n: exact up to 2**31 - 1; floor division rounds down).
+        after = tf.constant([k + 1 for k in range(count)], tf.int32)
+        return (n - after) // count + 1
     total = sum(weights)
     w = tf.constant(weights, tf.int32)
     # n * w // total without n * w: n = q * total + r, and r * w < total**2 < 2**31.
