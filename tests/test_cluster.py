@@ -8,6 +8,7 @@ script `CLIENT` below) and reports JSON lines. The workers are
 `two_workers` fixture. Only loopback addresses are used.
 """
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -19,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from pathlib import Path
 
 import children
@@ -175,73 +177,120 @@ def test_connect_rejects_a_bad_timeout():
 
 def test_explain_remote_error_ignores_errors_without_a_cluster():
     error = tf.errors.UnavailableError(None, None, "Socket closed")
+    assert cluster.connection() is None  # nothing connects in this process
     assert cluster.explain_remote_error(error) is None
 
 
-def test_explain_remote_error_names_the_dead_worker(monkeypatch):
+# A record of a cluster built by hand connects nothing: what `connect` records, and what
+# the module's functions read from it, is in the two-worker test below.
+
+
+@contextlib.contextmanager
+def _fake_worker(address: str = "127.0.0.1:0"):
+    """A gRPC server that answers TensorFlow's worker status call (a probe), counting them.
+
+    Yields an object with `address` and `calls`.
+    """
+    import grpc  # A dependency of TensorFlow.
+
+    worker = types.SimpleNamespace(calls=0, address=None)
+    lock = threading.Lock()
+
+    def get_status(request, context):  # an empty GetStatusResponse
+        with lock:
+            worker.calls += 1
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(
+        "tensorflow.WorkerService", {"GetStatus": grpc.unary_unary_rpc_method_handler(get_status)}
+    )
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        server = grpc.server(pool)
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port(address)
+        assert port, f"could not listen on {address}"
+        worker.address = f"127.0.0.1:{port}"
+        server.start()
+        try:
+            yield worker
+        finally:
+            server.stop(None).wait()
+
+
+def test_explain_names_the_dead_worker():
     (port,) = free_ports(1)
-    connection = cluster._Connection({"worker": {0: f"127.0.0.1:{port}"}}, "127.0.0.1:9")
-    monkeypatch.setattr(cluster, "_connection", connection)
+    connection = cluster.Connection({"worker": {0: f"127.0.0.1:{port}"}}, "127.0.0.1:9")
     error = tf.errors.UnavailableError(
         None, None, "remote target /job:worker/replica:0/task:0/device:CPU:0 while calling x"
     )
-    hint = cluster.explain_remote_error(error, probe_timeout=1)
+    hint = connection.explain(error, probe_timeout=1)
     assert f"/job:worker/task:0 at 127.0.0.1:{port} is down (Connection refused" in hint
     assert "--task=0" in hint and "tfshard.connect(...) again" in hint
-    assert cluster.explain_remote_error(ValueError("x")) is None
+    assert connection.explain(ValueError("x")) is None
+    assert connection.host_of("worker0:CPU:0") == f"127.0.0.1:{port}"
+    assert connection.host_of("worker1:CPU:0") is None and connection.host_of("cpu:0") is None
+    with pytest.raises(ArgumentError, match=r"explain\(probe_timeout=0\)"):
+        connection.explain(error, probe_timeout=0)
 
 
-def test_explain_remote_error_ignores_a_shards_error_that_a_worker_sent(monkeypatch):
+def test_explain_ignores_a_shards_error_that_a_worker_sent():
     """A worker that sent the shard's own error (gRPC status 3) is up: no hint, no probe."""
-    connection = cluster._Connection({"worker": {0: "127.0.0.1:1"}}, "127.0.0.1:9")
-    monkeypatch.setattr(cluster, "_connection", connection)
-    monkeypatch.setattr(cluster, "_probe_all", None)  # a probe would fail the test
-    error = tf.errors.InvalidArgumentError(
-        None,
-        None,
-        "log of a negative\nAdditional GRPC error information from remote target "
-        "/job:localhost/replica:0/task:0/device:CPU:0 and /job:worker/replica:0/task:0 "
-        'while calling x:\n:UNKNOWN:Error received from peer  {grpc_status:3, grpc_message:"log"}',
-    )
-    assert cluster.explain_remote_error(error) is None
+    with socket.socket() as worker:  # a probe would connect here
+        worker.bind(("127.0.0.1", 0))
+        worker.listen(4)
+        address = f"127.0.0.1:{worker.getsockname()[1]}"
+        connection = cluster.Connection({"worker": {0: address}}, "127.0.0.1:9")
+        error = tf.errors.InvalidArgumentError(
+            None,
+            None,
+            "log of a negative\nAdditional GRPC error information from remote target "
+            "/job:localhost/replica:0/task:0/device:CPU:0 and /job:worker/replica:0/task:0 "
+            "while calling x:\n:UNKNOWN:Error received from peer  "
+            '{grpc_status:3, grpc_message:"log"}',
+        )
+        assert connection.explain(error) is None
+        worker.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            worker.accept()  # nothing connected: no probe
+    assert connection.found_down() == {}
 
 
-def test_a_task_found_down_stays_down_until_connect_and_is_not_probed_again(monkeypatch):
-    jobs = {"worker": {0: "127.0.0.1:1", 1: "127.0.0.1:2"}}
-    monkeypatch.setattr(cluster, "_connection", cluster._Connection(jobs, "127.0.0.1:9"))
-    probed = []
-
-    def probe_all(jobs, timeout, wait_for_start=True):  # task 1 refuses, at once
-        probed.append((jobs, wait_for_start))
-        refused = ("Connection refused: is the worker running?", None)
-        return {(j, t): refused if t == 1 else (None, "127.0.0.1") for j in jobs for t in jobs[j]}
-
-    monkeypatch.setattr(cluster, "_probe_all", probe_all)
-    assert not cluster.any_down()
-    error = tf.errors.UnavailableError(
-        None, None, "Socket closed from remote target /job:worker/replica:0/task:1 while x"
-    )
-    assert cluster.explain_remote_error(error).startswith(
-        "/job:worker/task:1 at 127.0.0.1:2 is down (Connection refused: is the worker "
-        "running?); restart it with: python -m tfshard.worker --cluster=127.0.0.1:1,127.0.0.1:2 "
-        "--task=1; then call tfshard.connect(...) again with the same cluster and run the call "
-        "again (it returned nothing"
-    )
-    assert probed == [(jobs, False)]  # a refused connection is a worker down, not starting
-    assert cluster.any_down()
-    assert cluster.down_task("/job:worker/replica:0/task:1/device:CPU:0") == ("worker", 1)
-    assert cluster.down_task("/job:worker/replica:0/task:0/device:CPU:0") is None
-    assert cluster.down_task("/device:CPU:0") is None
-    # Found down, it is not asked again: only task 0 is.
-    assert not cluster.all_answer()
-    assert probed[-1] == ({"worker": {0: "127.0.0.1:1"}}, False)
-    assert cluster.down_hint().endswith(
-        "(this call did not run: an earlier call found the worker down, and every call on it "
-        "fails at once until then)"
-    )
+def test_a_task_found_down_stays_down_until_connect_and_is_not_probed_again():
+    (port,) = free_ports(1)  # task 1: nothing listens there, a connection is refused
+    with _fake_worker() as up:
+        jobs = {"worker": {0: up.address, 1: f"127.0.0.1:{port}"}}
+        connection = cluster.Connection(jobs, "127.0.0.1:9")
+        assert not connection.any_down()
+        error = tf.errors.UnavailableError(
+            None, None, "Socket closed from remote target /job:worker/replica:0/task:1 while x"
+        )
+        # A refused connection is a worker down, not one starting: no wait ("Connection
+        # refused for 2 s" is the probe's word for one waited on).
+        assert connection.explain(error).startswith(
+            f"/job:worker/task:1 at 127.0.0.1:{port} is down (Connection refused: is the worker "
+            f"running?); restart it with: python -m tfshard.worker --cluster={up.address},"
+            f"127.0.0.1:{port} --task=1; then call tfshard.connect(...) again with the same "
+            "cluster and run the call again (it returned nothing"
+        )
+        assert up.calls == 1  # every task was probed, task 0 answered
+        assert connection.found_down() == {
+            ("worker", 1): "Connection refused: is the worker running?"
+        }
+        assert connection.any_down()
+        assert connection.down_task("/job:worker/replica:0/task:1/device:CPU:0") == ("worker", 1)
+        assert connection.down_task("/job:worker/replica:0/task:0/device:CPU:0") is None
+        assert connection.down_task("/device:CPU:0") is None
+        # Found down, it is not asked again, even once it answers: only task 0 is.
+        with _fake_worker(jobs["worker"][1]) as back:
+            assert not connection.all_answer()
+            assert (up.calls, back.calls) == (2, 0)
+        assert connection.down_hint().endswith(
+            "(this call did not run: an earlier call found the worker down, and every call on "
+            "it fails at once until then)"
+        )
     # `connect` makes a new record of the cluster: nothing is down in it.
-    monkeypatch.setattr(cluster, "_connection", cluster._Connection(jobs, "127.0.0.1:9"))
-    assert not cluster.any_down() and cluster.down_hint() is None
+    fresh = cluster.Connection(jobs, "127.0.0.1:9")
+    assert not fresh.any_down() and fresh.down_hint() is None
 
 
 @pytest.mark.parametrize(
@@ -291,7 +340,7 @@ CLIENT = textwrap.dedent(
         full=tfshard.resolve_device("/job:worker/task:0/device:CPU:0"),
         local=tfshard.resolve_device("cpu:0"), host=cluster.host_of("worker1:CPU:0"),
         host0=cluster.host_of("/job:worker/replica:0/task:0/device:CPU:0"),
-        host_outside=cluster.host_of("worker7:CPU:0"))
+        host_outside=cluster.host_of("worker7:CPU:0"), jobs=cluster.connection().jobs)
 
     def missing(spec):
         try:
@@ -372,13 +421,15 @@ CLIENT = textwrap.dedent(
     except Exception as error:  # noqa: BLE001
         say(event="dead_call", ok=False, seconds=time.monotonic() - start,
             type=type(error).__name__, tf_type=isinstance(error, tf.errors.OpError),
-            message=str(error)[:3000], hint=cluster.explain_remote_error(error))
+            message=str(error)[:3000], hint=cluster.explain_remote_error(error),
+            found_down=list(cluster.connection().found_down()))
 
     say(event="restart_worker", task=1)
     wait_for_go()
     start = time.monotonic()
     cluster.connect(addresses, timeout=20)
-    say(event="reconnected", seconds=time.monotonic() - start, results=check(9))
+    say(event="reconnected", seconds=time.monotonic() - start, results=check(9),
+        found_down=list(cluster.connection().found_down()))
     """
 )
 
@@ -529,6 +580,9 @@ def test_parallelize_across_two_workers_survives_a_worker_restart(two_workers):
         assert connected["host"] == two_workers.addresses[1]
         assert connected["host0"] == two_workers.addresses[0]
         assert connected["host_outside"] is None
+        # What connect recorded (JSON spells the task indices as strings).
+        want = {"worker": {str(i): a for i, a in enumerate(two_workers.addresses)}}
+        assert connected["jobs"] == want
         missing = _event(client, "missing")
         for name in ("task", "job"):
             assert missing[name].endswith("; the connected cluster has worker tasks [0, 1]")
@@ -576,6 +630,7 @@ def test_parallelize_across_two_workers_survives_a_worker_restart(two_workers):
             f"/job:worker/task:1 at {two_workers.addresses[1]} is down (Connection refused"
         ), dead["hint"]
         assert "then call tfshard.connect(...) again" in dead["hint"]
+        assert dead["found_down"] == [["worker", 1]]
 
         _event(client, "restart_worker")
         two_workers.start(1)
@@ -584,6 +639,7 @@ def test_parallelize_across_two_workers_survives_a_worker_restart(two_workers):
         again = _event(client, "reconnected", timeout=60)
         assert again["results"]["rows_in_order"] and again["results"]["max_rel_err"] < 1e-5
         assert again["results"]["count"] == 9
+        assert again["found_down"] == []  # connect made a new record
         assert client.process.wait(timeout=30) == 0, client.tail()
     finally:
         client.kill()

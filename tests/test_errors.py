@@ -396,6 +396,59 @@ def test_trimmed_remote_keeps_each_root_error_its_target_and_node():
     assert errors.trimmed_remote("x" * 1000, limit=100) == "x" * 100 + " ... (900 more characters)"
 
 
+def test_remote_cause_reads_a_tensorflow_error_and_nothing_else():
+    addresses = {"127.0.0.1:2222": ("worker", 0), "127.0.0.1:2223": ("worker", 1)}
+    tasks = frozenset(addresses.values())
+    dead = errors.remote_cause(tf.errors.UnavailableError(None, None, _DEAD), addresses, tasks)
+    assert dead.tasks == {("worker", 1)}
+    assert dead.reason.startswith("failed to connect to all addresses")
+    assert errors.remote_cause(ValueError(_DEAD), addresses, tasks) is None  # not TF's
+    forwarded = _FAILING_SHARD_CASES["real: remote, a function node before the failing node"][0]
+    shards_own = tf.errors.InvalidArgumentError(None, None, forwarded)
+    assert errors.remote_cause(shards_own, addresses, tasks) is None  # the worker answered
+    # Unreachable in time, naming no task: about the network all the same.
+    late = tf.errors.DeadlineExceededError(None, None, "Deadline Exceeded")
+    assert errors.remote_cause(late, addresses, tasks) == errors.RemoteCause(frozenset(), None)
+
+
+def test_connects_errors_say_what_they_said_with_tensorflows_text_trimmed():
+    cluster, client = "127.0.0.1:2222,127.0.0.1:2223", "127.0.0.1:4000"
+    error = tf.errors.UnavailableError(None, None, _KILLED_MID_CALL)
+    # The messages cluster.connect wrote itself before errors wrote them, with TF's whole text.
+    before = (
+        f"connect: the workers of {cluster} answer, but a value could not go from this client "
+        f"({client}) to every worker, between every two workers, and back: {error.message}. "
+        f"Every worker must reach every other worker's address and this client's address "
+        f"{client} (firewalls, or 'localhost' in the cluster where another machine needs a "
+        "real address)"
+    )
+    after = str(errors.links_failed(error, cluster=cluster, client=client))
+    assert after == (
+        f"connect: the workers of {cluster} answer, but a value could not go from this client "
+        f"({client}) to every worker, between every two workers, and back. Every worker must "
+        f"reach every other worker's address and this client's address {client} (firewalls, "
+        "or 'localhost' in the cluster where another machine needs a real address). "
+        f"TensorFlow's error: {errors.trimmed_remote(_KILLED_MID_CALL)}"
+    )
+    # What it said is all there; gRPC's repetitions and TF's counts are not.
+    head, fix = before.split(f": {error.message}. ")
+    assert after.startswith(head) and f"{fix}. TensorFlow's error: " in after
+    assert "Error received from peer" in before and "Error received from peer" not in after
+    assert "0 successful operations" not in after and len(after) < len(before)
+
+    refused = ValueError("Unable to connect: the server def is malformed")
+    joined = errors.join_failed(refused, cluster=cluster, client=client)
+    assert isinstance(joined, errors.ClusterError)
+    assert str(joined) == (
+        f"connect: TensorFlow could not connect to {cluster} as {client}: {refused}"
+    )
+    joined = str(errors.join_failed(error, cluster=cluster, client=client))
+    assert joined == (
+        f"connect: TensorFlow could not connect to {cluster} as {client}: "
+        f"{errors.trimmed_remote(_KILLED_MID_CALL)}"
+    )
+
+
 # ------------------------------------------------------------- XLA (issue 37)
 
 

@@ -11,15 +11,15 @@ This module reads device names with ``tfshard/_device_names.py`` and is
 imported by no device module: `tfshard.resolve_device` explains a remote name
 that does not resolve from the devices TensorFlow lists, not from here.
 
-One piece of state is module-level, `_connection`: the record of the cluster
-this process is connected to (its tasks' addresses and this client's). It
-mirrors TensorFlow's own cluster connection, which is process-global (one
-server def per process, replaced by `tf.config.experimental_connect_to_cluster`),
-so there is exactly one to record; only `connect` replaces it, whole and under
-a lock, and `host_of` and `explain_remote_error` read it. The one thing that
-changes in it is which of its tasks were found down (`_Connection`): a later
-call that needs one fails before it runs, and nothing waits on one again,
-until `connect` makes a new record.
+One piece of state is module-level: the `Connection` record of the cluster
+this process is connected to (its tasks' addresses and this client's), which
+`connection()` returns. It mirrors TensorFlow's own cluster connection, which
+is process-global (one server def per process, replaced by
+`tf.config.experimental_connect_to_cluster`), so there is exactly one to
+record; only `connect` replaces it, whole and under a lock, and `host_of` and
+`explain_remote_error` read it. The one thing that changes in it is which of
+its tasks were found down: a later call that needs one fails before it runs,
+and nothing waits on one again, until `connect` makes a new record.
 
 A worker that dies fails the running or next call at once with
 `tf.errors.UnavailableError` naming its task (`explain_remote_error` says which
@@ -61,11 +61,20 @@ from typing import Any
 import tensorflow as tf
 
 from tfshard import _device_names
-from tfshard.errors import ArgumentError, ClusterError, lost_contact, remote_cause
+from tfshard.errors import (
+    ArgumentError,
+    ClusterError,
+    join_failed,
+    links_failed,
+    lost_contact,
+    remote_cause,
+)
 
 __all__ = (
+    "Connection",
     "cluster_spec",
     "connect",
+    "connection",
     "explain_remote_error",
     "host_of",
     "start_server",
@@ -95,8 +104,16 @@ Jobs = dict[str, dict[int, str]]  # job -> task index -> "host:port"
 
 
 @dataclasses.dataclass(frozen=True)
-class _Connection:
-    """The cluster this process is connected to (see `connect`), and its tasks found down.
+class Connection:
+    """A cluster this process is a client of: its tasks, this client's address, and
+    the tasks found down.
+
+    `connect` makes the one the module functions read (`connection()` returns
+    it). One built by hand connects nothing: with the cluster connected another
+    way (``tf.config.experimental_connect_to_cluster``), its methods explain that
+    cluster's errors and probe its tasks as the module functions do for
+    `connect`'s. Build it from validated jobs:
+    ``Connection(cluster_jobs("host1:2222,host2:2222"), client="10.0.0.1:4000")``.
 
     A task found down stays down for this connection, whatever it does next:
     TensorFlow keeps this client's remote state of it until the next
@@ -107,7 +124,7 @@ class _Connection:
     it: once the stream to a dead task has failed, that answer never comes.
     """
 
-    jobs: Jobs  # the remote tasks
+    jobs: Jobs  # the remote tasks: {job: {task index: "host:port"}}
     client: str  # this process's own gRPC address, "host:port"
     # (job, task) -> why it was found down; only grows, under `lock`.
     down: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict, compare=False)
@@ -116,6 +133,7 @@ class _Connection:
     )
 
     def address(self, job: str, task: int) -> str | None:
+        """The ``host:port`` of a task; None when the cluster has no such task."""
         return self.jobs.get(job, {}).get(task)
 
     def found_down(self) -> dict[tuple[str, int], str]:
@@ -139,12 +157,66 @@ class _Connection:
                 self.down.update(now)
         return self.found_down()
 
+    def host_of(self, device: _device_names.DeviceSpecLike) -> str | None:
+        """`host_of` for this cluster."""
+        task = _task_of(device)
+        return None if task is None else self.address(*task)
+
+    def explain(self, error: BaseException, probe_timeout: float = 2.0) -> str | None:
+        """`explain_remote_error` for this cluster."""
+        probe_timeout = _check_timeout(probe_timeout, "explain(probe_timeout")
+        by_address = {a: (j, t) for j, ts in self.jobs.items() for t, a in ts.items()}
+        tasks = frozenset(by_address.values())
+        cause = remote_cause(error, by_address, tasks)
+        if cause is None:
+            return None
+        down = self.find_down(probe_timeout)
+        return lost_contact(
+            cause,
+            down=self._down_hint(down) if down else None,
+            addresses={task: self.address(*task) for task in tasks},
+            reconnect=_RECONNECT,
+        )
+
+    def any_down(self) -> bool:
+        """Whether a task was found down; a lookup."""
+        return bool(self.down)
+
+    def down_task(self, device: _device_names.DeviceSpecLike) -> tuple[str, int] | None:
+        """``(job, task)`` of `device` when that task was found down; None when not, or local."""
+        task = _task_of(device)
+        return task if task is not None and task in self.found_down() else None
+
+    def down_hint(self) -> str | None:
+        """The way back from every task found down, without probing; None when none was."""
+        down = self.found_down()
+        if not down:
+            return None
+        return (
+            self._down_hint(down)
+            + " and run the call again (this call did not run: an earlier call found the worker "
+            "down, and every call on it fails at once until then)"
+        )
+
+    def all_answer(self, probe_timeout: float = 2.0) -> bool:
+        """Whether every task answers: probes those not found down yet, records those down."""
+        return not self.find_down(probe_timeout)
+
+    def _down_hint(self, down: Mapping[tuple[str, int], str]) -> str:
+        """Each task down, why, and the command that restarts it; then to connect again."""
+        parts = [
+            f"/job:{job}/task:{task} at {self.address(job, task)} is down ({problem}); "
+            f"restart it with: {_worker_command(self.jobs, job, task)}"
+            for (job, task), problem in down.items()
+        ]
+        return "; ".join(parts) + f"; then call {_RECONNECT}"
+
 
 # TensorFlow's cluster connection is process-wide state (one server def per
 # process), so tfshard's record of it is too. Only `connect` replaces it, whole
 # and under `_connect_lock` (two threads connecting at once would each change
 # TF's server def under the other); readers take the reference once, unlocked.
-_connection: _Connection | None = None
+_connection: Connection | None = None
 _connect_lock = threading.Lock()
 
 
@@ -482,7 +554,7 @@ def connect(cluster: Any = None, *, timeout: float = 10.0) -> list[str]:
         else:
             client = _local_address(local)
         devices = _join(jobs, client)
-        _connection = _Connection(jobs, client)
+        _connection = Connection(jobs, client)
         deadline = time.monotonic() + timeout
         per_task = _devices_per_task(jobs, devices)
         _check_links([names[0] for names in per_task.values()], jobs, client, deadline)
@@ -550,9 +622,7 @@ def _join(jobs: Jobs, client: str) -> list[str]:
         # Connecting is lazy; listing the devices makes TF reach every worker now.
         return [d.name for d in tf.config.list_logical_devices()]
     except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        raise ClusterError(
-            f"connect: TensorFlow could not connect to {cluster_flag(jobs)} as {client}: {error}"
-        ) from None
+        raise join_failed(error, cluster=cluster_flag(jobs), client=client) from None
 
 
 def _devices_per_task(jobs: Jobs, devices: list[str]) -> dict[tuple[str, int], list[str]]:
@@ -601,13 +671,7 @@ def _check_links(devices: list[str], jobs: Jobs, client: str, deadline: float) -
             if isinstance(error, tf.errors.UnavailableError) and time.monotonic() < deadline:
                 time.sleep(0.2)
                 continue
-            raise ClusterError(
-                f"connect: the workers of {cluster_flag(jobs)} answer, but a value could not go "
-                f"from this client ({client}) to every worker, between every two workers, and "
-                f"back: {error.message}. Every worker must reach every other worker's address "
-                f"and this client's address {client} (firewalls, or 'localhost' in the cluster "
-                "where another machine needs a real address)"
-            ) from None
+            raise links_failed(error, cluster=cluster_flag(jobs), client=client) from None
 
 
 # ------------------------------------------------------------ remote errors
@@ -622,11 +686,8 @@ def host_of(device: _device_names.DeviceSpecLike) -> str | None:
     >>> tfshard.cluster.host_of("/device:CPU:0") is None
     True
     """
-    task = _task_of(device)
     connection = _connection
-    if task is None or connection is None:
-        return None
-    return connection.address(*task)
+    return None if connection is None else connection.host_of(device)
 
 
 def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> str | None:
@@ -654,74 +715,47 @@ def explain_remote_error(error: BaseException, probe_timeout: float = 2.0) -> st
     """
     probe_timeout = _check_timeout(probe_timeout, "explain_remote_error(probe_timeout")
     connection = _connection
-    if connection is None or not isinstance(error, tf.errors.OpError):
-        return None
-    text = str(getattr(error, "message", "") or error)
-    jobs = connection.jobs
-    by_address = {a: (j, t) for j, ts in jobs.items() for t, a in ts.items()}
-    unavailable = isinstance(error, tf.errors.UnavailableError | tf.errors.DeadlineExceededError)
-    tasks = frozenset(by_address.values())
-    cause = remote_cause(text, by_address, tasks, unavailable=unavailable)
-    if cause is None:
-        return None
-    down = connection.find_down(probe_timeout)
-    return lost_contact(
-        cause,
-        down=_down_hint(connection, down) if down else None,
-        addresses={task: connection.address(*task) for task in tasks},
-        reconnect=_RECONNECT,
-    )
+    return None if connection is None else connection.explain(error, probe_timeout)
 
 
 _RECONNECT = "tfshard.connect(...) again with the same cluster"
 
 
-def _down_hint(connection: _Connection, down: Mapping[tuple[str, int], str]) -> str:
-    """Each task down, why, and the command that restarts it; then to connect again."""
-    parts = [
-        f"/job:{job}/task:{task} at {connection.address(job, task)} is down ({problem}); "
-        f"restart it with: {_worker_command(connection.jobs, job, task)}"
-        for (job, task), problem in down.items()
-    ]
-    return "; ".join(parts) + f"; then call {_RECONNECT}"
+def connection() -> Connection | None:
+    """The cluster `connect` connected this process to, and its tasks found down; None before.
+
+    >>> tfshard.cluster.connection() is None  # before connect
+    True
+    """
+    return _connection
 
 
 def any_down() -> bool:
     """Whether a task of the connected cluster was found down; a lookup (shared internal)."""
     connection = _connection
-    return connection is not None and bool(connection.down)
+    return connection is not None and connection.any_down()
 
 
 def down_task(device: _device_names.DeviceSpecLike) -> tuple[str, int] | None:
     """``(job, task)`` of `device` when that task was found down; None when not, or local."""
-    task = _task_of(device)
     connection = _connection
-    if task is None or connection is None or task not in connection.found_down():
-        return None
-    return task
+    return None if connection is None else connection.down_task(device)
 
 
 def down_hint() -> str | None:
     """The way back from every task found down, without probing; None when none was."""
     connection = _connection
-    down = connection.found_down() if connection is not None else {}
-    if not down:
-        return None
-    return (
-        _down_hint(connection, down)
-        + " and run the call again (this call did not run: an earlier call found the worker "
-        "down, and every call on it fails at once until then)"
-    )
+    return None if connection is None else connection.down_hint()
 
 
 def all_answer(probe_timeout: float = 2.0) -> bool:
     """Whether every task of the connected cluster answers (True without a cluster).
 
     Probes the tasks not found down yet and records those down. The engine clears
-    TensorFlow's async error state only when this holds (see `_Connection`).
+    TensorFlow's async error state only when this holds (see `Connection`).
     """
     connection = _connection
-    return connection is None or not connection.find_down(probe_timeout)
+    return connection is None or connection.all_answer(probe_timeout)
 
 
 # ------------------------------------------------------------------ servers

@@ -9,7 +9,8 @@ Every error TensorFlow raises becomes tfshard's message here, and nowhere else.
 The rooms that meet one say what they know and hand it over: the engine a
 call's function, devices and rows (`Failed`, `call_failure`), a shard's trace
 what the function was given (`Traced`, `trace_error`), the cluster which
-workers answer (`remote_cause`, `lost_contact`), a stream the fields of its
+workers answer (`remote_cause`, `lost_contact`) and what `connect` could not
+do (`join_failed`, `links_failed`), a stream the fields of its
 element (`fields_differ`), a write what is on disk (`write_stopped`,
 `write_error`). Reading TF's text is this module's alone: which shard failed
 (`failing_shard`), what tfshard's own in-graph checks printed (`rows_error`,
@@ -78,7 +79,8 @@ _CAUSE_END_RE = re.compile(
 _NOT_CAUSE_RE = re.compile(
     r"^(?:Graph execution error:|Detected at node .*|\s*File .*|<stack traces unavailable>|\s*)$"
 )
-# gRPC's codes for a peer that could not be reached in time: UNAVAILABLE, DEADLINE_EXCEEDED.
+# gRPC's codes for a peer that could not be reached in time: UNAVAILABLE, DEADLINE_EXCEEDED
+# (TensorFlow's `error_code`s of UnavailableError and DeadlineExceededError are the same).
 _TRANSPORT_CODES = frozenset({14, 4})
 # TensorFlow's code of `tf.errors.ResourceExhaustedError` (its `error_code`): out of memory.
 _RESOURCE_EXHAUSTED = 8
@@ -411,21 +413,22 @@ class RemoteCause(NamedTuple):
 
 
 def remote_cause(
-    message: str,
+    error: BaseException,
     addresses: Mapping[str, tuple[str, int]],
     tasks: Sequence[tuple[str, int]] | frozenset[tuple[str, int]],
-    *,
-    unavailable: bool,
 ) -> RemoteCause | None:
     """The workers a failed call's TF error names and gRPC's reason; None when the
-    error says nothing of the network.
+    error is not TensorFlow's or says nothing of the network.
 
     Args:
-      message: the TF error's message.
+      error: what the call raised (a `tf.errors.OpError` is read; anything else is None).
       addresses: ``host:port`` -> ``(job, task)`` of the connected cluster.
       tasks: the cluster's tasks (a message also names this client, /job:localhost).
-      unavailable: the error is TF's UnavailableError or DeadlineExceededError.
     """
+    message, code = getattr(error, "message", None), getattr(error, "error_code", None)
+    if not isinstance(message, str) or not isinstance(code, int):
+        return None  # not a TensorFlow error
+    unavailable = code in _TRANSPORT_CODES
     named = frozenset(task for task in remote_tasks(message, addresses) if task in tasks)
     if not unavailable and (not named or peer_answered(message)):
         return None  # a shard's own error that crossed from a worker says nothing of the network
@@ -462,6 +465,42 @@ def lost_contact(
         f"the call lost contact with {where}{detail}, but every worker answers now: if it "
         f"restarted, its state from before is gone, so call {reconnect} and retry the call"
     )
+
+
+def join_failed(error: BaseException, *, cluster: str, client: str) -> ClusterError:
+    """`connect`'s error when TensorFlow would not make this process a client of `cluster`.
+
+    Args:
+      error: what TensorFlow raised (a `tf.errors.OpError`, ValueError or RuntimeError).
+      cluster: the cluster, as ``python -m tfshard.worker --cluster=`` takes it.
+      client: this process's address in the cluster.
+    """
+    return ClusterError(
+        f"connect: TensorFlow could not connect to {cluster} as {client}: {_tf_text(error)}"
+    )
+
+
+def links_failed(error: BaseException, *, cluster: str, client: str) -> ClusterError:
+    """`connect`'s error when every worker answers but a value cannot go round the cluster.
+
+    Args:
+      error: what the round trip raised (a `tf.errors.OpError`).
+      cluster: the cluster, as ``python -m tfshard.worker --cluster=`` takes it.
+      client: this process's address in the cluster.
+    """
+    return ClusterError(
+        f"connect: the workers of {cluster} answer, but a value could not go from this "
+        f"client ({client}) to every worker, between every two workers, and back. Every "
+        f"worker must reach every other worker's address and this client's address {client} "
+        "(firewalls, or 'localhost' in the cluster where another machine needs a real "
+        f"address). TensorFlow's error: {_tf_text(error)}"
+    )
+
+
+def _tf_text(error: BaseException) -> str:
+    """A TF error's own text, gRPC's repetitions left out; any other error as it prints."""
+    message = getattr(error, "message", None)
+    return trimmed_remote(message) if isinstance(message, str) else str(error)
 
 
 class OnDisk(NamedTuple):
