@@ -26,11 +26,14 @@ from tfshard.errors import ArgumentError, DeviceError, TfshardError
 _log = logging.getLogger(__name__)
 
 
+_SPAWN_ENV = ("CUDA_VISIBLE_DEVICES", "TF_FORCE_GPU_ALLOW_GROWTH", "PYTHONPATH")
+
+
 def _report(arg, *, scale):
     return {
         "value": arg * scale,
         "pid": os.getpid(),
-        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "environ": {name: os.environ.get(name) for name in _SPAWN_ENV},
     }
 
 
@@ -69,18 +72,26 @@ def _start_grandchild(then, *, pid_dir, ignore_term=False):
     return child.pid
 
 
+class _Started(list):
+    """The pids of the workers a run started, in order: run_per_device's `on_start`."""
+
+    def __call__(self, index, pid):
+        assert index == len(self), (index, self)
+        self.append(pid)
+
+
 @pytest.fixture
-def worker_pids(monkeypatch):
-    """The pids of the workers the test starts, recorded as they are spawned."""
-    pids = []
-    start = processes._start
+def worker_pids():
+    """Records the workers a test starts: pass it as ``on_start=worker_pids``."""
+    return _Started()
 
-    def recording_start(process, placement, index):
-        start(process, placement, index)
-        pids.append(process.pid)
 
-    monkeypatch.setattr(processes, "_start", recording_start)
-    return pids
+def _running(pid):
+    """Whether pid runs (not gone, not a zombie); Linux's /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def _assert_all_gone(pids):
@@ -90,15 +101,35 @@ def _assert_all_gone(pids):
             os.kill(pid, 0)  # Joined, so reaped: not even a zombie is left.
 
 
-def test_results_come_back_in_order_with_shared_arguments(worker_pids):
+def test_results_come_back_in_order_each_worker_in_the_environment_placed(
+    worker_pids, monkeypatch, fake_gpus
+):
+    # A CPU worker and two sharing (fake) GPU 1: each is spawned with what placements()
+    # says, and this process's import path; this process's own environment is left as it was.
+    fake_gpus(2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
+    devices = ["cpu", "gpu:1", "cuda1"]
     results = processes.run_per_device(
-        _report, [3, 5], shared={"scale": 10}, devices=["cpu", "cpu:0"], timeout=120
+        _report, [3, 5, 7], shared={"scale": 10}, devices=devices, timeout=120,
+        on_start=worker_pids,
     )
-    assert [r["value"] for r in results] == [30, 50]
-    # CPU workers are shown no GPU, as placements() says; each is its own process.
-    placed = processes.placements(2, ["cpu", "cpu:0"])
-    assert [r["visible"] for r in results] == [p.visible for p in placed] == ["", ""]
-    assert sorted(r["pid"] for r in results) == sorted(worker_pids)
+    assert [r["value"] for r in results] == [30, 50, 70]
+    path = processes.child_environ()["PYTHONPATH"]
+    assert path.endswith(os.pathsep + "/elsewhere")
+    want = [
+        {"TF_FORCE_GPU_ALLOW_GROWTH": None, **p.environ, "PYTHONPATH": path}
+        for p in processes.placements(3, devices)
+    ]
+    assert [r["environ"] for r in results] == want
+    assert [w["CUDA_VISIBLE_DEVICES"] for w in want] == ["", "6", "6"]
+    assert [w["TF_FORCE_GPU_ALLOW_GROWTH"] for w in want] == [None, "true", "true"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
+    assert os.environ["PYTHONPATH"] == "/elsewhere"
+    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in os.environ
+    # Each is its own process, and on_start heard of each as it started, in order.
+    assert [r["pid"] for r in results] == worker_pids
     assert os.getpid() not in worker_pids
     _assert_all_gone(worker_pids)
 
@@ -117,6 +148,7 @@ def test_failing_worker_reports_device_and_traceback_and_others_stop(worker_pids
             devices=["cpu", "cpu"],
             timeout=120,
             grace=0.5,
+            on_start=worker_pids,
         )
     error = caught.value
     assert isinstance(error, TfshardError)
@@ -131,39 +163,41 @@ def test_failing_worker_reports_device_and_traceback_and_others_stop(worker_pids
 def test_workers_past_the_timeout_are_stopped(worker_pids):
     start = time.monotonic()
     with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=2 s"):
-        processes.run_per_device(_sleep, [0, 1], devices=["cpu", "cpu"], timeout=2, grace=5)
+        processes.run_per_device(
+            _sleep, [0, 1], devices=["cpu", "cpu"], timeout=2, grace=5, on_start=worker_pids
+        )
     assert time.monotonic() - start < 2 + 2 * 5  # the workers sleep 600 s: not waited for
     assert len(worker_pids) == 2
     _assert_all_gone(worker_pids)
 
 
-def test_processes_a_worker_started_end_with_it_on_timeout(
-    worker_pids, tmp_path, process_gone, monkeypatch
-):
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
+def test_processes_a_worker_started_end_with_it_on_timeout(worker_pids, tmp_path, process_gone):
     # The worker imports TensorFlow before it starts its child: seconds, or a minute on a
-    # busy GPU machine. The timeout starts once the child runs, so it passes with the worker
-    # hanging after starting it, however long the imports took.
-    collect = processes._collect
-
-    def collect_once_the_child_runs(workers, readers, placements, deadline, timeout, grace):
+    # busy GPU machine. The timeout counts once on_start returns, and on_start waits for the
+    # child, so the timeout passes with the worker hanging after starting it, however long
+    # the imports took.
+    def once_its_child_runs(index, pid):
+        worker_pids(index, pid)
         while not any(tmp_path.glob("grandchild-*")):
-            assert all(w.is_alive() for w in workers), "the worker died before its child ran"
+            assert _running(pid), "the worker died before its child ran"
             time.sleep(0.05)
-        return collect(workers, readers, placements, time.monotonic() + timeout, timeout, grace)
 
-    monkeypatch.setattr(processes, "_collect", collect_once_the_child_runs)
     with pytest.raises(processes.WorkerError, match=r"did not finish within timeout=1 s"):
         processes.run_per_device(
-            _start_grandchild, ["hang"], shared={"pid_dir": tmp_path}, devices=["cpu"], timeout=1
+            _start_grandchild,
+            ["hang"],
+            shared={"pid_dir": tmp_path},
+            devices=["cpu"],
+            timeout=1,
+            on_start=once_its_child_runs,
         )
     [pid_file] = tmp_path.glob("grandchild-*")
     assert process_gone(int(pid_file.read_text()))
     _assert_all_gone(worker_pids)
 
 
-def test_processes_a_worker_started_end_after_a_normal_exit(
-    worker_pids, tmp_path, monkeypatch, process_gone
-):
+def test_processes_a_worker_started_end_after_a_normal_exit(worker_pids, tmp_path, process_gone):
     # One child ignores SIGTERM, so ending it takes the SIGKILL after the grace.
     grandchildren = processes.run_per_device(
         _start_grandchild,
@@ -172,6 +206,7 @@ def test_processes_a_worker_started_end_after_a_normal_exit(
         devices=["cpu", "cpu"],
         timeout=120,
         grace=0.5,
+        on_start=worker_pids,
     )
     assert all(process_gone(pid, seconds=5) for pid in grandchildren)
     _assert_all_gone(worker_pids)
@@ -184,7 +219,8 @@ def test_worker_that_exits_without_a_result_is_reported(worker_pids):
         "reporting a result",
     ):
         processes.run_per_device(
-            _exit_abruptly, ["sleep", "die"], devices=["cpu", "cpu"], timeout=120
+            _exit_abruptly, ["sleep", "die"], devices=["cpu", "cpu"], timeout=120,
+            on_start=worker_pids,
         )
     _assert_all_gone(worker_pids)
 
@@ -414,6 +450,7 @@ def test_a_second_ctrl_c_kills_workers_that_ignore_sigterm_at_once(tmp_path, pro
             r"fn='fn' is not callable; pass a function defined at the top",
         ),
         ((_sleep, "ab"), {}, ArgumentError, r"per_device_args='ab' is a str; pass a list with one"),
+        ((), dict(on_start=5), ArgumentError, r"on_start=5 is not callable; pass a function"),
         ((_sleep, range(2).__iter__()), {}, ArgumentError, r"is a range_iterator; pass a list"),
         (
             (_sleep, []),
@@ -426,7 +463,7 @@ def test_a_second_ctrl_c_kills_workers_that_ignore_sigterm_at_once(tmp_path, pro
 def test_bad_arguments_fail_before_any_worker_starts(worker_pids, args, kwargs, error, match):
     args = args or (_sleep, [0, 1])
     with pytest.raises(error, match=match):
-        processes.run_per_device(*args, **kwargs)
+        processes.run_per_device(*args, **{"on_start": worker_pids, **kwargs})
     assert worker_pids == []
 
 
@@ -454,7 +491,10 @@ def test_devices_may_be_tensorflow_device_objects(monkeypatch, fake_gpus):
 
 def test_unpicklable_function_fails_in_the_parent(worker_pids):
     with pytest.raises(ArgumentError, match="must be picklable"):
-        processes.run_per_device(lambda arg: arg, [0, 1], devices=["cpu", "cpu"])
+        processes.run_per_device(
+            lambda arg: arg, [0, 1], devices=["cpu", "cpu"], on_start=worker_pids
+        )
+    assert worker_pids == []  # it failed as the first worker started
     _assert_all_gone(worker_pids)
 
 
@@ -576,25 +616,6 @@ def test_workers_sharing_a_gpu_allow_memory_growth(monkeypatch, fake_gpus):
     assert [p.environ.get("TF_FORCE_GPU_ALLOW_GROWTH") for p in placements] == ["true"] * 2
 
 
-def test_the_environment_is_set_for_the_spawn_only(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    monkeypatch.delenv("TF_FORCE_GPU_ALLOW_GROWTH", raising=False)
-    seen = {}
-
-    class Recorder:
-        def start(self):
-            seen.update(
-                (k, os.environ.get(k))
-                for k in ("CUDA_VISIBLE_DEVICES", "TF_FORCE_GPU_ALLOW_GROWTH")
-            )
-
-    env = {"CUDA_VISIBLE_DEVICES": "1", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
-    processes._start(Recorder(), processes.Placement("gpu:1", "1", env), 0)
-    assert seen == env
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert "TF_FORCE_GPU_ALLOW_GROWTH" not in os.environ
-
-
 def test_a_child_finds_what_this_process_found_however_it_found_it(tmp_path, monkeypatch):
     # A module only this process's sys.path leads to (a script's sys.path.insert, pytest's
     # root), TensorFlow wherever this process found it (a venv, PYTHONPATH), and a caller's
@@ -618,26 +639,12 @@ def test_a_child_finds_what_this_process_found_however_it_found_it(tmp_path, mon
     assert done.stdout.split() == [tf.__file__, tfshard.__file__]
 
 
-def test_a_worker_is_spawned_with_the_import_path_of_this_process(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    seen = {}
-
-    class Recorder:
-        def start(self):
-            seen["PYTHONPATH"] = os.environ["PYTHONPATH"]
-
-    processes._start(Recorder(), processes.Placement("cpu", "", {}), 0)
-    assert seen["PYTHONPATH"] == processes.child_environ()["PYTHONPATH"]
-    assert seen["PYTHONPATH"].endswith(os.pathsep + "/elsewhere")
-    assert os.environ["PYTHONPATH"] == "/elsewhere"
-
-
 def test_a_worker_gives_its_gpu_the_logical_memory_limit(monkeypatch, fake_gpus):
     fake_gpus(1)
     calls = []
     monkeypatch.setattr(
         tf.config, "set_logical_device_configuration", lambda *args: calls.append(args)
     )
-    processes._limit_gpu_memory(1024)
+    processes.limit_gpu_memory(1024)
     [(device, [config])] = calls
     assert device.name == "/physical_device:GPU:0" and config.memory_limit == 1024

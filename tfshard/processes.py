@@ -80,7 +80,14 @@ import tensorflow as tf
 from tfshard import _device_names, _gpu_ids, pinning
 from tfshard.errors import ArgumentError, DeviceError, WorkerError
 
-__all__ = ("Placement", "WorkerError", "child_environ", "placements", "run_per_device")
+__all__ = (
+    "Placement",
+    "WorkerError",
+    "child_environ",
+    "limit_gpu_memory",
+    "placements",
+    "run_per_device",
+)
 
 _log = logging.getLogger("tfshard")
 
@@ -230,7 +237,7 @@ def _worker_main(
     os.setsid()
     try:
         if memory_limit_mb is not None:
-            _limit_gpu_memory(memory_limit_mb)
+            limit_gpu_memory(memory_limit_mb)
         report = pickle.dumps(("ok", fn(arg, **shared)))
     except BaseException as error:  # noqa: BLE001 - every failure goes to the parent.
         summary = f"{type(error).__name__}: {error}"
@@ -239,8 +246,15 @@ def _worker_main(
     conn.close()
 
 
-def _limit_gpu_memory(memory_limit_mb: int) -> None:
-    """Gives the worker's GPU:0 the memory limit of the parent's logical GPU it stands for."""
+def limit_gpu_memory(memory_limit_mb: int) -> None:
+    """Gives this process's GPU:0 a memory limit; nothing when it sees no GPU.
+
+    What a worker of `run_per_device` does first, before ``fn`` runs, with its
+    `Placement`'s ``memory_limit_mb`` (the limit of the parent's logical GPU it
+    stands for); a worker started another way from `placements` calls it the
+    same way. Like `tfshard.virtual_devices`, it must run before TensorFlow
+    starts its runtime.
+    """
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         config = tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)
@@ -255,6 +269,7 @@ def run_per_device(
     devices: Sequence[_device_names.DeviceSpecLike] | None = None,
     timeout: float | None = None,
     grace: float = _GRACE_S,
+    on_start: Callable[[int, int], Any] | None = None,
 ) -> list[Any]:
     """Runs ``fn(per_device_args[i], **shared)`` in one new process per device.
 
@@ -275,10 +290,14 @@ def run_per_device(
         or a context name mapped to one), or ``"cpu"``. A device may appear
         more than once. Default: GPU ``i`` for worker ``i``, or the CPU for
         every worker on a machine without GPUs.
-      timeout: seconds the whole run may take, a finite number > 0; None for
-        no limit.
+      timeout: seconds the workers may take once every one has started (and
+        `on_start` returned), a finite number > 0; None for no limit.
       grace: seconds a worker gets to exit by itself, after it reported its
         result and again after SIGTERM, before it is killed; a finite number >= 0.
+      on_start: called in this process as each worker starts, with the
+        worker's index and process id (to log it, or find it in
+        ``nvidia-smi``'s list of processes); it may wait for what the worker
+        does first. What it raises stops every worker and is raised.
 
     Returns:
       The workers' return values, in `per_device_args` order.
@@ -295,9 +314,12 @@ def run_per_device(
         second Ctrl-C kills those still running at once).
     """
     shared, timeout = _check_arguments(fn, per_device_args, shared, devices, timeout, grace)
+    if on_start is not None and not callable(on_start):
+        raise ArgumentError(
+            f"on_start={on_start!r} is not callable; pass a function of (index, pid), or None"
+        )
     count = len(per_device_args)
     placements = _placements(devices, count)
-    deadline = None if timeout is None else time.monotonic() + timeout
     context = multiprocessing.get_context("spawn")
     processes: list[Any] = []
     readers: list[multiprocessing.connection.Connection] = []
@@ -316,6 +338,9 @@ def run_per_device(
                 _start(process, placement, i)
             finally:
                 writer.close()  # The worker holds the other end; EOF then means it died.
+            if on_start is not None:
+                on_start(i, process.pid)
+        deadline = None if timeout is None else time.monotonic() + timeout
         results = _collect(processes, readers, placements, deadline, timeout, grace)
         finished = True
         return results
