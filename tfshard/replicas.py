@@ -124,6 +124,18 @@ class Replicas:
         """The replicas of these devices if any were made, else None."""
         return cls._registry.get(_key(devices))
 
+    @classmethod
+    def forget_all(cls) -> None:
+        """Forgets the replicas of every set of devices, as if none were made.
+
+        A later `of` makes new copies, and every function retraces at its next
+        call. Copies still held (by a model, an optimizer) live on. For a
+        long-lived process that starts over: a test suite giving each test none.
+        """
+        with cls._lock:
+            cls._registry.clear()
+            cls.generation += 1
+
     @contextlib.contextmanager
     def scope(self, *, retrace: bool = True) -> Iterator[None]:
         """Variables created inside get one copy per device (`MirroredStrategy.scope`).
