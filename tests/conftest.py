@@ -38,16 +38,17 @@ def _gpu_or_skip(count: int = 1) -> None:
 
 
 @pytest.fixture(autouse=True)
-def no_replicas_outside(monkeypatch):
-    """Each test starts and leaves without replicas.
+def no_replicas_outside():
+    """Each test starts and leaves without replicas (`Replicas.forget_all`).
 
     Replicas belong to the process (`Replicas.of` keeps one per set of devices), so
     one test's copies (an example run with 4 logical devices, say) would make every
-    later function on those devices trace its shards in replica contexts.
+    later function on those devices trace its shards in replica contexts; forgetting
+    them makes the functions traced with them retrace.
     """
-    monkeypatch.setattr(Replicas, "_registry", {})
+    Replicas.forget_all()
     yield
-    Replicas.generation += 1  # functions traced with this test's replicas retrace
+    Replicas.forget_all()
 
 
 @pytest.fixture(scope="session")
