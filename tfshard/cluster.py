@@ -34,7 +34,8 @@ they fail long calls with "Too many pings".
 
 Shared internals (plain names, not in ``__all__``): `cluster_jobs`, `cluster_flag`,
 `Jobs` (used by tfshard.worker); `any_down`, `down_task`, `down_hint`,
-`all_answer` (used by the engine, tfshard/_sharding.py).
+`all_answer` (used by the engine, tfshard/_engine.py: `Connection`'s methods, asked of
+`connect`'s record).
 
 >>> tfshard.cluster.cluster_spec("127.0.0.1:2222,127.0.0.1:2223").as_dict()
 {'worker': ['127.0.0.1:2222', '127.0.0.1:2223']}
