@@ -11,15 +11,10 @@ This module reads device names with ``tfshard/_device_names.py`` and is
 imported by no device module: `tfshard.resolve_device` explains a remote name
 that does not resolve from the devices TensorFlow lists, not from here.
 
-One piece of state is module-level: the `Connection` record of the cluster
-this process is connected to (its tasks' addresses and this client's), which
-`connection()` returns. It mirrors TensorFlow's own cluster connection, which
-is process-global (one server def per process, replaced by
-`tf.config.experimental_connect_to_cluster`), so there is exactly one to
-record; only `connect` replaces it, whole and under a lock, and `host_of` and
-`explain_remote_error` read it. The one thing that changes in it is which of
-its tasks were found down: a later call that needs one fails before it runs,
-and nothing waits on one again, until `connect` makes a new record.
+One piece of state is module-level, as TensorFlow's cluster connection is: the
+`Connection` record of the cluster this process is connected to, which
+`connection()` returns and only `connect` replaces. A task found down in it
+stays down: a later call that needs it fails before it runs, until `connect`.
 
 A worker that dies fails the running or next call at once with
 `tf.errors.UnavailableError` naming its task (`explain_remote_error` says which
@@ -27,10 +22,8 @@ workers are down and how to recover). One that stops answering with its
 connections still open (a stopped process, a network partition) would block a
 call forever; `connect` (and ``python -m tfshard.worker`` on each worker) turns
 on gRPC keepalive (``TF_GRPC_DEFAULT_OPTIONS``, unless already set; read when
-the process makes its first connection), so that such a call fails instead,
-after about a minute (workers started another way need the same variable).
-Pings more often than every 5 minutes are not safe with default gRPC servers:
-they fail long calls with "Too many pings".
+the process makes its first connection), so that such a call fails instead
+(workers started another way need the same variable).
 
 Shared internals (plain names, not in ``__all__``): `cluster_jobs`, `cluster_flag`,
 `Jobs` (used by tfshard.worker); `any_down`, `down_task`, `down_hint`,
@@ -85,15 +78,11 @@ _log = logging.getLogger("tfshard")
 
 TF_CONFIG_ENV = "TF_CONFIG"
 GRPC_OPTIONS_ENV = "TF_GRPC_DEFAULT_OPTIONS"
-# gRPC keepalive, set by `connect` for the client and by tfshard.worker for
-# each worker (a worker's own channels carry the calls to its peers). Without
-# it a worker that stops answering but keeps its connections open (a stopped
-# process; likewise a host that drops off the network) blocks a call forever,
-# even with keepalive on the client alone. With it on every process, such a call
-# fails with UnavailableError("ping timeout") naming the task. A killed worker
-# needs none of this: its calls fail at once. 5 min is the shortest interval
-# default gRPC servers accept ("Too many pings" otherwise); shorter pings detect
-# no faster.
+# gRPC keepalive, on every process of the cluster (a worker's own channels carry
+# the calls to its peers; keepalive on the client alone does not stop the hang):
+# a call whose worker stops answering fails with UnavailableError("ping timeout")
+# naming the task. 5 min is the shortest interval default gRPC servers accept
+# ("Too many pings" otherwise). Measurements: BENCHMARKS.md.
 KEEPALIVE_OPTIONS = "grpc.keepalive_time_ms=300000,grpc.keepalive_timeout_ms=20000"
 # The job this process takes in the cluster, TensorFlow's name for the client;
 # its devices keep their local names ("/device:CPU:0").
@@ -118,11 +107,10 @@ class Connection:
 
     A task found down stays down for this connection, whatever it does next:
     TensorFlow keeps this client's remote state of it until the next
-    `connect` (a restarted worker has lost this client's context anyway). And
+    `connect` (a restarted worker has lost this client's context anyway), and
     `tf.experimental.async_clear_error`, which a failed call with its output
-    on a worker needs, sends a sync to every task over its eager stream and
-    waits for every answer with no deadline, in C++ where Ctrl-C cannot reach
-    it: once the stream to a dead task has failed, that answer never comes.
+    on a worker needs, waits with no deadline (where Ctrl-C cannot reach it)
+    for an answer a dead task never sends.
     """
 
     jobs: Jobs  # the remote tasks: {job: {task index: "host:port"}}
