@@ -24,9 +24,8 @@ one knows the cluster only as TensorFlow lists its devices.
 
 Spellings are read into `tf.DeviceSpec` names by ``tfshard/_device_names.py``
 (pure parsing, nothing started); this module resolves them against the devices
-TensorFlow lists. It re-exports `is_remote` (public) and, for the modules that
-reach names through it, `DeviceSpecLike`, `parse_spec`, `parse_name` and
-`same_device`.
+TensorFlow lists, and re-exports `is_remote` (public) and the parsing names other
+modules use.
 """
 
 from __future__ import annotations
@@ -239,11 +238,8 @@ def resolve_device(spec: DeviceSpecLike) -> str:
 
 
 def context_name(spec: DeviceSpecLike) -> str | None:
-    """The context name `spec` is in the active context map (stripped), else None.
-
-    The one reading of a spelling as a role: `resolve_device` resolves it to its
-    device, `tfshard.processes` reads its target as a worker's device.
-    """
+    """The context name `spec` is in the active context map (stripped), else None:
+    the one reading of a spelling as a role."""
     if not isinstance(spec, str):
         return None
     contexts = active_contexts()
@@ -479,9 +475,7 @@ class _ActiveContexts:
 
     Process state on purpose, as `tf.device` scopes are: a map chosen once (a
     ``--contexts`` flag, the environment, a ``with`` block) reaches every name
-    resolved under it without passing through the user's code. Only
-    `active_contexts`, `set_contexts`, `use_contexts`, `reset_contexts` and
-    `resolve_device` touch it.
+    resolved under it without passing through the user's code.
 
     The variable is parsed once per value, under the lock (any thread may read it
     first), and logged once, when `resolve_device` first reads a name: logging
