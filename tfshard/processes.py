@@ -105,7 +105,8 @@ _spawn_lock = threading.Lock()
 
 
 class Placement(NamedTuple):
-    """Where one worker of `run_per_device` runs (`placements` lists them)."""
+    """Where one worker of `run_per_device` runs, and the environment that shows it
+    only its device (`placements` lists them)."""
 
     label: str  # what the user gave, for messages
     visible: str  # the worker's CUDA_VISIBLE_DEVICES
@@ -125,9 +126,7 @@ def placements(
       devices: as `run_per_device` takes them: None, or one device per worker.
 
     Returns:
-      One `Placement` per worker, in order: the device as given (``label``), the worker's
-      ``CUDA_VISIBLE_DEVICES`` (``visible``), every variable set in its environment
-      (``environ``), and the memory limit it gives its ``GPU:0`` (``memory_limit_mb``).
+      One `Placement` per worker, in order.
 
     Raises:
       ArgumentError: `count` or `devices` has the wrong type or length.
