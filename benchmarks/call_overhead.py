@@ -25,7 +25,10 @@ the ones it settled on. The promise: within 5 %.
 ``small_batch``: an even 2-device call of ``--rows`` rows (8 by default)
 against the hand-written ``tf.device`` + ``tf.split`` + ``tf.concat`` graph
 (`cases.hand_graph`), called as a user calls it (a `tf.function`) and as its
-concrete function (no tf.function dispatch: the graph alone).
+concrete function (no tf.function dispatch: the graph alone); and the graph
+tfshard runs (`ShardedFunction.get_concrete_function`) called as it is, so
+that tfshard's time splits into its Python (tfshard over tfshard_graph) and
+its graph (tfshard_graph over hand_concrete). Each graph's ops are counted.
 
   python benchmarks/call_overhead.py                     # every case
   python benchmarks/call_overhead.py --case=dropped --profile=12
@@ -119,6 +122,17 @@ def _where(func: tuple[str, int, str]) -> str:
     return f"{short}:{line}({name})"
 
 
+def graph_ops(method: Any, x: Any) -> int | None:
+    """The ops of the graph a call of `method` runs (its functions' bodies included)."""
+    graph = getattr(method, "graph", None)
+    if graph is None and hasattr(method, "get_concrete_function"):
+        graph = method.get_concrete_function(x).graph
+    if graph is None:
+        return None
+    library = graph.as_graph_def().library.function
+    return len(graph.get_operations()) + sum(len(f.node_def) for f in library)
+
+
 def measure(harness: Any, methods: dict[str, Callable[[Any], Any]], x: Any) -> dict[str, Any]:
     """Times the methods in interleaved rounds and counts their Python calls."""
     errors = harness.check_outputs(methods, next(iter(methods)), x)
@@ -131,6 +145,7 @@ def measure(harness: Any, methods: dict[str, Callable[[Any], Any]], x: Any) -> d
         result["methods"][name] = {
             "median_us": harness.median(times[name]) * 1e6,
             "python_calls_per_call": count,
+            "graph_ops": graph_ops(method, x),
             "relative_error": errors[name],
             "top": top(stats, _PROFILE.value, _PROFILED.value),
         }
@@ -145,9 +160,12 @@ def measure(harness: Any, methods: dict[str, Callable[[Any], Any]], x: Any) -> d
 
 def print_case(name: str, result: dict[str, Any], ratios: list[str]) -> None:
     print(f"== {name}: {result['description']}")
-    print(f"   {'method':<14}{'median us':>10}{'py calls':>10}")
+    print(f"   {'method':<14}{'median us':>10}{'py calls':>10}{'graph ops':>10}")
     for method, m in result["methods"].items():
-        print(f"   {method:<14}{m['median_us']:10.1f}{m['python_calls_per_call']:10.1f}")
+        ops = "-" if m["graph_ops"] is None else m["graph_ops"]
+        print(
+            f"   {method:<14}{m['median_us']:10.1f}{m['python_calls_per_call']:10.1f}{ops:>10}"
+        )
     for ratio in ratios:
         print(f"   {ratio:<28} {result['ratios'][ratio]:.3f}x (median of per-round ratios)")
     for method, m in result["methods"].items():
@@ -181,8 +199,8 @@ def dropped_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) -> dic
         ),
         "tf_function": plain,
     }
-    result = measure(harness, methods, x)
     explained = auto.explain(x).splitlines()[1].strip()
+    result = measure(harness, methods, x)
     result.update(
         description=f"weights='auto' with the second device dropped after {calls} calls "
         f"({explained}); {_ROWS.value} rows x {_WIDTH.value}",
@@ -205,8 +223,8 @@ def settled_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) -> dic
             fn, devices=devices, per_sample=per_sample, weights=weights
         ),
     }
-    result = measure(harness, methods, x)
     explained = auto.explain(x).splitlines()[1].strip()
+    result = measure(harness, methods, x)
     result["description"] = (
         f"weights='auto' after {_SETTLING.value} calls ({explained}), against static "
         f"weights={weights}; {_ROWS.value} rows x {_WIDTH.value}"
@@ -220,8 +238,10 @@ def small_batch_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) ->
     fn = chain(tf, tfshard, _WIDTH.value, 0.0)
     x = harness.random_inputs([_ROWS.value, _WIDTH.value], 1, 1, devices[0])[0]
     hand = cases.hand_graph(fn, devices)
+    f = tfshard.parallelize(fn, devices=devices, per_sample=False)
     methods = {
-        "tfshard": tfshard.parallelize(fn, devices=devices, per_sample=False),
+        "tfshard": f,
+        "tfshard_graph": f.get_concrete_function(x),
         "hand_graph": hand,
         "hand_concrete": hand.get_concrete_function(x),
     }
@@ -251,7 +271,12 @@ def main(argv: list[str]) -> None:
             shown = ["auto/static_same"]
         else:
             result = small_batch_case(tf, tfshard, _harness, devices)
-            shown = ["tfshard/hand_graph", "tfshard/hand_concrete", "hand_graph/hand_concrete"]
+            shown = [
+                "tfshard/hand_graph",
+                "tfshard/tfshard_graph",
+                "tfshard_graph/hand_concrete",
+                "hand_graph/hand_concrete",
+            ]
         report["cases"][name] = result
         print_case(name, result, shown)
     if _JSON.value:

@@ -22,7 +22,8 @@ split), and the calls between run the unmeasured graph: the same plan, its
 weights the graph's constants, with no timestamp and nothing sent to the
 host, as static weights run. A plan change measures every call again until
 it settles. A measured call is either the split, its shards timed and the
-whole call to one element of its outputs read on the host, or the fastest
+whole call to its outputs ready (on a GPU, one element of them read on the
+host; outputs on a CPU are ready when the call returns), or the fastest
 device alone, the whole call timed so.
 (A stream's traced loop times every batch of its calls, each call of the
 loop one measurement.)

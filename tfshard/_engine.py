@@ -119,6 +119,7 @@ class Engine:
         # The CPU of the output's machine: where plans and checks run.
         self.host = host_cpu(output)
         self.remote_output = pinning.is_remote(output)
+        self._output_on_cpu = tf.DeviceSpec.from_string(output).device_type == "CPU"
         self._graphs: dict[Hashable, Traced] = {}
         self._first_rows: dict[Hashable, int] = {}  # by trace key and body (`_exact_rows`)
         self._steps: dict[Hashable, Step] = {}  # by trace key, and beside transfers or not
@@ -398,7 +399,12 @@ class Engine:
 
     def _finished(self, result: Any) -> None:
         """Waits for a measured call's outputs: one element of one of them read on the host
-        (on a GPU a call returns once its kernels are queued)."""
+        (on a GPU a call returns once its kernels are queued). Outputs on a CPU are there
+        when the call returns (a CPU of this process, as TensorFlow executes eagerly by
+        default; another server's, `execute` waited for them): nothing to wait for."""
+        synchronous = tf.config.experimental.get_synchronous_execution()
+        if self._output_on_cpu and (self.remote_output or synchronous):
+            return
         for leaf in tf.nest.flatten(result, expand_composites=True):
             if isinstance(leaf, tf.Tensor) and leaf.dtype.is_numpy_compatible:
                 with tf.device(self.output):
