@@ -1,13 +1,9 @@
 """Reading a traced call's graph: each shard's ops, and the resources they read and write.
 
-A call's graph names shard k's ops ``tfshard_shard_k/...`` (`errors.SHARD_SCOPE`,
-written by `tfshard._step`, read by `errors.shard_in`). What a shard does to a
-variable is read from the ops that take its handle, and, for ops that call
-functions (a conditional, a loop, a shared or compiled trace), from inside
-those functions, argument by argument (`written_arguments`). `tfshard.replicas`
-asks which copies a shard reads and whether it writes one; `tfshard._sharding`
-asks whether a trace writes any resource at all, and `tfshard._shards` whether
-a sample's trace writes a variable or asserts.
+A call's graph names shard k's ops ``tfshard_shard_k/...`` (`errors.SHARD_SCOPE`).
+What a shard does to a variable is read from the ops that take its handle, and,
+for ops that call functions (a conditional, a loop, a shared or compiled trace),
+from inside those functions, argument by argument (`written_arguments`).
 """
 
 from __future__ import annotations
