@@ -5,11 +5,7 @@ What a user types (``"cuda1"``, ``"GPU:1"``, ``"/device:GPU:1"``,
 `tf.DeviceSpec` here, and `DeviceKey` says when two names are one device. Nothing
 here starts TensorFlow's runtime or checks that a device exists: that is
 `tfshard.pinning`'s job, which resolves these specs against the devices
-TensorFlow lists (and re-exports `is_remote` and these shared names).
-
-Shared internals (plain names): `DeviceSpecLike`, `DeviceKey`, `parse_spec`,
-`parse_name`, `same_device`, `is_local_job`; public through `tfshard.pinning`:
-`is_remote`.
+TensorFlow lists, and makes `is_remote` public.
 """
 
 from __future__ import annotations
