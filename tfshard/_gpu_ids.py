@@ -3,8 +3,7 @@
 ``nvidia-smi`` numbers GPUs in PCI bus order. TensorFlow's ``GPU:N`` is CUDA's device N
 (unless TensorFlow's configuration hides or splits GPUs, below), which follows
 ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``.
-`tfshard.utilization.GpuReading.device` is filled in by these rules (CUDA's, as PyTorch's
-``torch.cuda`` also reimplements them):
+`tfshard.utilization.GpuReading.device` is filled in by these rules (CUDA's):
 
 - ``CUDA_VISIBLE_DEVICES`` unset: every GPU is visible, in CUDA order.
 - Set: a comma-separated list, and the i-th entry that parses becomes ``GPU:i``. The kind of
@@ -38,7 +37,7 @@ TensorFlow and TensorFlow lists GPUs, its configuration applies too (`logical_gp
 
 The other way, a child process sees this process's logical ``GPU:k`` when its
 ``CUDA_VISIBLE_DEVICES`` holds the entry of this process's list for k's physical GPU
-(`cuda_visible_entries`); ``tfshard.processes`` does that.
+(`cuda_visible_entries`).
 
 What the mapping does not see: GPUs TensorFlow skips (too old a compute capability), which
 shift later ``GPU:N`` names, and MIG mode with ``CUDA_VISIBLE_DEVICES`` unset. It assumes the
