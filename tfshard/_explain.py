@@ -1,7 +1,6 @@
 """`ShardedFunction.explain`'s table: which rows go where, and what crosses devices.
 
-`format_bytes` is shared: `tfshard.timeline` shows the bytes its copies moved with it, so
-both say sizes in one unit system.
+`format_bytes` is the one way tfshard writes a size (the timeline's copies too).
 """
 
 from __future__ import annotations
