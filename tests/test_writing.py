@@ -849,30 +849,43 @@ def test_a_damaged_or_edited_write_is_refused_naming_what_and_the_fix(tmp_path, 
     np.testing.assert_array_equal(tfshard.load(path), x * 2.0)
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_a_manifest_the_full_disk_refuses_leaves_the_headers_at_the_committed_rows(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(writing, "COMMIT_SECONDS", 0)
-    replace, calls = writing._replace, []
+    # The disk fills while batch 3 is computed, after batches 1 and 2 are committed: the
+    # manifest's temporary file, which a commit writes before it replaces manifest.json,
+    # becomes /dev/full, where every write fails as on a full disk (ENOSPC). The data files
+    # still take batch 3's rows; the manifest refuses them.
+    monkeypatch.setattr(writing, "COMMIT_SECONDS", 0)  # a commit per batch
+    path = tmp_path / "w"
+    armed = [True]
 
-    def full_at_the_third_commit(path, data):
-        calls.append(1)
-        if len(calls) >= 4:  # the empty manifest, batches 1 and 2; full from batch 3's on
-            raise OSError(28, "No space left on device", path)
-        return replace(path, data)
+    def fill_the_disk_at_row_8(rows):
+        if armed[0] and 8 in rows.numpy():
+            armed[0] = False
+            os.symlink("/dev/full", path / ".manifest.json.tmp")
+        return rows
 
-    monkeypatch.setattr(writing, "_replace", full_at_the_third_commit)
-    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
+    def doubled(x):
+        seen = tf.py_function(fill_the_disk_at_row_8, [tfshard.row_index()], tf.int64)
+        with tf.control_dependencies([seen]):
+            return x * 2.0
+
+    f = tfshard.parallelize(doubled, per_sample=False, devices=CPUS[:2])
     x = rng_data(40, 3)
     ds = tf.data.Dataset.from_tensor_slices(x).batch(4)
     with pytest.raises(WriteError, match=r"the disk is full; free some space; 8 rows \(2 batc"):
-        f.write(ds, tmp_path / "w")
-    manifest = json.loads((tmp_path / "w" / "manifest.json").read_text())
+        f.write(ds, path)
+    assert not armed[0]  # the disk filled where the test meant it to
+    manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["rows"] == 8
-    assert np.load(tmp_path / "w" / "output.npy").shape == (8, 3)  # not batch 3's 12
-    monkeypatch.setattr(writing, "_replace", replace)
-    assert f.write(ds, tmp_path / "w").computed_rows == 32
-    np.testing.assert_array_equal(tfshard.load(tmp_path / "w"), x * 2.0)
+    assert np.load(path / "output.npy").shape == (8, 3)  # not batch 3's 12
+    os.remove(path / ".manifest.json.tmp")  # space freed
+    assert f.write(ds, path).computed_rows == 32
+    np.testing.assert_array_equal(tfshard.load(path), x * 2.0)
+    f.write(ds, tmp_path / "uninterrupted")
+    assert _files(path) == _files(tmp_path / "uninterrupted")  # byte for byte
 
 
 def test_a_resume_of_a_dataset_that_has_fewer_batches_now_is_refused(tmp_path):

@@ -37,11 +37,11 @@ batch's parts are written at their place in the files; at a commit (after the
 first batch, then at most every `COMMIT_SECONDS`, and at the end, and on the way
 out of Ctrl-C or an error) the files are synced, their headers rewritten with
 the rows now durable and synced again, and then the manifest is replaced
-atomically (a temporary file, fsync, `os.replace`, fsync of the directory). So
-the manifest never counts a row that is not on disk, and a ``.npy`` header
-never shows a row before it is durable, however the process dies (Ctrl-C,
-SIGKILL, a power cut, a full disk). Anything past the committed rows is
-ignored and overwritten on resume. A crash loses at most the batches computed
+atomically (written as ``.manifest.json.tmp``, fsync, `os.replace`, fsync of
+the directory). So the manifest never counts a row that is not on disk, and a
+``.npy`` header never shows a row before it is durable, however the process
+dies (Ctrl-C, SIGKILL, a power cut, a full disk). Anything past the committed
+rows is ignored and overwritten on resume. A crash loses at most the batches computed
 since the last commit, about `COMMIT_SECONDS` of work.
 
 Resuming assumes the same function and the dataset's same batches in the same
