@@ -10,10 +10,9 @@ This is the command line of `tfshard.utilization`: the readings come from
 module only loops, prints and parses flags (absl). `run_cli` is the command as a function.
 """
 
-# gpustat's shape: the CLI imports the core, and the core never imports the CLI. `python -m`
-# imports the package (tfshard/utilization/__init__.py, the core) and then runs this file as
-# __main__; imported as tfshard.utilization.__main__ (as the tests do) it runs nothing. absl's
-# --help shows the docstring above, so it is written for the person at the command line.
+# `python -m` imports the package (the core) and then runs this file as __main__; imported
+# as tfshard.utilization.__main__ it runs nothing. absl's --help shows the docstring above,
+# so it is written for the person at the command line.
 
 from __future__ import annotations
 
