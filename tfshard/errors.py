@@ -196,10 +196,8 @@ def user_frames(message: str) -> str:
     TensorFlow prints "Detected at node N defined at (most recent call last):"
     and the stack that built N once per root error; tfshard's frames in it
     (its trace, body and shard functions) say nothing to the user. The user's
-    frames, the failing op and TF's own summary stay.
-
-    An XLA compile failure is `xla_failure`'s line and TF's root cause, once:
-    TF repeats the stack of each function it was converting, for each shard.
+    frames, the failing op and TF's own summary stay. An XLA compile failure is
+    `xla_failure`'s text.
     """
     xla = xla_failure(message)
     if xla is not None:
@@ -571,16 +569,11 @@ def write_error(error: OSError, call: str, then: str) -> WriteError:
 def failing_shard(message: str) -> int | None:
     """The shard a TF error's message says failed, or None.
 
-    A message holds one error, or several root errors; the cause is the first
-    root error whose failing node lies in a shard, cancellations and aborted
-    receives left out (they failed because something else did). An error names
-    its failing node (``{{node N}}``), then the calls it ran in (``[[N]]``),
-    innermost first. The node is shard k's when it is in shard k's scope
-    (traced in place), or when it is inside a function called in shard k's
-    scope (``[[tfshard_shard_k/StatefulPartitionedCall]]``, the shared trace);
-    the outermost such name counts, as a parallelized function inside a shard
-    names its own shards too. A receive (``.../_12``) that TF aborted with the
-    step names no shard.
+    The cause is the first root error (`_root_errors`) whose failing node
+    (``{{node N}}``) lies in a shard: in shard k's scope (traced in place), or
+    inside a function called there, which the calls after it name, innermost
+    first (``[[tfshard_shard_k/StatefulPartitionedCall]]``, the shared trace).
+    A receive (``.../_12``) that TF aborted with the step names no shard.
 
     >>> failing_shard("boom\\n\\t [[{{node tfshard_shard_2/cond/Assert}}]]")
     2
