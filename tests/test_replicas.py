@@ -259,6 +259,34 @@ def test_replicas_are_shared_by_functions_on_the_same_devices_and_retrace():
     assert not any(r.remote for s in _reads(g, x) for r in s)
 
 
+def test_forget_all_forgets_every_set_of_replicas_and_the_functions_retrace():
+    traces = []
+
+    def scaled(x):
+        traces.append(1)  # Python runs while a shard is traced, never in a call
+        return x * w
+
+    f = tfshard.parallelize(scaled, devices=DEVICES)
+    with f.replicas():
+        w = tf.Variable(2.0)
+    held, two = Replicas.find(DEVICES), Replicas.of(DEVICES[:2])
+    x = np.ones([3], np.float32)
+    assert not any(r.remote for s in _reads(f, x) for r in s)  # each shard its own copy
+    np.testing.assert_array_equal(f(x).numpy(), x * 2)
+    traced = len(traces)
+    f(x)
+    assert len(traces) == traced  # nothing changed: no trace
+    Replicas.forget_all()
+    assert Replicas.find(DEVICES) is None and Replicas.find(DEVICES[:2]) is None
+    np.testing.assert_array_equal(f(x).numpy(), x * 2)  # the copies f holds live on
+    assert len(traces) > traced  # retraced at its next call
+    traced = len(traces)
+    f(x)
+    assert len(traces) == traced
+    again = Replicas.of(DEVICES)  # new copies, made anew
+    assert again is not held and again is not two and Replicas.find(DEVICES) is again
+
+
 def test_replicate_copies_a_built_layer_with_its_weights():
     layer = keras.layers.Dense(3)
     x = np.random.default_rng(10).random((5, 4), dtype=np.float32)
