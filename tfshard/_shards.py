@@ -251,24 +251,20 @@ def vectorized(
 ) -> Shard:
     """`call` of one sample, mapped over the rows of a shard.
 
-    Each sample's global row is mapped with it (`Position.rows`), so
-    `tfshard.row_index` is a scalar per sample, where the function reads it
-    (its trace on one sample says, `sample_trace`), since mapping the rows
-    costs small ops on every call. The shard's index is the same for every sample.
+    Each sample's global row (`tfshard.row_index`, a scalar per sample) is
+    mapped with it (`Position.rows`) only where the function reads it
+    (`sample_trace` says): mapping the rows costs ops on every call.
 
-    An empty shard returns empty outputs of the per-sample signature:
-    vectorized_map over nothing gives outputs of the wrong inner shape (a
-    per-sample matmul's [0, 2, 1] for [0, 2, 3]), and some conversions fail
-    on it outright (pfor's tf.print reads row 0). A shard of one row is
-    reshaped to ``[1, *sample]``: pfor can squeeze its batch dimension away.
+    An empty shard returns empty outputs of the per-sample signature: a map
+    over nothing gives outputs of the wrong inner shape, or fails. A shard of
+    one row is reshaped to ``[1, *sample]``: pfor can squeeze its batch
+    dimension away.
 
-    Some functions cannot be vectorised right, and run sample by sample
-    (`tf.map_fn`, as ``ragged=True`` does): one that writes a variable (a
-    Keras metric's ``update_state``, ``v.assign_add``), which pfor refuses or
-    applies once for all samples, and one that asserts (``tf.debugging.assert_*``),
-    whose check pfor drops for all rows but the first where the condition
-    varies by sample. A tf.random.Generator's draws vectorise (pfor advances
-    it sample by sample itself).
+    A function that writes a variable (a Keras metric's ``update_state``) or
+    asserts runs sample by sample (`tf.map_fn`, as ``ragged=True`` does): pfor
+    refuses the write or applies it once for all samples, and drops the check
+    for all rows but the first. A tf.random.Generator's draws vectorise (pfor
+    advances it sample by sample itself).
     """
     sample = sample_trace(call, example, ragged_outputs)
     signature, reads_rows = sample.signature, sample.reads_rows
@@ -353,8 +349,7 @@ def _with_rows(
 def whole_shard(call: Callable[[Sequence[Any], Position, tf.Tensor | None], Any]) -> Shard:
     """`call` of a whole shard.
 
-    Many batch functions fail on an empty batch (TF's CPU Conv2D returns its
-    input unchanged, so a Keras CNN fails at its bias add), so an empty shard
+    Many batch functions fail on an empty batch (a Keras CNN does), so an empty shard
     gives, for each output of the traced shard, zeros with 0 rows where the
     output is per row (`per_row`) and the output's own shape otherwise (a
     reduction ignores an empty shard's value). Where an output's shape is not
