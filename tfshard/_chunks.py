@@ -12,15 +12,12 @@ small device's memory runs there::
 The first chunk runs before the loop, exactly as an unchunked shard runs (a
 shard with no rows returns its empty outputs, and what it returns gives the
 loop its dtypes and shapes); the rest run in a `tf.while_loop`. The function
-never sees more than ``max_rows`` rows. Per-row outputs (every output of a
-per-sample function, and of a whole-shard one when gathered or when its first
-dimension is the rows) are written chunk by chunk into TensorArrays
-(`collect.new_arrays`) and concatenated in order: they equal one run's. A
-whole-shard output of fixed shape under a reduction (a shard's mean loss or
-gradient) is weighted chunk by chunk as `collect.shard_partial` weights a
-shard (a mean by its rows, in the accumulator dtype), and `collect.shard_value`
-turns the total back into the value one run over all the shard's rows gives,
-so a whole-batch mean stays the whole batch's.
+never sees more than ``max_rows`` rows. Per-row outputs (`_shards.by_row`) are
+written chunk by chunk into TensorArrays and concatenated in order: they equal
+one run's. A whole-shard output of fixed shape under a reduction (a shard's
+mean loss or gradient) is weighted chunk by chunk as `collect.shard_partial`
+weights a shard, and `collect.shard_value` turns the total back into one run's
+value, so a whole-batch mean stays the whole batch's.
 
 The loop takes the shard's token (`_sharding.token`): a loop whose body is
 stateful (a random op, a print) would otherwise be chained after every other
