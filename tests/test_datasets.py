@@ -540,7 +540,47 @@ def one_batch_per_call(monkeypatch):
     """Every call of the traced loop runs one batch: state crosses every boundary."""
     from tfshard import datasets
 
-    monkeypatch.setattr(datasets, "_CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(datasets, "CALL_SECONDS", 0.0)
+
+
+def _host_reads(monkeypatch, run) -> int:
+    """How many times `run()` reads an eager tensor's value into Python: on a GPU each
+    read of a value the device computed waits for it."""
+    kind = type(tf.constant(0))
+    count = [0]
+
+    def counted(method):
+        def read(self, *args, **kwargs):
+            count[0] += 1
+            return method(self, *args, **kwargs)
+
+        return read
+
+    with monkeypatch.context() as patch:
+        for name in ("numpy", "__int__", "__index__", "__bool__", "__float__", "__array__"):
+            patch.setattr(kind, name, counted(getattr(kind, name)))
+        run()
+    return count[0]
+
+
+def test_a_plain_stream_reads_one_value_on_the_host_per_call_of_its_loop(monkeypatch):
+    from tfshard import datasets
+
+    f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[:2])
+
+    def stream(batches):
+        return tf.data.Dataset.range(4 * batches).batch(4)
+
+    monkeypatch.setattr(datasets, "CALL_SECONDS", 0.0)  # one batch per call
+    f(stream(1))
+    one = _host_reads(monkeypatch, lambda: f(stream(1)))
+    nine = _host_reads(monkeypatch, lambda: f(stream(9)))
+    assert nine - one == 8  # one read per call, whatever the stream reads once
+    # Batches that fit in a call's time: once measured, the whole stream is one call.
+    monkeypatch.setattr(datasets, "CALL_SECONDS", 1e9)
+    f(stream(9))
+    assert _host_reads(monkeypatch, lambda: f(stream(9))) == one
+    np.testing.assert_array_equal(f(stream(9)).numpy(), np.arange(36) * 2)
 
 
 @pytest.mark.parametrize("reduce", [None, "sum", "mean", "max"])
@@ -657,11 +697,12 @@ def test_a_call_of_the_loop_grows_at_most_twofold(monkeypatch):
     assert f(tf.data.Dataset.range(300), batch_size=2).numpy().tolist() == list(range(1, 301))
     assert limits[0] == 1
     assert all(b <= 2 * a for a, b in zip(limits, limits[1:])), limits
-    # The next run starts from half of where this one got to.
+    # The next run starts from where this one got to, grown at most twofold again.
     grown = limits[-1]  # the size the last call was given
     limits.clear()
     f(tf.data.Dataset.range(300), batch_size=2)
-    assert limits[0] == max(grown // 2, 1)
+    assert 1 <= limits[0] <= 2 * grown
+    assert all(b <= 2 * a for a, b in zip(limits, limits[1:])), limits
 
 
 @pytest.mark.parametrize(
@@ -901,7 +942,7 @@ def test_streams_equal_the_in_memory_call(sizes, devices, one_batch_per_call):
         if one_batch_per_call:
             from tfshard import datasets
 
-            patch.setattr(datasets, "_CHUNK_SECONDS", 0.0)
+            patch.setattr(datasets, "CALL_SECONDS", 0.0)
         out = f(ds)
     want = f(x)
     assert out["y"].shape == want["y"].shape == (len(x), 3)

@@ -129,7 +129,7 @@ def _lines(stream):
 def quick(monkeypatch):
     """A log line every 0.1 s, and the traced loop back in Python every 0.05 s."""
     monkeypatch.setattr(_stream, "LOG_SECONDS", 0.1)
-    monkeypatch.setattr(datasets, "_CHUNK_SECONDS", 0.05)
+    monkeypatch.setattr(datasets, "CALL_SECONDS", 0.05)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ it asks for:
   outputs into TensorArrays on the output device that are concatenated (or
   reduced) once after the last batch: no Python per batch, and each output
   row is copied once. Each call of the loop runs as many batches as take
-  about half a second, so Ctrl-C and progress reach Python that often. Its
+  about `CALL_SECONDS` (half a second), so Ctrl-C and progress reach Python that often. Its
   shards run bare while every device has rows, and through the loop's guarded
   twin from the first batch that leaves a device none. It applies when the
   element spec fixes every per-sample shape (a `Dataset.batch` of fixed-shape
@@ -50,8 +50,10 @@ from tfshard.errors import ArgumentError, fields_differ, write_stopped
 
 # This process's CPU: where datasets iterate, and where the loop splits each batch.
 HOST = host_cpu()
-# How long one call of a loop runs before Python gets control back (Ctrl-C, progress).
-_CHUNK_SECONDS = 0.5
+# How long one call of a traced loop runs, in seconds, before Python gets control back
+# (Ctrl-C, progress); 0 runs one batch per call. Set it (e.g. with pytest's monkeypatch)
+# for a quicker Ctrl-C or to count calls.
+CALL_SECONDS = 0.5
 # Batches of the traced loop in flight at once: 1 runs batch i's shards while batch
 # i + 1 is fed to the devices, and nothing further (memory: two batches per device).
 _PARALLEL_ITERATIONS = 1
@@ -430,6 +432,36 @@ class Runner:
         return _trees.build(structure, iter(results)), total
 
 
+def _beside_input(op: tf.Operation) -> str:
+    """A device function: an op's device where no scope gave it one, for an identity
+    its input's (the identities `tf.while_loop` puts on its body's results, so each
+    loop variable stays on the device that makes it)."""
+    if op.device or op.type != "Identity" or not op.inputs:
+        return op.device
+    return op.inputs[0].device
+
+
+def _on_host(optional: Any) -> Any:
+    """`optional` through an identity on the host, the device its ops then take (an
+    optional's own ops follow the iterator's, which a traced function does not name)."""
+    with tf.device(HOST):
+        return tf.nest.map_structure(tf.identity, optional, expand_composites=True)
+
+
+def _counts(n: tf.Tensor, more: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
+    """A loop call's counts as one int32 vector, read on the host at once (`_read_counts`):
+    its batches, whether a batch is left, and its rows (int64, in two 31-bit halves)."""
+    rows = tf.cast(rows, tf.int64)
+    halves = [rows // 2**31, rows % 2**31]
+    return tf.stack([n, tf.cast(more, tf.int32), *(tf.cast(h, tf.int32) for h in halves)])
+
+
+def _read_counts(counts: tf.Tensor) -> tuple[int, bool, int]:
+    """`_counts` on the host: (batches, whether a batch is left, rows)."""
+    n, more, high, low = counts.numpy().tolist()
+    return n, bool(more), high * 2**31 + low
+
+
 def _batches(
     run: Callable[[Call, int], Any],
     intake: Intake,
@@ -591,7 +623,7 @@ class _Loop:
         self._tracing = threading.Lock()  # threads that need a loop trace it once
         self._count = len(step.devices)
         self._op = step.options.reduce
-        self._last_limit = 1  # batches per call that last took about _CHUNK_SECONDS
+        self._last_limit = 1  # batches per call that last took about CALL_SECONDS
         self._shared_specs = list(shared_specs)
         self._batches: dict[bool, Any] = {}  # `_batch`'s graphs, bare and guarded
         self._checked = checked
@@ -704,8 +736,9 @@ class _Loop:
 
     def _feed(
         self, batch: Any, wanted: tf.Tensor, shared: Sequence[Any], weights: tf.Tensor | None
-    ) -> Planned:
-        """The batch in the optional `batch`, planned, split and on its devices.
+    ) -> tuple[Planned, tuple[tf.Tensor, tf.Tensor]]:
+        """The batch in the optional `batch`, planned, split and on its devices; and its
+        rows and each shard's, on the host (where the loop reads them).
 
         Runs ahead of the batch's shards (`_run_chunk`): the plan (which checks
         that the element's fields have the same rows) and the split run on the
@@ -723,7 +756,10 @@ class _Loop:
                 )
                 # [B, ...] -> K x [B_k, ...]
                 planned, _ = self._step.plan([*tensors, *shared], weights)
-            return self._step.onto_devices(planned)
+            with tf.device(HOST):
+                # Counted here again: a device alone counts its rows on the device.
+                sizes = (tf.cast(rows(tensors[0]), tf.int64), tf.identity(planned.sizes))
+            return self._step.onto_devices(planned), sizes
 
     def _run_chunk(
         self,
@@ -746,6 +782,14 @@ class _Loop:
         with ``weights="auto"``, the plan's weights; then each shard's rows
         and seconds over the call's batches come back too (zeros otherwise).
 
+        Each loop variable lives where it is made (`_beside_input`): the
+        counters, the optional and the batch's sizes on the host, read there
+        (the loop's condition, the next feed, the offset), the pieces on their
+        devices, the state on the output device. So no iteration waits for a
+        device: nothing crosses back to the host but int32 scalars and sizes
+        (which a GPU holds in host memory) and control edges. What the host
+        reads of the call is one int32 vector (`_counts`).
+
         Unless `guarded`, the shards run bare (`Step.guarded`), and the loop
         stops before a batch that would give a device no rows: `run` runs the
         rest of the stream through the guarded loop.
@@ -753,44 +797,59 @@ class _Loop:
         op, output, batch = self._op, self._step.output, self._batch(guarded)
         before, weights = feeds[0], (feeds[1] if len(feeds) > 1 else None)
 
-        def body(i, n, total, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
+        def body(i, n, total, more, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
+            fed, (fed_rows, _) = fed
             with tf.device(HOST):
-                following = iterator.get_next_as_optional()  # prepared while this one runs
-            # The next batch onto the devices while this one runs (none past this call's last).
-            fed_next = self._feed(following, n + 1 < limit, shared, weights)
-            _, per_batch, timing = batch(fed, shared, before + total)
+                following = _on_host(iterator.get_next_as_optional())  # prepared meanwhile
+                more = tf.cast(following.has_value(), tf.int32)
+                wanted = n + 1 < limit  # none past this call's last batch
+                offset = before + total
+            # The next batch onto the devices while this one runs.
+            fed_next = self._feed(following, wanted, shared, weights)
+            _, per_batch, timing = batch(fed, shared, offset)
             with tf.device(output):
                 if op is None:
                     state = collect.write_shards(state, self._leaves, i * self._slots, per_batch)
                 else:
                     state = collect.accumulate(state, per_batch[0], op)
-            if timing is not None:
-                with tf.device(HOST):
-                    rows = rows + timing[0]
-                    seconds = seconds + timing[1]
-            return i + 1, n + 1, total + fed.total, following, fed_next, state, rows, seconds
+            with tf.device(HOST):
+                if timing is not None:
+                    rows, seconds = rows + timing[0], seconds + timing[1]
+                rows, seconds = tf.identity(rows), tf.identity(seconds)
+                i, n, total = i + 1, n + 1, total + fed_rows
+            return i, n, total, more, following, fed_next, state, rows, seconds
 
         with tf.device(HOST):
             # The caller's device holds `current` between calls; in the loop it is the host's.
-            current = tf.nest.map_structure(tf.identity, current, expand_composites=True)
+            current = _on_host(current)
             rows = tf.zeros([self._count], tf.int64)
             seconds = tf.zeros([self._count], tf.float64)
         fed = self._feed(current, tf.constant(True), shared, weights)
-        def more(i, n, total, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
-            going = tf.logical_and(n < limit, current.has_value())
-            if guarded:
-                return going
-            with tf.device(HOST):  # bare shards: every device must have rows
-                return tf.logical_and(going, tf.reduce_all(fed.sizes > 0))
 
-        # The accumulators come in with unknown shapes: nothing to hold invariant.
-        i, n, total, current, _, state, rows, seconds = tf.while_loop(
-            more,
-            body,
-            (i, tf.constant(0), tf.constant(0, tf.int64), current, fed, list(state), rows, seconds),
-            parallel_iterations=_PARALLEL_ITERATIONS,
-        )
-        return current, i, n, total, state, rows, seconds
+        def going(i, n, total, more, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
+            with tf.device(HOST):
+                on = tf.logical_and(n < limit, more > 0)
+                if guarded:
+                    return on
+                # bare shards: every device must have rows
+                return tf.logical_and(on, tf.reduce_all(fed[1][1] > 0))
+
+        with tf.device(HOST):
+            i, n, total = tf.identity(i), tf.constant(0), tf.constant(0, tf.int64)
+            more = tf.cast(current.has_value(), tf.int32)
+        # Each loop variable stays where it is made (`_beside_input`): the host's
+        # counters and batch, the devices' pieces, the output device's state.
+        with tf.compat.v1.device(_beside_input):
+            # The accumulators come in with unknown shapes: nothing to hold invariant.
+            i, n, total, more, current, _, state, rows, seconds = tf.while_loop(
+                going,
+                body,
+                (i, n, total, more, current, fed, list(state), rows, seconds),
+                parallel_iterations=_PARALLEL_ITERATIONS,
+            )
+        with tf.device(HOST):
+            counts = _counts(n, more, total)
+        return current, i, counts, state, rows, seconds
 
     def run(
         self,
@@ -804,7 +863,10 @@ class _Loop:
 
         `interrupted` says whether Ctrl-C was pressed (`_stream.ctrl_c`); it is read
         before each call of the loop. `engine` gives each call its feeds
-        (`Engine.feeds`) and takes its shards' timing (`Engine.observe`).
+        (`Engine.feeds`) and takes its shards' timing (`Engine.observe`). The
+        host reads one int32 vector per call (`_counts`: in host memory on a
+        GPU); a stream whose batches all run in `CALL_SECONDS` runs in one call
+        once the loop has measured them.
         """
         with tf.device(HOST):
             iterator = iter(batches)
@@ -816,8 +878,8 @@ class _Loop:
                 state = self._start()
             else:
                 state = [collect.no_rows(self._op, leaf.output_dtype) for leaf in self._leaves]
-        # Start from half the last run's size (one batch at first), then adapt.
-        i, total, limit = tf.constant(0), 0, max(self._last_limit // 2, 1)
+        # Start from the size that last ran about CALL_SECONDS (one batch at first), then adapt.
+        i, total, limit = tf.constant(0), 0, self._last_limit
         guarded = not self._bare
         while True:
             if interrupted():  # pressed while Python could not raise it (`_stream.ctrl_c`)
@@ -826,25 +888,28 @@ class _Loop:
             feeds = engine.feeds(total)
             chunk = self._chunk(guarded)
             with tf.device(self._step.output):
-                current, i, n, batch_rows, state, rows, seconds = chunk(
+                current, i, counts, state, rows, seconds = chunk(
                     iterator, current, i, tf.constant(limit), feeds, state, broadcast
                 )
-            n, batch_rows = int(n), int(batch_rows)
+            # The call's one read on the host (int32: in host memory on a GPU).
+            n, more, batch_rows = _read_counts(counts)
             if self._step.balanced and n:
                 engine.observe(Timing(rows, seconds), id(chunk))
             total += batch_rows
             if meter and n:
                 meter.update(batch_rows, n)
-            if n < limit:
-                if guarded or not bool(current.has_value()):
-                    break
-                guarded = True  # the next batch gives a device no rows: guarded from now on
-                continue
-            # The next call runs about _CHUNK_SECONDS, by this one's time per batch.
-            per_batch = (time.perf_counter() - began) / n
-            # At most double it: batches can get slower, and a call cannot be stopped.
-            limit = int(min(max(_CHUNK_SECONDS / max(per_batch, 1e-9), 1), 2 * limit))
-            self._last_limit = limit
+            if n:
+                # The next call runs about CALL_SECONDS, by this one's time per batch; at
+                # most twice this one's batches: batches can get slower, and a call cannot
+                # be stopped.
+                per_batch = (time.perf_counter() - began) / n
+                grown = int(min(max(CALL_SECONDS / max(per_batch, 1e-9), 1), 2 * limit))
+                self._last_limit = max(grown, 1) if n == limit or grown > limit else limit
+            if not more:
+                break
+            if n < limit:  # the next batch gives a device no rows: guarded from now on
+                guarded = True
+            limit = self._last_limit
         if total == 0:
             return None, 0
         if self._op is None:
