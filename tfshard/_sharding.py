@@ -192,15 +192,14 @@ _NOT_INLINED = {"_noinline": True}
 
 
 def unordered(function: TokenShardFn, devices: Sequence[str]) -> list[ShardFn]:
-    """Calls of `function`, one per device, that TensorFlow does not chain one after another.
+    """Calls of `function`, one per device in shard order, that TensorFlow does not
+    chain one after another.
 
     Automatic control dependencies chain stateful ops that take no resource in
     trace order (a call is stateful when its body is), but order ops that take a
     resource only per resource. Each call takes a token (`token`), made before
-    any shard, so the calls are ordered only by the resources they write. Every
-    call still runs, and keeps the order of the side effects inside it. Returns
-    one computation per device (in shard order) from its rows, their number and
-    its position.
+    any shard, so the calls are ordered only by the resources they write; each
+    keeps the order of the side effects inside it.
     """
     tokens = [token(device) for device in devices]
     return [functools.partial(_with_token, function, t) for t in tokens]
