@@ -466,26 +466,16 @@ def lost_contact(
 
 
 def join_failed(error: BaseException, *, cluster: str, client: str) -> ClusterError:
-    """`connect`'s error when TensorFlow would not make this process a client of `cluster`.
-
-    Args:
-      error: what TensorFlow raised (a `tf.errors.OpError`, ValueError or RuntimeError).
-      cluster: the cluster, as ``python -m tfshard.worker --cluster=`` takes it.
-      client: this process's address in the cluster.
-    """
+    """`connect`'s error when TensorFlow (raising `error`) would not make this process, at
+    address `client`, a client of `cluster` (as ``--cluster=`` spells it)."""
     return ClusterError(
         f"connect: TensorFlow could not connect to {cluster} as {client}: {_tf_text(error)}"
     )
 
 
 def links_failed(error: BaseException, *, cluster: str, client: str) -> ClusterError:
-    """`connect`'s error when every worker answers but a value cannot go round the cluster.
-
-    Args:
-      error: what the round trip raised (a `tf.errors.OpError`).
-      cluster: the cluster, as ``python -m tfshard.worker --cluster=`` takes it.
-      client: this process's address in the cluster.
-    """
+    """`connect`'s error when every worker answers but a value cannot go round the cluster
+    (`error`: what the round trip raised); arguments as `join_failed`'s."""
     return ClusterError(
         f"connect: the workers of {cluster} answer, but a value could not go from this "
         f"client ({client}) to every worker, between every two workers, and back. Every "
