@@ -160,9 +160,7 @@ def check_rows(
 
 def by_row(value: Any, *, per_sample: bool, reduce: collect.Reduction | None) -> bool:
     """Whether an output holds one value per row of its shard (gathered, chunked and reduced
-    row by row, and checked by `check_rows`) rather than the shard's own value: every
-    output of a per-sample function and every gathered output; under a reduction, a
-    whole-shard output whose first dimension is unknown when traced (`per_row`)."""
+    row by row, and checked by `check_rows`) rather than the shard's own value."""
     return per_sample or reduce is None or per_row(value)
 
 
