@@ -28,10 +28,17 @@ Cases: one device against a plain `tf.function` on it; two devices against a
 hand-written ``tf.device`` + ``tf.split`` + ``tf.concat`` graph; ``weights="auto"``
 after it settled against the same static split; weights ``[1, 0]`` (a device that
 gets no rows) against the one device alone; then per sample, a reduction, a call
-inside a `tf.function` and ``per_shard``. The target of each row is the
+inside a `tf.function` and ``per_shard``; then replicas: the matrix a variable made in
+``f.replicas()`` (in the counted graph), an eager call's graph and a call inside a
+`tf.function`, against the hand-written graph with one copy of the variable made on each
+device, each device's body reading its own (the copies `tf.distribute.MirroredStrategy`
+holds and its replicas read, without its per-replica machinery). The target of each row is the
 reference's count (``≤``), but ``per_shard``'s: it gives each shard's result on
 that shard's device, and a function's outputs land on its caller's, so shard 1's
-result crosses back to its device (2 more than the hand-written list).
+result crosses back to its device (2 more than the hand-written list), and the
+guarded call with replicas': its shard's cond reads a variable, so it is a stateful
+cond, which the function's control outputs wait for: a control token from shard 1's
+device to the caller's (2 more, no bytes; the hand-written graph has no cond).
 """
 
 from __future__ import annotations
@@ -226,9 +233,19 @@ def sample_fn(tf: Any, width: int) -> Callable[[Any], Any]:
     return small
 
 
+def matmul_fn(tf: Any, kernel: Sequence[Any]) -> Callable[[Any], Any]:
+    """The small function with its matrix a variable, ``kernel[0]`` (made later, in the
+    graph that is counted: a list the builder fills)."""
+
+    def dense(x):
+        return tf.tanh(tf.matmul(x, kernel[0]))
+
+    return dense
+
+
 def hand_written(
     tf: Any,
-    body: Callable[[Any], Any],
+    body: Callable[[Any], Any] | Sequence[Callable[[Any], Any]],
     devices: Sequence[str],
     output: str,
     weights: Sequence[int] | None = None,
@@ -237,11 +254,14 @@ def hand_written(
     """The graph a user writes by hand: split where the input is, a body per device, concat.
 
     Sizes come from the input's shape on the output device (largest-remainder
-    rounding of `weights`, or even); `combine` is "concat", "sum" (each shard sums
-    its rows, the sums are added on the output device) or "list" (each shard's own).
+    rounding of `weights`, or even); `body` is one function for every device, or
+    one per device (each reading its device's copy of a variable); `combine` is
+    "concat", "sum" (each shard sums its rows, the sums are added on the output
+    device) or "list" (each shard's own).
     """
     k = len(devices)
     w = [1] * k if weights is None else list(weights)
+    bodies = list(body) if isinstance(body, Sequence) else [body] * k
 
     def graph(x):
         with tf.device(output):
@@ -251,9 +271,9 @@ def hand_written(
             sizes = [b + tf.cast(i < left, tf.int64) for i, b in enumerate(base)]
             pieces = tf.split(x, tf.stack(sizes), num=k)
         outs = []
-        for device, piece in zip(devices, pieces):
+        for device, piece, each in zip(devices, pieces, bodies):
             with tf.device(device):
-                y = body(piece)
+                y = each(piece)
                 outs.append(tf.reduce_sum(y, 0) if combine == "sum" else y)
         if combine == "list":
             return outs
@@ -389,19 +409,61 @@ def cases(devices: Sequence[str], rows: int, width: int, auto_calls: int) -> lis
         count_partitions(graph_mode(lambda t: dropped_shards.per_shard(t)[0], value, one)),
         "tf.function", count_partitions(graph_mode(tf.function(small), value, one)),
     )  # fmt: skip
+
+    # Replicas: the matrix a variable with a copy on each device, made in the counted graph.
+    matrix = np.random.default_rng(1).standard_normal([width, width]).astype(np.float32)
+
+    def replicated(guarded: bool) -> Callable[[], Any]:
+        kernel: list[Any] = []
+        f = tfshard.parallelize(matmul_fn(tf, kernel), devices=pair, per_sample=False)
+
+        def build() -> Any:
+            with f.replicas():
+                kernel[:] = [tf.Variable(matrix)]
+            if guarded:
+                return graph_mode(f, value, one)()
+            with tf.device(one):  # the graph an eager call of these rows runs
+                concrete = f.get_concrete_function(tf.zeros(value.shape))
+            return call_graph(concrete, [value], [one], host)()
+
+        return build
+
+    def copies(guarded: bool) -> Callable[[], Any]:
+        def build() -> Any:
+            bodies = []
+            for device in pair:
+                with tf.device(device):
+                    bodies.append(matmul_fn(tf, [tf.Variable(matrix)]))
+            hand = tf.function(hand_written(tf, bodies, pair, one))
+            if guarded:
+                return graph_mode(hand, value, one)()
+            return call_graph(hand.get_concrete_function(open_rows), [value], [one], host)()
+
+        return build
+
+    add(
+        "two devices, replicas", "tf.Variable matmul", count_partitions(replicated(False)),
+        "hand-written, copy per device", count_partitions(copies(False)),
+    )  # fmt: skip
+    add(
+        "replicas, in a tf.function", "rows unknown: guarded",
+        count_partitions(replicated(True)),
+        "hand-written, copy per device", count_partitions(copies(True)),
+    )  # fmt: skip
+    tfshard.replicas.Replicas.forget_all()  # the process's functions on `pair` read none
     return results
 
 
 def table(results: Sequence[dict[str, Any]]) -> str:
     """The counts as a table: one line per case, tfshard's beside its reference's."""
     lines = [
-        f"{'case':<28} {'tfshard':<20} {'sends+recvs':>11} {'bytes':>7}   "
-        f"{'reference':<28} {'sends+recvs':>11} {'bytes':>7}"
+        f"{'case':<28} {'tfshard':<21} {'sends+recvs':>11} {'bytes':>7}   "
+        f"{'reference':<29} {'sends+recvs':>11} {'bytes':>7}"
     ]
     for r in results:
         lines.append(
-            f"{r['case']:<28} {r['tfshard']:<20} {r['transfers']:>11} {r['bytes']:>7}   "
-            f"{r['reference']:<28} {r['reference_transfers']:>11} {r['reference_bytes']:>7}"
+            f"{r['case']:<28} {r['tfshard']:<21} {r['transfers']:>11} {r['bytes']:>7}   "
+            f"{r['reference']:<29} {r['reference_transfers']:>11} {r['reference_bytes']:>7}"
         )
     return "\n".join(lines)
 

@@ -5,7 +5,8 @@ output landing there, CPU:0 standing for the host. The references are independen
 tfshard: a plain `tf.function` of the same function on the same device, run the same way
 (its count includes the fetch of the result to the session's client, 2, as tfshard's does).
 Two devices are held to the hand-written ``tf.device`` + ``tf.split`` + ``tf.concat`` graph
-(its count and bytes at most), every call kind the benchmark counts. Also here: a device that
+(its count and bytes at most), every call kind the benchmark counts; with replicas, to the
+hand-written graph holding one copy of the variable per device. Also here: a device that
 the weights give no rows is not in the call's graph at all, and what a call on one device still
 promises (its shard index, its rows, `per_shard`).
 """
@@ -76,6 +77,8 @@ AT_THE_REFERENCE = [
     ("two devices, per sample", "any size"),
     ("two devices, reduce='sum'", "any size"),
     ("two devices, in a tf.function", "rows unknown: guarded"),
+    # The matrix a variable made in f.replicas(), against one copy per device by hand.
+    ("two devices, replicas", "tf.Variable matmul"),
 ]
 
 
@@ -104,6 +107,18 @@ def test_per_shard_costs_the_hand_written_list_and_each_result_back_on_its_devic
     assert r["bytes"] == r["reference_bytes"] + 4 * WIDTH * 4
     back = [e for e in r["edges"] if e.startswith("device:CPU:1 -> device:CPU:2")]
     assert len(back) == 2, r["edges"]  # the piece to shard 1, and its result back
+
+
+def test_no_weights_cross_in_a_guarded_call_with_replicas(counted_cases):
+    """Inside a user's tf.function (rows unknown, each shard guarded) each shard reads
+    the copy on its device, as the hand-written graph does: the same bytes, and the one
+    edge more is the guard's control token (its cond reads a variable: a stateful cond
+    the function's control outputs wait for), which carries no data."""
+    r = counted_cases[("replicas, in a tf.function", "rows unknown: guarded")]
+    assert r["bytes"] <= r["reference_bytes"], (r["edges"], r["reference_edges"])
+    extra = [e for e in r["edges"] if "branch_executed" in e]
+    assert len(extra) == 1 and extra[0].startswith("device:CPU:2 -> device:CPU:1"), r["edges"]
+    assert r["transfers"] == r["reference_transfers"] + 2, (r["edges"], r["reference_edges"])
 
 
 def test_the_reference_is_one_fetch(plain_function):
