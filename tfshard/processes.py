@@ -21,8 +21,7 @@ How it works, and why:
 - Each worker sees only its own GPU: ``CUDA_VISIBLE_DEVICES`` is set in the
   worker's environment before it starts, so before it imports TensorFlow, and
   its GPU is ``GPU:0`` inside the worker. A ``"cpu"`` worker gets
-  ``CUDA_VISIBLE_DEVICES=""`` and sees no GPU. (The variable is set in the
-  parent's environment for the moment each worker is spawned, under a lock.)
+  ``CUDA_VISIBLE_DEVICES=""`` and sees no GPU.
 - ``"gpu:k"`` is the parent's logical GPU k, as ``tf.config`` describes it
   before the runtime starts: after ``tfshard.virtual_devices`` splits a GPU or
   ``tf.config.set_visible_devices`` hides some, logical GPU k is mapped to its
@@ -43,9 +42,8 @@ How it works, and why:
   ``grace`` seconds later, 5 by default) and raises `WorkerError` naming the
   worker's device. No worker outlives the call, whatever happens, also on
   KeyboardInterrupt, and neither does a process a worker started: each
-  worker leads its own session
-  (``os.setsid``), and the whole process group is signalled, also after a
-  normal exit (POSIX only).
+  worker leads its own session (``os.setsid``), and the whole process group
+  is signalled, also after a normal exit (POSIX only).
 - With a session of its own, a worker is out of reach of a Ctrl-C in a
   terminal once it runs ``fn`` (one still starting gets it and stops). The
   Ctrl-C reaches the parent, which stops the workers the same way: workers
