@@ -218,8 +218,14 @@ class ShardedFunction:
 
         Returns:
           A tuple with one result per shard, in device order (`devices`), each
-          on its shard's device (TensorFlow returns a function's outputs on the
-          output device: the others are copied back to theirs). A device the
+          on its shard's device. Eagerly the call runs a traced graph, and
+          TensorFlow returns a function's outputs on the output device: the
+          others are copied back to theirs. In a graph (a user's `tf.function`)
+          the shards are traced into the caller's graph, so each result stays
+          where its shard made it, as a hand-written ``tf.device`` graph's do;
+          a function that may break a promise of its devices (writing a
+          replicated variable; under XLA, reading a variable on another
+          device) is traced once more by itself to be checked. A device the
           weights give no rows is not in the call's graph; its result is what a
           shard without rows returns (no rows per row, zeros of a fixed shape),
           made where results land and copied to it.
@@ -237,7 +243,34 @@ class ShardedFunction:
                 f"{self.__name__}.per_shard() takes tensors and arrays, not a "
                 f"tf.data.Dataset; stream one with {self.__name__}.iterate(dataset)"
             )
-        return self._engine().per_shard(self._shared.arguments.classify(args, kwargs))
+        engine, call = self._engine(), self._shared.arguments.classify(args, kwargs)
+        if tf.executing_eagerly():
+            return engine.per_shard(call)
+
+        @_not_converted
+        def traced_here() -> tuple[Any, ...]:
+            # The step a call of these weights runs, traced into the caller's graph: a
+            # function call's outputs would land on its caller's device, each shard's
+            # then copied back to its own (2 transfers of each result off that device).
+            weights = engine.plan_weights()
+            kept = engine.holding(weights)
+            sizes = None if call.rows is None else engine.plan(call.rows, weights)
+            guarded = sizes is None or any(
+                sizes[k] == 0 for k in (range(len(sizes)) if kept is None else kept)
+            )
+            step = engine.step(
+                call, beside_transfers=True, guarded=guarded, shards=kept, measured=False,
+                weights=weights,
+            )  # fmt: skip
+            if engine.options.jit_compile or replicas_lib.Replicas.find(self.devices):
+                engine.checked(
+                    tf.function(lambda *t: step.per_shard(t), autograph=False)
+                    .get_concrete_function(*call.specs())
+                )
+            results = step.per_shard(call.tensors)
+            return tuple(pinning.to_device(r, d) for r, d in zip(results, self.devices))
+
+        return traced_here()
 
     @_not_converted
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
