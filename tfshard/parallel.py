@@ -267,7 +267,15 @@ class ShardedFunction:
                     tf.function(lambda *t: step.per_shard(t), autograph=False)
                     .get_concrete_function(*call.specs())
                 )
-            results = step.per_shard(call.tensors)
+            # Traced for any rows, as a call's graph is: a whole shard's output of as
+            # many rows as a batch known in the caller's graph is no output per row.
+            tensors = []
+            for t, spec in zip(call.tensors, call.specs()):
+                if isinstance(t, tf.Tensor) and t.shape != spec.shape:
+                    with tf.device(t.device) if t.device else contextlib.nullcontext():
+                        t = tf.compat.v1.placeholder_with_default(t, spec.shape)
+                tensors.append(t)
+            results = step.per_shard(tensors)
             return tuple(pinning.to_device(r, d) for r, d in zip(results, self.devices))
 
         return traced_here()
