@@ -133,6 +133,7 @@ class Engine:
         # weights="auto": the measured weights, and the graphs that ran once (warmed up).
         self.balance = _balance.Balance(len(devices)) if options.balanced else None
         self._turns = _balance.Turns()
+        self._fed: dict[tuple[int, ...], tf.Tensor] = {}  # `_fed_weights`
         self._warm: set[int] = set()
 
     @property
@@ -326,14 +327,30 @@ class Engine:
         weighs = measured and self._weighs(shards)
         if offset is None and not weighs:
             return []  # a plain call's graph takes none: no device scope on its path
-        with tf.device(self.host):  # where the plan reads them
-            values = [] if offset is None else [tf.constant(offset, tf.int64)]
-            if weighs:
-                weights = self.balance.integer() if weights is None else weights
-                if shards is not None:
-                    weights = tuple(weights[k] for k in shards)
-                values.append(tf.constant(weights, tf.int64))
+        values = []
+        if offset is not None:
+            with tf.device(self.host):  # where the plan reads them
+                values.append(tf.constant(offset, tf.int64))
+        if weighs:
+            weights = self.balance.integer() if weights is None else weights
+            if shards is not None:
+                weights = tuple(weights[k] for k in shards)
+            values.append(self._fed_weights(weights))
         return values
+
+    def _fed_weights(self, weights: tuple[int, ...]) -> tf.Tensor:
+        """`weights` as the int64 tensor a measured graph takes, on the host; made once per
+        weights when eager (a tensor is immutable), so a measured call copies nothing new."""
+        fed = self._fed.get(weights)
+        if fed is not None and tf.executing_eagerly():
+            return fed
+        with tf.device(self.host):  # where the plan reads them
+            fed = tf.constant(weights, tf.int64)
+        if tf.executing_eagerly():
+            if len(self._fed) >= 64:  # one per plan measured: a few
+                self._fed.clear()
+            self._fed[weights] = fed
+        return fed
 
     def call(self, call: _arguments.Call, offset: int | None = None) -> Any:
         """Runs one call; results land on the output device. `offset`: the global row
