@@ -5,9 +5,10 @@ References: the same function's in-memory result on the dataset, ``f(dataset)``
 NumPy for the job of tests/write_job.py, and an uninterrupted write of the
 same job, which every interrupted and resumed write must equal byte for byte.
 The interruptions are real: child processes (write_job.py) killed by SIGKILL
-at points reached by counting calls, stopped by SIGINT, and refused by a file
-size limit; each is resumed here and counted, row by row, through a
-`tf.py_function` in the function.
+at points reached by counting calls or chosen by what the files on disk show,
+stopped by SIGINT, and refused by a file size limit; a disk that fills (the
+manifest's temporary file becomes /dev/full); each is resumed here and
+counted, row by row, through a `tf.py_function` in the function.
 """
 
 import collections
@@ -359,32 +360,6 @@ def test_a_crash_after_the_last_commit_finishes_on_resume(reference, tmp_path, m
     assert manifest["rows"] == write_job.ROWS and manifest["batches"] == 6
 
 
-def test_a_batch_half_written_when_the_disk_fills_counts_for_nothing(
-    reference, tmp_path, monkeypatch
-):
-    # Commits on the default clock leave batches written but not committed when the disk
-    # fills half way through batch 3 (after n's two files, at y's): the commit on the way
-    # out counts batches 1 and 2 whole, in every file, and none of batch 3.
-    monkeypatch.setattr(writing, "COMMIT_SECONDS", 1e9)  # the first batch's commit only
-    append, calls = writing._Column.append, []
-
-    def fills_up(self, array, at):
-        calls.append(1)
-        if len(calls) == 12:  # batch 3's fourth file, y.npy
-            raise OSError(28, "No space left on device", "y.npy")
-        return append(self, array, at)
-
-    f, _ = _counted()
-    with monkeypatch.context() as patch:
-        patch.setattr(writing._Column, "append", fills_up)
-        with pytest.raises(WriteError, match=r"the disk is full; free some space; 16 rows \(2 "):
-            f.write(write_job.dataset(), tmp_path / "job")
-    manifest = _resume_and_compare(tmp_path / "job", reference / "job", write_job.dataset())
-    values = int((write_job.inputs()[:16, 0].astype(np.int64) % 4).sum())  # n's first 16 rows
-    parts = [p["rows"] for leaf in manifest["leaves"] for p in leaf["parts"]]
-    assert parts == [values, 16, 16, 16]
-
-
 # ---------------------------------------------------------- crashes, resumed
 
 
@@ -468,10 +443,14 @@ def test_a_write_killed_anywhere_resumes_to_the_uninterrupted_files(
     code, out, err, path, _ = children[scenario]
     assert code == -signal.SIGKILL, (out, err[-3000:])
     leftovers = set(os.listdir(path)) - set(os.listdir(reference / "job"))
-    if scenario == "mid_manifest":
-        assert leftovers == {".manifest.json.tmp"}  # half written; the next commit replaces it
+    if scenario == "mid_manifest":  # batch 3's count, not renamed; the next commit replaces it
+        assert leftovers == {".manifest.json.tmp"}
+        assert json.loads((path / ".manifest.json.tmp").read_text())["rows"] == 24
     else:
         assert not leftovers
+    if scenario == "mid_data":  # batch 3's row ids on disk, its y rows not
+        assert write_job.row_on_disk(path, "row.npy", 16, np.int64).tolist() == [16]
+        assert not write_job.row_on_disk(path, "y.npy", 16, np.float32).size
     if scenario == "mid_header":  # n's headers count batch 3; y's and the manifest do not
         assert np.load(path / "n.row_lengths.npy").shape == (24,)
         assert np.load(path / "y.npy").shape == (16, 3)
@@ -515,6 +494,24 @@ def test_a_full_disk_is_a_clear_error_and_the_write_resumes(children, reference)
         written = wide.write(dataset, path / name)
         assert written.rows - before == written.computed_rows
         assert _files(path / name) == _files(reference / "wide" / name)
+
+
+def test_a_batch_half_written_when_the_disk_fills_counts_for_nothing(children, reference):
+    # Commits after the first batch and on the way out only: batch 2 is written, not
+    # committed, when the file size limit stops batch 3 part way (its row ids written,
+    # its y rows cut at the limit). The commit on the way out counts batches 1 and 2 whole,
+    # in every file, and none of batch 3.
+    code, out, err, path, log = children["full_disk"]
+    assert code == 0, err[-3000:]
+    report = json.loads(log.read_text())["uncommitted"]
+    assert report["errno"] == 27 and "16 rows (2 batches) are on disk" in report["message"]
+    stopped = path / "uncommitted"
+    assert write_job.row_on_disk(stopped, "row.npy", 16, np.int64).tolist() == [16]  # batch 3's
+    dataset = write_job.dataset(write_job.WIDE, unknown_length=True)
+    manifest = json.loads((stopped / "manifest.json").read_text())
+    parts = [p["rows"] for leaf in manifest["leaves"] for p in leaf["parts"]]
+    assert manifest["batches"] == 2 and parts == [0, 16, 16, 16]  # n's values: none (WIDE)
+    _resume_and_compare(stopped, reference / "wide" / "unknown", dataset)
 
 
 # ------------------------------------- a resume is the uninterrupted write (issue 37)

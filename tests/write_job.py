@@ -2,10 +2,13 @@
 
 Run as a script, it is a child process that writes the job and dies at one
 chosen point (``python tests/write_job.py SCENARIO PATH LOG``): SIGKILL
-before the first batch, inside the function, half way through a batch's data,
-after some of a commit's headers, half way through the manifest's temporary
-file; SIGINT inside the function; or a file size limit. Every point is
-reached by counting calls, so it is the same point on every run. The
+before the first batch, inside the function, part way through batch 3's data
+(its row ids written, its ``y`` rows not), after some of its commit's headers
+(``n``'s, not ``y``'s), with its manifest written to the temporary file and
+not yet renamed; SIGINT inside the function; or a file size limit. The points
+in the function are reached by counting its calls; those in the store, by
+what the files on disk show, checked at every statement of tfshard's store
+(`_when_the_disk_shows`), so each is the same point on every run. The
 children commit after every batch (`tfshard.writing.COMMIT_SECONDS = 0`), so
 what they commit before dying is known; the resumed writes in the test
 process commit on the default clock.
@@ -60,19 +63,57 @@ def make_scored(on_call, devices=("/device:CPU:0", "/device:CPU:1")):  # noqa: A
     return tfshard.parallelize(scored, per_sample=False, devices=list(devices))
 
 
-def _kill_at(function, n: int, before=None, sig=signal.SIGKILL):  # noqa: ANN001, ANN202
-    """`function`, dying by `sig` at its `n`-th call (after `before(*args)` if given)."""
+def _kill_at(function, n: int, sig=signal.SIGKILL):  # noqa: ANN001, ANN202
+    """`function`, dying by `sig` at its `n`-th call."""
     calls = [0]
 
     def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls[0] += 1
         if calls[0] == n:
-            if before is not None:
-                before(*args, **kwargs)
             os.kill(os.getpid(), sig)
         return function(*args, **kwargs)
 
     return wrapped
+
+
+def row_on_disk(path: str, file: str, row: int, dtype) -> np.ndarray:  # noqa: ANN001
+    """Row `row` of a `.npy` file of `dtype` rows, as written, whatever its header counts;
+    empty where the file is shorter, or holds zeros there (a reservation, not a row)."""
+    try:
+        with open(os.path.join(path, file), "rb") as stream:
+            np.lib.format.read_magic(stream)
+            shape = np.lib.format.read_array_header_1_0(stream)[0]
+            width = int(np.prod(shape[1:]))
+            stream.seek(stream.tell() + row * width * np.dtype(dtype).itemsize)
+            values = np.fromfile(stream, dtype, count=width)
+    except FileNotFoundError:
+        return np.zeros([0], dtype)
+    return values if len(values) == width and values.any() else np.zeros([0], dtype)
+
+
+def header_rows(path: str, file: str) -> int | None:
+    """The rows a `.npy` file's header counts (None: no file yet)."""
+    try:
+        with open(os.path.join(path, file), "rb") as stream:
+            np.lib.format.read_magic(stream)
+            return np.lib.format.read_array_header_1_0(stream)[0][0]
+    except FileNotFoundError:
+        return None
+
+
+def _when_the_disk_shows(shard_calls: list[int], shown) -> None:  # noqa: ANN001
+    """SIGKILL at the first statement of tfshard's store, once batch 3 is computed (shard
+    call 5), after which `shown()` is true of the files on disk (a `sys.settrace` tracer)."""
+    from tfshard import writing
+
+    def tracer(frame, event, arg):  # noqa: ANN001, ANN202
+        if frame.f_code.co_filename != writing.__file__:
+            return None
+        if event == "line" and shard_calls[0] >= 5 and shown():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return tracer
+
+    sys.settrace(tracer)
 
 
 def main(scenario: str, path: str, log: str) -> None:
@@ -84,29 +125,25 @@ def main(scenario: str, path: str, log: str) -> None:
     writing.COMMIT_SECONDS = 0  # a commit after every batch: the points below are exact
     shard_calls = [0]
     on_call = lambda rows: shard_calls.__setitem__(0, shard_calls[0] + 1)  # noqa: E731
-    # Two shards a batch and one commit after each: batch 3 begins at shard call 5, its
-    # commit is the fourth manifest written (the first is the empty one), and its headers
-    # are marks 13..16 (four files made at the first batch, four marks per commit, in
-    # leaf order: n.values, n.row_lengths, row, y); its data, appends 9..12.
+    # Two shards a batch and one commit after each: batch 3 begins at shard call 5. The
+    # store writes the leaves' files in leaf order: n.values, n.row_lengths, row, y.
     if scenario == "before_first_batch":
         on_call = _kill_at(on_call, 1)
     elif scenario == "mid_compute":
         on_call = _kill_at(on_call, 5)
-    elif scenario == "mid_data":  # batch 3: n's values, half of its row lengths
-        append = writing._Column.append
-        half = lambda self, array, at: append(self, array[: len(array) // 2], at)  # noqa: E731
-        writing._Column.append = _kill_at(append, 10, before=half)
-    elif scenario == "mid_header":  # batch 3's data synced, n's two headers rewritten, not y's
-        writing._Column.mark = _kill_at(writing._Column.mark, 14, writing._Column.mark)
-    elif scenario == "mid_manifest":  # half of batch 3's manifest in the temporary file
-        replace = writing._replace
-
-        def half_written(target, data):  # noqa: ANN001, ANN202
-            directory, name = os.path.split(target)
-            with open(os.path.join(directory, writing._temporary(name)), "wb") as out:
-                out.write(data[: len(data) // 2])
-
-        writing._replace = _kill_at(replace, 4, before=half_written)
+    elif scenario == "mid_data":  # batch 3's row ids on disk, its y rows not yet
+        _when_the_disk_shows(
+            shard_calls,
+            lambda: row_on_disk(path, "row.npy", 16, np.int64).tolist() == [16]
+            and not row_on_disk(path, "y.npy", 16, np.float32).size,
+        )
+    elif scenario == "mid_header":  # batch 3's data synced, n's headers rewritten, not y's
+        _when_the_disk_shows(shard_calls, lambda: header_rows(path, "n.row_lengths.npy") == 24)
+    elif scenario == "mid_manifest":  # batch 3's manifest written, not yet renamed over the old
+        temporary = os.path.join(path, ".manifest.json.tmp")
+        _when_the_disk_shows(
+            shard_calls, lambda: os.path.exists(temporary) and os.path.getsize(temporary) > 0
+        )
     elif scenario == "sigint":
         on_call = _kill_at(on_call, 5, sig=signal.SIGINT)
     elif scenario != "full_disk":
@@ -124,9 +161,11 @@ def main(scenario: str, path: str, log: str) -> None:
 
 
 def _full_disk(path: str, log: str) -> None:
-    """Writes of the wide job under a file size limit: with a known length, and without."""
+    """Writes of the wide job under a file size limit: with a known length, without, and
+    without with commits only after the first batch and on the way out ("uncommitted")."""
     import resource
 
+    from tfshard import writing
     from tfshard.errors import WriteError
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write gets EFBIG, not death
@@ -134,7 +173,8 @@ def _full_disk(path: str, log: str) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (header + 20 * row, resource.RLIM_INFINITY))
     f = make_scored(lambda rows: None)
     report = {}
-    for name, unknown in (("known", False), ("unknown", True)):
+    for name, unknown in (("known", False), ("unknown", True), ("uncommitted", True)):
+        writing.COMMIT_SECONDS = 1e9 if name == "uncommitted" else 0
         try:
             f.write(dataset(WIDE, unknown), os.path.join(path, name))
             report[name] = None
