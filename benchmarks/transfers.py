@@ -20,9 +20,12 @@ cannot read them through the ``placeholder_with_default`` either), so
 TensorFlow's optimizer sees what it sees in an eager call. The fetch of the
 result counts 2 (a send and a receive to the session's client) in every row
 alike. ``per_shard`` has no public concrete function: its case calls
-``f.per_shard`` inside the session's graph, as graph-mode code does, beside a
-hand-written graph called the same way; so does the case of a call inside a
-user's `tf.function` (rows unknown: every shard guarded against having none).
+``f.per_shard`` inside the session's graph, as graph-mode code does, beside the
+hand-written list written into that graph (no `tf.function` around it: a
+function's outputs land on its caller's device, and each result is to stay on
+its shard's, as ``per_shard`` gives them); the case of a call inside a user's
+`tf.function` (rows unknown: every shard guarded against having none) calls
+tfshard and a hand-written `tf.function` the same way.
 
 Cases: one device against a plain `tf.function` on it; two devices against a
 hand-written ``tf.device`` + ``tf.split`` + ``tf.concat`` graph; ``weights="auto"``
@@ -32,13 +35,11 @@ inside a `tf.function` and ``per_shard``; then replicas: the matrix a variable m
 ``f.replicas()`` (in the counted graph), an eager call's graph and a call inside a
 `tf.function`, against the hand-written graph with one copy of the variable made on each
 device, each device's body reading its own (the copies `tf.distribute.MirroredStrategy`
-holds and its replicas read, without its per-replica machinery). The target of each row is the
-reference's count (``≤``), but ``per_shard``'s: it gives each shard's result on
-that shard's device, and a function's outputs land on its caller's, so shard 1's
-result crosses back to its device (2 more than the hand-written list), and the
-guarded call with replicas': its shard's cond reads a variable, so it is a stateful
-cond, which the function's control outputs wait for: a control token from shard 1's
-device to the caller's (2 more, no bytes; the hand-written graph has no cond).
+holds and its replicas read, without its per-replica machinery). The target of each
+row is the reference's count (``≤``), but the guarded call with replicas': its
+shard's cond reads a variable, so it is a stateful cond, which the function's
+control outputs wait for: a control token from shard 1's device to the caller's
+(2 more, no bytes; the hand-written graph has no cond).
 """
 
 from __future__ import annotations

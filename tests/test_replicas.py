@@ -244,6 +244,29 @@ def test_a_shard_assigning_a_replicated_variable_is_refused():
         g(np.ones([6], np.float32))
 
 
+def test_per_shard_in_a_tf_function_reads_the_copies_and_refuses_a_write():
+    # In a graph, per_shard traces its shards into the caller's graph: still checked.
+    f = tfshard.parallelize(lambda x: x * scale, devices=DEVICES)
+    with f.replicas():
+        scale = tf.Variable(2.0)
+    x = np.arange(7, dtype=np.float32)
+    got = tf.function(lambda t: f.per_shard(t))(tf.constant(x))
+    np.testing.assert_array_equal(np.concatenate([g.numpy() for g in got]), x * 2)
+    scale.assign(3.0)  # every copy
+    got = tf.function(lambda t: f.per_shard(t))(tf.constant(x))
+    np.testing.assert_array_equal(np.concatenate([g.numpy() for g in got]), x * 3)
+
+    def count(x):
+        calls.assign_add(1.0)
+        return x
+
+    g = tfshard.parallelize(count, devices=DEVICES, per_sample=False)
+    with g.replicas():
+        calls = tf.Variable(0.0)
+    with pytest.raises(ArgumentError, match=r"assigns the replicated variable .*drift apart"):
+        tf.function(lambda t: g.per_shard(t))(tf.constant(x))
+
+
 def test_replicas_are_shared_by_functions_on_the_same_devices_and_retrace():
     f = tfshard.parallelize(lambda x: x * w, devices=DEVICES)
     g = tfshard.parallelize(lambda x: x + w, devices=list(reversed(DEVICES)))
