@@ -68,9 +68,8 @@ use, beside whatever else the machine runs then.
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
@@ -199,20 +198,12 @@ class Turns:
         self._waiting = False  # a measured call waits for the others to end
         self._inside = threading.local()  # this thread's calls in flight
 
-    @contextlib.contextmanager
-    def call(self, measure: bool) -> Iterator[bool]:
-        """A call's turn: whether it is measured (`measure`, and it could run alone)."""
-        measured = self._enter(measure)
-        depth = getattr(self._inside, "depth", 0)
-        self._inside.depth = depth + 1
-        try:
-            yield measured
-        finally:
-            self._inside.depth = depth
-            self._leave(measured)
+    def call(self, measure: bool) -> _Turn:
+        """A call's turn, a context manager: entered, whether the call is measured
+        (`measure`, and it could run alone)."""
+        return _Turn(self, measure)
 
-    def _enter(self, measure: bool) -> bool:
-        nested = getattr(self._inside, "depth", 0) > 0
+    def _enter(self, measure: bool, nested: bool) -> bool:
         with self._changed:
             if nested:
                 self._running += 1
@@ -236,6 +227,26 @@ class Turns:
             else:
                 self._running -= 1
             self._changed.notify_all()
+
+
+class _Turn:
+    """One call's turn in `Turns` (a class, not a generator: it is on every call's path)."""
+
+    __slots__ = ("_turns", "_measure", "_depth", "_measured")
+
+    def __init__(self, turns: Turns, measure: bool) -> None:
+        self._turns, self._measure = turns, measure
+
+    def __enter__(self) -> bool:
+        turns = self._turns
+        self._depth = getattr(turns._inside, "depth", 0)
+        self._measured = turns._enter(self._measure, self._depth > 0)
+        turns._inside.depth = self._depth + 1
+        return self._measured
+
+    def __exit__(self, *exc: object) -> None:
+        self._turns._inside.depth = self._depth
+        self._turns._leave(self._measured)
 
 
 class Balance:
