@@ -398,11 +398,11 @@ def cases(devices: Sequence[str], rows: int, width: int, auto_calls: int) -> lis
     )  # fmt: skip
 
     shards = tfshard.parallelize(small, devices=pair, per_sample=False)
-    hand_list = tf.function(hand_written(tf, small, pair, one, combine="list"))
+    hand_list = hand_written(tf, small, pair, one, combine="list")  # in the caller's graph
     add(
         "two devices, per_shard", "graph mode",
         count_partitions(graph_mode(lambda t: list(shards.per_shard(t)), value, one)),
-        "hand-written", count_partitions(graph_mode(hand_list, value, one)),
+        "hand-written, in place", count_partitions(graph_mode(hand_list, value, one)),
     )  # fmt: skip
     dropped_shards = tfshard.parallelize(small, devices=pair, per_sample=False, weights=[1, 0])
     add(
