@@ -29,7 +29,7 @@ from children import as_in_a_terminal
 from children import environ as child_environ
 
 import tfshard
-from tfshard import datasets, writing
+from tfshard import writing
 from tfshard.errors import ArgumentError, WriteError
 
 CPUS = [f"/device:CPU:{i}" for i in range(4)]
@@ -564,24 +564,30 @@ JOBS = {
 }
 
 
-# The code of a write: the store (every function of tfshard/writing.py) and the loop that
-# feeds it (these functions of the stream's module).
-_WRITE_CODE = {writing.__file__: None, datasets.__file__: {"_write", "_write_stopped"}}
+_TFSHARD = os.path.dirname(tfshard.__file__) + os.sep
+
+
+def _write_code(frame):
+    """Whether a frame, at its call, runs a write's code: the store (every function of
+    tfshard/writing.py), or a function of tfshard handed the store (the loop that feeds it,
+    and what commits on the way out when it stops)."""
+    file = frame.f_code.co_filename
+    if file == writing.__file__:
+        return True
+    return file.startswith(_TFSHARD) and any(
+        isinstance(value, writing.Store) for value in frame.f_locals.values()
+    )
 
 
 def _on_commit_path(statement):
     """A `sys.settrace` tracer calling `statement(frame)` at each statement of a write's
-    code (`_WRITE_CODE`) that one batch's commit path runs (the second batch's append and
+    code (`_write_code`) that one batch's commit path runs (the second batch's append and
     commit) and the finish runs, up to the store's close."""
     calls = collections.Counter()
     recording = [False]
 
     def tracer(frame, event, arg):
-        file = frame.f_code.co_filename
-        if file not in _WRITE_CODE:
-            return None
-        only = _WRITE_CODE[file]
-        if only is not None and frame.f_code.co_name not in only:
+        if event == "call" and not _write_code(frame):
             return None
         name = frame.f_code.co_name
         if event == "call" and isinstance(frame.f_locals.get("self"), writing.Store):
