@@ -20,7 +20,8 @@ device alone costs.
 ``settled``: ``weights="auto"`` on two alike devices, settled (whatever it
 settled on: a split, or one device alone where the split does not pay), its
 measured calls (one in 25) among those timed, against static weights equal to
-the ones it settled on. The promise: within 5 %.
+the ones it settled on; ``--settled_rows`` rows (512) of
+``--settled_width`` (64), so that its shards are long enough to time. The promise: within 5 %.
 
 ``small_batch``: an even 2-device call of ``--rows`` rows (8 by default)
 against the hand-written ``tf.device`` + ``tf.split`` + ``tf.concat`` graph
@@ -57,7 +58,13 @@ _PER_SAMPLE = flags.DEFINE_bool(
     "per_sample", False, "Map the function over rows (its graph then differs by rows)."
 )
 _SLEEP_MS = flags.DEFINE_float("sleep_ms", 10.0, "dropped: the slow shard's sleep per call.")
-_SETTLING = flags.DEFINE_integer("settling", 400, "settled: calls before timing.")
+_SETTLING = flags.DEFINE_integer(
+    "settling", 4000, "settled: at most this many calls until the weights held over 800."
+)
+_SETTLED_ROWS = flags.DEFINE_integer(
+    "settled_rows", 512, "settled: rows per call (its shards long enough to time)."
+)
+_SETTLED_WIDTH = flags.DEFINE_integer("settled_width", 64, "settled: the feature size.")
 _CALLS = flags.DEFINE_integer("calls", 200, "Calls per timed sample (their mean).")
 _REPEATS = flags.DEFINE_integer("repeats", 21, "Timed rounds (the median's sample size).")
 _PROFILED = flags.DEFINE_integer("profiled", 2000, "Calls of each method under cProfile.")
@@ -210,12 +217,17 @@ def dropped_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) -> dic
 
 
 def settled_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) -> dict[str, Any]:
-    fn = chain(tf, tfshard, _WIDTH.value, 0.0)
-    x = harness.random_inputs([_ROWS.value, _WIDTH.value], 1, 1, devices[0])[0]
+    rows, width = _SETTLED_ROWS.value, _SETTLED_WIDTH.value
+    fn = chain(tf, tfshard, width, 0.0)
+    x = harness.random_inputs([rows, width], 1, 1, devices[0])[0]
     per_sample = _PER_SAMPLE.value
     auto = tfshard.parallelize(fn, devices=devices, per_sample=per_sample, weights="auto")
-    for _ in range(_SETTLING.value):
+    calls = held = 0
+    while calls < _SETTLING.value and held < 800:
+        before = auto.weights
         auto(x)
+        calls += 1
+        held = held + 1 if auto.weights == before else 0
     weights = None if auto.weights is None else list(auto.weights)
     methods = {
         "auto": auto,
@@ -226,8 +238,9 @@ def settled_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) -> dic
     explained = auto.explain(x).splitlines()[1].strip()
     result = measure(harness, methods, x)
     result["description"] = (
-        f"weights='auto' after {_SETTLING.value} calls ({explained}), against static "
-        f"weights={weights}; {_ROWS.value} rows x {_WIDTH.value}"
+        f"weights='auto' after {calls} calls ({explained}), against static "
+        f"weights={weights}; {rows} rows x {width}; weights after timing: "
+        f"{auto.weights}"
     )
     return result
 
