@@ -122,6 +122,17 @@ def test_iterate_is_lazy_on_an_infinite_dataset():
     assert first == [[1, 2, 3, 4], [5, 6, 7, 8]]
 
 
+def test_a_call_or_a_write_of_an_infinite_dataset_is_refused_before_it_starts(tmp_path):
+    f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
+    forever = tf.data.Dataset.range(8).repeat()
+    with pytest.raises(ArgumentError, match=r"is infinite \(it repeats\), so its results would "):
+        f(forever, batch_size=4)
+    path = tmp_path / "out"
+    with pytest.raises(ArgumentError, match=r"is infinite \(it repeats\), so the write would "):
+        f.write(forever, path, batch_size=4)
+    assert not path.exists()
+
+
 def test_tuple_elements_are_spread_like_dataset_map():
     f = tfshard.parallelize(lambda a, b: a * b, devices=CPUS[:2])
     a = rng.normal(size=[10]).astype(np.float32)
@@ -1133,3 +1144,6 @@ def test_flags_of_a_stream_that_are_not_what_they_say_are_refused(way):
         run(ds, batched="yes")
     with pytest.raises(ArgumentError, match=r"progress='yes': True for lines on stderr, False"):
         run(ds, progress="yes")
+    # The keywords are checked before the dataset (whose scalars have no batch dimension).
+    with pytest.raises(ArgumentError, match=r"progress='yes': True for lines on stderr, False"):
+        run(tf.data.Dataset.range(6), progress="yes")

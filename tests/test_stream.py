@@ -67,7 +67,7 @@ def test_the_time_left_reads_in_minutes_and_hours(clock):
     meter = _stream.Progress("embed", 10_000, log)
     _run(meter, clock, 10, seconds_each=1.5)
     assert log.getvalue().splitlines()[-1].endswith("  12.0 s  4 h 09 min left")  # 9992 x 1.5 s
-    assert [_stream._duration(s) for s in (41.6, 200, 7500)] == ["42 s", "3 min 20 s", "2 h 05 min"]
+    assert [_stream.duration(s) for s in (41.6, 200, 7500)] == ["42 s", "3 min 20 s", "2 h 05 min"]
 
 
 def test_a_terminal_keeps_one_line_rewritten_in_place(clock):

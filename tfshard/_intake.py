@@ -6,10 +6,11 @@ a tensor argument would be. Elements are passed to the function the way
 positional parameters, anything else is the first argument; a Keras model
 takes ``x`` of ``(x, y[, sample_weight])`` elements, as ``Model.predict`` does.
 
-`take` reads the dataset as the call asked (``batch_size=``, ``batched=``,
-``progress=``), checks it against the function and returns an `Intake`: the
-global batches the function takes, and how each becomes a call. The stream
-rooms (`tfshard.datasets`) run it; nothing here runs the function.
+`take` reads the dataset as the call asked (`Asked`: ``batch_size=``,
+``batched=``, ``progress=``, checked before anything else), checks it against
+the function and returns an `Intake`: the global batches the function takes,
+and how each becomes a call. The stream rooms (`tfshard.datasets`) run it;
+nothing here runs the function.
 """
 
 from __future__ import annotations
@@ -23,8 +24,41 @@ from tfshard import _autograph, _kinds, _stream, _trees, collect
 from tfshard._arguments import Arguments, Call
 from tfshard.errors import ArgumentError
 
+
+class Asked(NamedTuple):
+    """tfshard's keywords of a call on a dataset: the one record of them (`checked`).
+
+    Attributes:
+      batch_size: batch a dataset of single samples into global batches of this
+        many (the last may be smaller); None: its elements are batches.
+      batched: whether elements are batches already; None to tell from the
+        element spec (`prepare`).
+      progress: True for progress lines on stderr, False for none, or a stream
+        to write them to.
+    """
+
+    batch_size: int | None = None
+    batched: bool | None = None
+    progress: bool | TextIO = False
+
+    def checked(self) -> Asked:
+        """Itself, once each keyword is of its kind; else ArgumentError naming it."""
+        _stream.check_progress(self.progress)
+        if self.batched is not None and not isinstance(self.batched, bool):
+            raise ArgumentError(
+                f"batched={self.batched!r} must be True, False or None, not a "
+                f"{type(self.batched).__name__}"
+            )
+        size = self.batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ArgumentError(
+                f"batch_size={size!r}: the number of samples per global batch, an int >= 1"
+            )
+        return self
+
+
 # Keywords that belong to tfshard, not to the function, in a call on a dataset.
-DATASET_OPTIONS = ("batch_size", "batched", "progress")
+DATASET_OPTIONS = Asked._fields
 
 
 class Intake(NamedTuple):
@@ -37,7 +71,7 @@ class Intake(NamedTuple):
         ``x``, batched if asked), checked, prefetching.
       args: further positional arguments, passed with every batch.
       kwargs: further keyword arguments, passed with every batch.
-      progress: ``progress=`` as given (checked): True, False or a stream.
+      asked: tfshard's keywords, checked.
     """
 
     name: str
@@ -45,7 +79,7 @@ class Intake(NamedTuple):
     batches: tf.data.Dataset
     args: tuple
     kwargs: dict
-    progress: bool | TextIO
+    asked: Asked
 
     def call(self, element: Any) -> Call:
         """The call of one batch (an element of `batches`, or its stand-in)."""
@@ -60,8 +94,18 @@ class Intake(NamedTuple):
         """The progress report ``progress=`` asks for over all of `batches` (None: none);
         `done_batches` and `done_rows` were done before this run (a resumed write)."""
         return _stream.meter(
-            self.name, self.batches, self.progress, done_batches=done_batches, done_rows=done_rows
+            self.name,
+            self.batches,
+            self.asked.progress,
+            done_batches=done_batches,
+            done_rows=done_rows,
         )
+
+    def refuse_infinite(self, call: str, never: str, fix: str) -> None:
+        """Raises ArgumentError where the dataset repeats forever: `call` `never` ends
+        (``"the write would never end"``), and `fix` says what to do instead."""
+        if int(self.batches.cardinality()) == tf.data.INFINITE_CARDINALITY:
+            raise ArgumentError(f"{call}: the dataset is infinite (it repeats), so {never}; {fix}")
 
 
 def take(
@@ -71,21 +115,19 @@ def take(
     args: tuple,
     kwargs: dict,
     *,
-    batch_size: int | None = None,
-    batched: bool | None = None,
-    progress: bool | TextIO = False,
     cpu_only: bool = False,
+    **asked: Any,
 ) -> Intake:
-    """The dataset taken in as the call asked: a Keras model's ``x`` (`model_inputs`),
-    elements checked against the function's parameters, batched if asked (`prepare`,
-    which takes `batch_size`, `batched`, `cpu_only`); `args` and `kwargs` go with
-    every batch. Raises ArgumentError where the dataset, an option or the elements
-    do not fit the function."""
+    """The dataset taken in as the call asked (`asked`: `Asked`'s keywords, checked
+    first): a Keras model's ``x`` (`model_inputs`), elements checked against the
+    function's parameters, batched if asked (`prepare`, with `cpu_only`); `args`
+    and `kwargs` go with every batch. Raises ArgumentError where a keyword, the
+    dataset or its elements do not fit the function."""
+    record = Asked(**asked).checked()
     dataset = model_inputs(dataset, fn)
     _check_specs(arguments, dataset, args, kwargs)
-    batches = prepare(dataset, batch_size, batched, cpu_only=cpu_only)
-    _stream.check_progress(progress)
-    return Intake(arguments.name, arguments, batches, args, kwargs, progress)
+    batches = prepare(dataset, record.batch_size, record.batched, cpu_only=cpu_only)
+    return Intake(arguments.name, arguments, batches, args, kwargs, record)
 
 
 def refuse_stream_options(arguments: Arguments, kwargs: dict[str, Any]) -> None:
@@ -164,15 +206,8 @@ def prepare(
                 f"{where} is a {type(spec).__name__}; tfshard splits tensors and ragged "
                 f"tensors along their first dimension: {fix}"
             )
-    if batched is not None and not isinstance(batched, bool):
-        raise ArgumentError(
-            f"batched={batched!r} must be True, False or None, not a {type(batched).__name__}"
-        )
+    Asked(batch_size, batched).checked()
     if batch_size is not None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ArgumentError(
-                f"batch_size={batch_size!r}: the number of samples per global batch, an int >= 1"
-            )
         if batched:
             raise ArgumentError(
                 "batch_size= batches a dataset of single samples, but batched=True says its "

@@ -157,7 +157,7 @@ class Progress:
         if self._total is not None and paced and paced[1] < self._batches < self._total:
             when, since = paced
             per_batch = (time.perf_counter() - when) / (self._batches - since)
-            left = f"  {_duration((self._total - self._batches) * per_batch)} left"
+            left = f"  {duration((self._total - self._batches) * per_batch)} left"
         return (
             f"{self._name}: batch {self._batches}{of}  {self.samples} samples  "
             f"{rows / elapsed:.1f} samples/s  {elapsed:.1f} s{left}"
@@ -177,7 +177,7 @@ class Progress:
         self._stream.flush()
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """``42 s``, ``3 min 20 s``, ``2 h 05 min``: a time left, as precise as it is worth."""
     seconds = round(seconds)
     if seconds < 60:

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 import tensorflow as tf
 
@@ -120,7 +120,8 @@ class Runner:
         how: str,
         **asked: Any,
     ) -> Intake:
-        """The dataset taken in for a stream `how` names in an error (``"(dataset)"``)."""
+        """The dataset taken in for a stream `how` names in an error (``"(dataset)"``),
+        with tfshard's keywords of the call (`_intake.Asked`)."""
         engine = self.engine
         _check_eager(engine.name, how)
         cpu_only = _on_host_cpus(engine)
@@ -132,16 +133,11 @@ class Runner:
         dataset: tf.data.Dataset,
         args: tuple,
         kwargs: dict,
-        *,
-        batch_size: int | None = None,
-        batched: bool | None = None,
-        progress: bool | TextIO = False,
+        **asked: Any,
     ) -> Iterator[tuple[Any, int]]:
-        """``(result, rows)`` for each global batch, in order, as they are computed."""
-        intake = self._take(
-            arguments, dataset, args, kwargs, ".iterate(dataset)",
-            batch_size=batch_size, batched=batched, progress=progress,
-        )  # fmt: skip
+        """``(result, rows)`` for each global batch, in order, as they are computed;
+        `asked`: tfshard's keywords (`_intake.Asked`)."""
+        intake = self._take(arguments, dataset, args, kwargs, ".iterate(dataset)", **asked)
         return self._stream(intake, intake.batches, intake.meter())
 
     def run(
@@ -150,24 +146,18 @@ class Runner:
         dataset: tf.data.Dataset,
         args: tuple,
         kwargs: dict,
-        *,
-        batch_size: int | None = None,
-        batched: bool | None = None,
-        progress: bool | TextIO = False,
+        **asked: Any,
     ) -> Any:
-        """All of the dataset through the engine: outputs concatenated in order, or reduced."""
+        """All of the dataset through the engine: outputs concatenated in order, or reduced;
+        `asked`: tfshard's keywords (`_intake.Asked`)."""
         name = self.engine.name
-        intake = self._take(
-            arguments, dataset, args, kwargs, "(dataset)",
-            batch_size=batch_size, batched=batched, progress=progress,
-        )  # fmt: skip
-        if int(intake.batches.cardinality()) == tf.data.INFINITE_CARDINALITY:
-            raise ArgumentError(
-                f"{name}(dataset): the dataset is infinite (it repeats), so its "
-                f"results would never be complete; stream them with "
-                f"{name}.iterate(dataset), or take a finite part first "
-                "(dataset.take(n))"
-            )
+        intake = self._take(arguments, dataset, args, kwargs, "(dataset)", **asked)
+        intake.refuse_infinite(
+            f"{name}(dataset)",
+            "its results would never be complete",
+            f"stream them with {name}.iterate(dataset), or take a finite part first "
+            "(dataset.take(n))",
+        )
         self._current()
         with _stream.ctrl_c() as interrupted:
             loop = self._graph_loop(intake, interrupted)
@@ -186,21 +176,19 @@ class Runner:
         args: tuple,
         kwargs: dict,
         *,
-        batch_size: int | None = None,
-        batched: bool | None = None,
-        progress: bool | TextIO = False,
         overwrite: bool = False,
+        **asked: Any,
     ) -> writing.Written:
         """The dataset's outputs into the store at `path`, one call per batch, resumed where
-        it stopped; see `ShardedFunction.write`. Everything is checked before anything is
-        made on disk."""
+        it stopped; see `ShardedFunction.write`. `asked`: tfshard's keywords
+        (`_intake.Asked`). Everything is checked before anything is made on disk."""
         engine = self.engine
         name = engine.name
         path = writing.checked_path(path, dataset, f"{name}.write")
         call = f"{name}.write(dataset, {path!r})"
         writing.check_flag(overwrite, "overwrite", call)
         try:
-            _stream.check_progress(progress)
+            _intake.Asked(**asked).checked()
         except ArgumentError as error:
             raise ArgumentError(f"{call}: {error}") from None
         if engine.options.reduce is not None:
@@ -208,15 +196,10 @@ class Runner:
                 f"{call}: reduce={engine.options.reduce.name!r} gives one value for the whole "
                 f"dataset, not rows to write; call {name}(dataset) for it"
             )
-        intake = self._take(
-            arguments, dataset, args, kwargs, ".write(dataset, path)",
-            batch_size=batch_size, batched=batched, progress=progress,
-        )  # fmt: skip
-        if int(intake.batches.cardinality()) == tf.data.INFINITE_CARDINALITY:
-            raise ArgumentError(
-                f"{call}: the dataset is infinite (it repeats), so the write would never end; "
-                "write a finite part of it (dataset.take(n))"
-            )
+        intake = self._take(arguments, dataset, args, kwargs, ".write(dataset, path)", **asked)
+        intake.refuse_infinite(
+            call, "the write would never end", "write a finite part of it (dataset.take(n))"
+        )
         store = writing.opened(path, intake.batches, name, overwrite, call)
         try:
             return self._write(intake, store, call)
@@ -303,10 +286,8 @@ class Runner:
         name = self.engine.name
         if isinstance(batch_index, bool) or not isinstance(batch_index, int) or batch_index < 0:
             raise ArgumentError(f"batch_index={batch_index!r}: the batch to record, an int >= 0")
-        intake = self._take(
-            arguments, dataset, args, kwargs, ".timeline(dataset)",
-            batch_size=batch_size, batched=batched,
-        )  # fmt: skip
+        asked = {"batch_size": batch_size, "batched": batched}
+        intake = self._take(arguments, dataset, args, kwargs, ".timeline(dataset)", **asked)
         with tf.device(HOST):
             element = next(iter(intake.batches.skip(batch_index).take(1)), None)
         if element is None and batch_index == 0:
