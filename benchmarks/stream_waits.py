@@ -1,4 +1,4 @@
-r"""A Keras model's stream on one device against ``model.predict``: time, host reads, waits.
+r"""A Keras model's stream against ``model.predict``: time, host reads, edges back to the host.
 
 On a GPU, every time the host reads a tensor the device computed, or a loop's
 iteration needs a value back from the device, the host waits for the device's
@@ -8,19 +8,23 @@ cannot see them. This script counts them exactly, beside the time:
 - ``reads``: the tensors Python reads on the host during one warm pass of
   ``f(dataset)`` (``int(t)``, ``bool(t)``, ``t.numpy()``...), against one pass
   of ``model.predict(dataset)``; the result itself is not read.
-- ``back``: the cross-device edges of one warm pass that carry a value from the
-  shard's device to the host, from TensorFlow's profiler (each ``_Send`` the
-  record names with its source and destination devices), in all and per batch;
-  ``--edges`` lists them. On the CPU bed the shard runs on ``CPU:1``, with
-  ``CPU:0`` standing for the host; on a GPU machine on ``GPU:0``.
+- ``back``: the runs of cross-device edges, in one warm pass, from a shard's
+  device to the host, from TensorFlow's profiler (each run of a ``_Send`` the
+  record names with its source and destination devices: an edge in the loop's
+  body runs once per batch), in all and per batch; ``--edges`` lists them by
+  the node that sends. On a GPU, an int32 scalar or a loop's condition (held in
+  host memory there) and a control edge cost no wait; any other value does.
+  On the CPU bed the stream runs on ``CPU:1``.. with ``CPU:0`` standing for
+  the host; on a GPU machine on ``GPU:0``..
 - ``time``: the median of ``--repeats`` warm passes of each, alternated, in one
-  process, and their ratio.
+  process, and their ratio (``predict`` on the stream's first device).
 
 The model's ``jit_compile`` is set True (``--jit``), as Keras resolves it on a
-GPU machine, so both run under XLA (tfshard follows the model's own
-``jit_compile``).
+GPU machine, so on one device both run under XLA (tfshard follows the model's
+own ``jit_compile``).
 
   python benchmarks/stream_waits.py                       # an MLP and a small MobileNetV2
+  python benchmarks/stream_waits.py --devices=2 --models=mlp --edges
   python benchmarks/stream_waits.py --models=mobilenet --size=96 --json=waits.json
 """
 
@@ -43,6 +47,9 @@ _BATCH = flags.DEFINE_integer("batch", 128, "Rows per batch.", lower_bound=1)
 _SIZE = flags.DEFINE_integer("size", 32, "MobileNetV2's image side.", lower_bound=32)
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed passes of each.", lower_bound=1)
 _JIT = flags.DEFINE_bool("jit", True, "Set the model's jit_compile True, as on a GPU.")
+_DEVICES = flags.DEFINE_integer(
+    "devices", 1, "Devices the stream runs on (predict runs on the first).", lower_bound=1
+)
 _EDGES = flags.DEFINE_bool("edges", False, "List the edges back to the host.")
 _JSON = flags.DEFINE_string("json", None, "Write the numbers here.")
 
@@ -88,7 +95,7 @@ def edges_back(run: Any, device: str, host: str) -> collections.Counter:
         run()
     finally:
         tf.profiler.experimental.stop()
-    sent: dict[str, list] = collections.defaultdict(list)  # by rendezvous key
+    sent: collections.Counter = collections.Counter()
     src, dst = _local(device), _local(host)
     for path in sorted(logdir.glob("plugins/profile/*/*.xplane.pb")):
         space = xspace()
@@ -109,12 +116,8 @@ def edges_back(run: Any, device: str, host: str) -> collections.Counter:
                         continue
                     parts = key.split(";")
                     if len(parts) > 2 and _local(parts[0]) == src and _local(parts[2]) == dst:
-                        sent[key].append((event.offset_ps, stats["from"]))
-    # A transfer is recorded by its send and by its receive, with the same key: a
-    # key's events in time order, paired.
-    return collections.Counter(
-        name for events in sent.values() for _, name in sorted(events)[::2]
-    )
+                        sent[stats["from"]] += 1  # one event per run of the send
+    return sent
 
 
 def _local(name: str) -> str:
@@ -138,19 +141,20 @@ def model_of(kind: str, size: int) -> tuple[Any, tuple[int, ...]]:
     return model, shape
 
 
-def measure(kind: str, device: str, host: str) -> dict[str, Any]:
+def measure(kind: str, devices: list[str], host: str) -> dict[str, Any]:
     import numpy as np
     import tensorflow as tf
 
     import tfshard
 
+    device = devices[0]
     with tf.device(device):
         model, shape = model_of(kind, _SIZE.value)
     model.jit_compile = _JIT.value
     x = np.random.default_rng(0).random((_IMAGES.value, *shape)).astype(np.float32)
     ds = tf.data.Dataset.from_tensor_slices(x).batch(_BATCH.value)
     batches = -(-_IMAGES.value // _BATCH.value)
-    f = tfshard.parallelize(model, devices=[device])
+    f = tfshard.parallelize(model, devices=devices)
 
     def stream() -> Any:
         return f(ds)
@@ -170,7 +174,9 @@ def measure(kind: str, device: str, host: str) -> dict[str, Any]:
         predict()
     reads = host_reads(stream)
     reads_predict = host_reads(predict)
-    back = edges_back(stream, device, host)
+    back: collections.Counter = collections.Counter()
+    for shard_device in devices:
+        back.update(edges_back(stream, shard_device, host))
     times, times_predict = [], []
     for _ in range(_REPEATS.value):
         began = time.perf_counter()
@@ -182,7 +188,7 @@ def measure(kind: str, device: str, host: str) -> dict[str, Any]:
     ms, ms_predict = statistics.median(times) * 1e3, statistics.median(times_predict) * 1e3
     return {
         "model": kind,
-        "device": device,
+        "devices": devices,
         "jit_compile": _JIT.value,
         "batches": batches,
         "max_abs_diff": float(np.max(np.abs(ours - theirs))),
@@ -201,16 +207,17 @@ def measure(kind: str, device: str, host: str) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     del argv
-    devices = _device_flags.devices(2, needed=1)
+    count = _DEVICES.value
+    machine = _device_flags.devices(count + 1, needed=count)
     import tensorflow as tf
 
     from tfshard import datasets
 
     host = datasets.HOST
-    gpu = tf.DeviceSpec.from_string(devices[0]).device_type == "GPU"
-    device = devices[0] if gpu else devices[-1]  # on the CPU bed, not the host's CPU:0
-    results = [measure(kind, device, host) for kind in _MODELS.value]
-    print(f"one device ({device}), host {host}, jit_compile={_JIT.value}, "
+    gpu = tf.DeviceSpec.from_string(machine[0]).device_type == "GPU"
+    devices = machine[:count] if gpu else machine[1 : count + 1]  # the bed: not CPU:0
+    results = [measure(kind, devices, host) for kind in _MODELS.value]
+    print(f"stream on {', '.join(devices)}, host {host}, jit_compile={_JIT.value}, "
           f"{_IMAGES.value} rows in batches of {_BATCH.value}")  # fmt: skip
     header = ("model", "reads f / predict", "back to host (per batch)", "f ms", "predict ms")
     header = (*header, "ratio")
