@@ -101,6 +101,13 @@ class ShardedFunction:
         streams = 0 if self._shared.runner is None else self._shared.runner.trace_count
         return (0 if self._shared.engine is None else self._shared.engine.trace_count) + streams
 
+    @property
+    def streams(self) -> datasets.Runner:
+        """What runs datasets through the function (`tfshard.datasets.Runner`): its traced
+        loops (``loops``, one per element spec and call signature, none where a stream ran
+        in the Python loop) and their traces; made at first use."""
+        return self._runner()
+
     @_not_converted
     def plan(self, n: int) -> list[int]:
         """The shard sizes for a batch of `n` rows, one per device, summing to `n`.
