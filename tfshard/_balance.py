@@ -307,10 +307,10 @@ class Balance:
         """The weights in use as the plan takes them (`_plan.integer_weights`); even: all 1."""
         return self._in_use[1]
 
-    def plan_for(self, kind: str | None) -> tuple[int, ...]:
-        """The integer weights a call of this `kind` (`due`) plans by: those in use
-        (None), the split's ("split", also while the fastest device holds every row),
-        or the fastest device alone ("alone")."""
+    def plan_for(self, kind: str) -> tuple[int, ...]:
+        """The integer weights a measured call of this `kind` (`due`) plans by: the
+        split's ("split", also while the fastest device holds every row), or the
+        fastest device alone ("alone"; those in use until one is weighed)."""
         with self._lock:
             if kind == "split":
                 return _integer(self._split, self._count)

@@ -23,6 +23,7 @@ per plan that calls run unmeasured (a settled plan stays settled).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -259,6 +260,11 @@ class Engine:
                 self._traces_dropped += 1
             self._replicas_seen = generation
 
+    def _checks(self) -> bool:
+        """A graph of this function may break a promise of its devices, which `checked`
+        checks: it runs replicas' shards, or compiled ones."""
+        return self.options.jit_compile or self._replicas is not None
+
     def checked(self, graph: Any) -> Any:
         """A traced graph, once refused if a shard writes a replicated variable or,
         compiled, reads a variable on another device (XLA cannot)."""
@@ -273,9 +279,13 @@ class Engine:
     def trace(self, call: _arguments.Call, measured: bool = False) -> Any:
         """The concrete function a call with this trace key runs, traced on first use:
         it takes the call's tensors (the weights in use its constants), or `measured`,
-        also the plan's weights (`feeds`), returning ``(outputs, timing)``."""
+        the graph a measured call runs (`_run_graph`): it also takes the plan's weights
+        (`feeds`) and returns ``(outputs, timing)``; None where no call is measured
+        (not ``weights="auto"``, or one device holds every row)."""
         weights = self.plan_weights()
         held = self._held(call.rows, weights)
+        if measured and not self._weighs(held["shards"]):
+            return None
         return self._traced(call, "call", offset=False, measured=measured, **held).graph
 
     def _held(self, rows: int | None, weights: tuple[int, ...] | None) -> dict[str, Any]:
@@ -306,6 +316,16 @@ class Engine:
         more than one device to weigh)."""
         count = len(self.devices) if shards is None else len(shards)
         return self.balance is not None and count > 1
+
+    def _constants(
+        self, shards: tuple[int, ...] | None, weights: tuple[int, ...] | None, measured: bool
+    ) -> tuple[int, ...] | None:
+        """The integer weights of every device that a graph holding `shards` plans by as
+        constants: `weights` where ``weights="auto"`` weighs them unmeasured and the kept
+        devices' differ, else None (measured: fed; not weighed, or alike: the options')."""
+        if self._weighs(shards) and not measured and len({w for w in weights if w}) > 1:
+            return weights
+        return None
 
     def feeds(
         self,
@@ -362,17 +382,56 @@ class Engine:
         return self._run(call, "totals", offset)
 
     def per_shard(self, call: _arguments.Call) -> tuple[Any, ...]:
-        """Runs one call; each shard's outputs as they are, on the shard's device."""
-        results = self._run(call, "per_shard", None)
-        # A function's outputs come back on its caller's device (the output device);
-        # each shard's go back to its own, a no-op for the output device's shard.
+        """Runs one call, never measured; each shard's outputs as they are, on its device.
+
+        Eagerly it runs the step's traced `per_shard` graph, whose outputs come back
+        on its caller's device (the output device): each shard's go back to its own.
+        In a graph (a user's tf.function) the step is traced into the caller's graph
+        (`_per_shard_here`), so each result stays where its shard made it.
+        """
+        if tf.executing_eagerly():
+            results = self._run_graph(call, "per_shard", None, None)
+        else:
+            results = self._per_shard_here(call)
+        # A no-op for a result already on its shard's device.
         return tuple(pinning.to_device(r, d) for r, d in zip(results, self.devices))
+
+    def _per_shard_here(self, call: _arguments.Call) -> list[Any]:
+        """The step of `per_shard`'s traced graph, traced into the caller's graph instead.
+
+        It is traced for any rows, as that graph is: with a batch's rows known in
+        the caller's graph, a whole shard's output of as many rows would look like
+        an output per row. A function that may break a promise of its devices
+        (`checked`) is traced once more by itself, to be checked.
+        """
+        held = self._held(call.rows, self.plan_weights())
+        step = self.step(
+            call,
+            beside_transfers=True,
+            guarded=held["guarded"],
+            shards=held["shards"],
+            measured=False,
+            weights=self._constants(held["shards"], held["weights"], measured=False),
+        )
+        if self._checks():
+            self.checked(
+                tf.function(lambda *t: step.per_shard(t), autograph=False).get_concrete_function(
+                    *call.specs()
+                )
+            )
+        tensors = []
+        for t, spec in zip(call.tensors, call.specs()):
+            if isinstance(t, tf.Tensor) and t.shape != spec.shape:
+                with tf.device(t.device) if t.device else contextlib.nullcontext():
+                    t = tf.compat.v1.placeholder_with_default(t, spec.shape)
+            tensors.append(t)
+        return step.per_shard(tensors)
 
     def _run(self, call: _arguments.Call, body: str, offset: int | None) -> Any:
         """Runs a step's traced `body` on this call; with ``weights="auto"``, measured when
         the balance says it is due (`Balance.due`), alone among this function's calls."""
         balance = self.balance
-        if balance is None or balance.one_left or body == "per_shard":
+        if balance is None or balance.one_left:
             # One device left: no call is measured, so none waits for a turn.
             return self._run_graph(call, body, offset, None)
         if not tf.executing_eagerly():
@@ -477,12 +536,10 @@ class Engine:
         weights' graph does, one graph per plan.
         """
         self.refresh()
-        measured = measured and self._weighs(shards) and body != "per_shard"
+        measured = measured and self._weighs(shards)
         feed = Feed(offset=offset, weights=measured)
         exact = self._exact_rows(call, body, measured)
-        held = None  # measured, or not weighed, or the kept devices weighted alike: even
-        if self._weighs(shards) and not measured and len({w for w in weights if w}) > 1:
-            held = weights
+        held = self._constants(shards, weights, measured)
         key = (call.key, body, feed, guarded, exact, shards, measured, held)
         traced = self._graphs.get(key)
         if traced is not None:
@@ -510,8 +567,7 @@ class Engine:
                 graph = tf.function(traced_body, autograph=False).get_concrete_function(*specs)
                 structure = _trees.flatten(graph.structured_outputs)[1]
                 kept = structure if _trees.has_defaultdict(structure) else None
-                timed = step.balanced and body != "per_shard"
-                traced = self._graphs[key] = Traced(self.checked(graph), kept, feed, timed)
+                traced = self._graphs[key] = Traced(self.checked(graph), kept, feed, step.balanced)
             return traced
 
     def _exact_rows(self, call: _arguments.Call, body: str, measured: bool) -> int | None:
@@ -558,7 +614,7 @@ class Engine:
         remote = self.remote_output and eager
         if eager and cluster.any_down():
             # A call that needs a worker found down fails before it runs, with the
-            # error the call that found it raised (`cluster._Connection` says why).
+            # error the call that found it raised (`cluster.Connection` says why).
             lost = self.lost_error(rows, weights)
             if lost is not None:
                 raise lost

@@ -250,42 +250,7 @@ class ShardedFunction:
                 f"{self.__name__}.per_shard() takes tensors and arrays, not a "
                 f"tf.data.Dataset; stream one with {self.__name__}.iterate(dataset)"
             )
-        engine, call = self._engine(), self._shared.arguments.classify(args, kwargs)
-        if tf.executing_eagerly():
-            return engine.per_shard(call)
-
-        @_not_converted
-        def traced_here() -> tuple[Any, ...]:
-            # The step a call of these weights runs, traced into the caller's graph: a
-            # function call's outputs would land on its caller's device, each shard's
-            # then copied back to its own (2 transfers of each result off that device).
-            weights = engine.plan_weights()
-            kept = engine.holding(weights)
-            sizes = None if call.rows is None else engine.plan(call.rows, weights)
-            guarded = sizes is None or any(
-                sizes[k] == 0 for k in (range(len(sizes)) if kept is None else kept)
-            )
-            step = engine.step(
-                call, beside_transfers=True, guarded=guarded, shards=kept, measured=False,
-                weights=weights,
-            )  # fmt: skip
-            if engine.options.jit_compile or replicas_lib.Replicas.find(self.devices):
-                engine.checked(
-                    tf.function(lambda *t: step.per_shard(t), autograph=False)
-                    .get_concrete_function(*call.specs())
-                )
-            # Traced for any rows, as a call's graph is: a whole shard's output of as
-            # many rows as a batch known in the caller's graph is no output per row.
-            tensors = []
-            for t, spec in zip(call.tensors, call.specs()):
-                if isinstance(t, tf.Tensor) and t.shape != spec.shape:
-                    with tf.device(t.device) if t.device else contextlib.nullcontext():
-                        t = tf.compat.v1.placeholder_with_default(t, spec.shape)
-                tensors.append(t)
-            results = step.per_shard(tensors)
-            return tuple(pinning.to_device(r, d) for r, d in zip(results, self.devices))
-
-        return traced_here()
+        return self._engine().per_shard(self._shared.arguments.classify(args, kwargs))
 
     @_not_converted
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
