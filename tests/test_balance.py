@@ -328,7 +328,7 @@ def test_explain_shows_the_weights_in_use(measured):
     )
     cheap = tfshard.parallelize(tf.identity, devices=CPUS[:2], per_sample=False, weights="auto")
     for _ in range(_balance.MIN_SAMPLES):
-        cheap._engine().balance.observe([50, 50], [0.001, 0.0011], warm_up=False)
+        cheap.balance.observe([50, 50], [0.001, 0.0011], warm_up=False)
     assert "weights even (weights='auto', from 3 measurements: no other split" in (
         cheap.explain(x)
     )
@@ -364,7 +364,7 @@ def _measurements(f, x):
 def test_calls_between_measured_ones_run_the_unmeasured_graph(monkeypatch):
     f = tfshard.parallelize(tf.identity, devices=CPUS[:2], weights="auto")
     x = np.arange(8, dtype=np.float32)
-    balance = f._engine().balance
+    balance = f.balance
     # Settled by given timings: two alike devices, the plan even all along, and a device
     # alone far slower than the split.
     _measured(balance, [4, 4], [1e-3, 1e-3], times=_balance.MIN_SAMPLES + _balance.SETTLED)
@@ -399,7 +399,7 @@ def test_a_function_left_with_one_device_runs_as_that_device_alone():
     f = tfshard.parallelize(tf.identity, devices=CPUS[:2], weights="auto")
     alone = tfshard.parallelize(tf.identity, devices=CPUS[:1])
     x = np.arange(8, dtype=np.float32)
-    balance = f._engine().balance
+    balance = f.balance
     _measured(balance, [4, 4], [1e-3, 1.0], times=_balance.MIN_SAMPLES)
     assert f.weights == (1.0, 0.0) and balance.one_left
     before = _measurements(f, x)
@@ -455,8 +455,9 @@ def test_a_call_where_the_split_does_not_pay_runs_on_the_fastest_device_alone():
 def test_timing_is_four_ops_per_shard_and_keeps_the_shards_unchained():
     """The timestamps are calls taking each shard's token: nothing chains the shards."""
     f = tfshard.parallelize(tf.identity, devices=CPUS[:2], weights="auto")
-    call = f._shared.arguments.classify((np.zeros([4], np.float32),), {})
-    graph = f._engine().trace(call, measured=True).graph
+    x = np.zeros([4], np.float32)
+    measured = f.get_measured_function(x)
+    graph = measured.graph
     stamps = [op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"]
     assert len(stamps) == 4  # a start and an end per shard
     for op in stamps:
@@ -464,4 +465,8 @@ def test_timing_is_four_ops_per_shard_and_keeps_the_shards_unchained():
         shard = op.name.split("/")[0]
         chained = {c.name.split("/")[0] for c in op.control_inputs} - {shard}
         assert not {c for c in chained if c.startswith("tfshard_shard_")}, (op.name, chained)
+    # It takes the plan's weights after the call's tensors; static weights measure nothing.
+    assert [t.dtype for t in measured.inputs if t.dtype != tf.resource] == [tf.float32, tf.int64]
+    static = tfshard.parallelize(tf.identity, devices=CPUS[:2], weights=[1, 1])
+    assert static.get_measured_function(x) is None
     assert _balance.WINDOW == 9 and _balance.BAND == 0.05 and _balance.USELESS == 50.0

@@ -39,6 +39,7 @@ from tfshard import _arguments, _autograph, _engine, _explain, _intake, _options
 from tfshard import replicas as replicas_lib
 from tfshard import timeline as timeline_lib
 from tfshard import writing as writing_lib
+from tfshard._balance import Balance
 from tfshard.errors import ArgumentError
 
 __all__ = ("ShardedFunction", "parallelize")
@@ -93,6 +94,27 @@ class ShardedFunction:
         None
         """
         return self._engine().weights
+
+    @property
+    def balance(self) -> Balance | None:
+        """With ``weights="auto"``, the record of measurements that sets `weights`; else None.
+
+        It says where measuring stands (``measured``: measurements counted,
+        ``changes`` of plan, ``settled``, ``one_left``: every other device
+        weighted 0 for good, ``per_row()``: each device's seconds per row), and
+        takes measurements made elsewhere, as a measured call gives them
+        (``observe(rows, seconds, warm_up=False, call_seconds=None)``: each
+        shard's rows and seconds in one call; ``observe_alone(device, rows,
+        seconds, warm_up=False)``: a whole call on one device): the next call
+        plans by the weights they give.
+
+        >>> f = tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1"], weights="auto")
+        >>> for _ in range(3):
+        ...     f.balance.observe([4, 4], [0.001, 0.06], warm_up=False)
+        >>> f.weights
+        (1.0, 0.0)
+        """
+        return self._engine().balance
 
     @property
     def trace_count(self) -> int:
@@ -274,6 +296,22 @@ class ShardedFunction:
         ['/device:CPU:1']
         """
         return self._engine().trace(self._shared.arguments.classify(args, kwargs))
+
+    @_not_converted
+    def get_measured_function(self, *args: Any, **kwargs: Any) -> Any:
+        """The traced graph a measured call with these arguments runs (``weights="auto"``).
+
+        It is `get_concrete_function`'s graph with each shard timed: a
+        timestamp before and after the shard, each taking that shard's own
+        token, so no shard waits for another. It takes the call's tensors, then
+        the plan's integer weights (int64, one per device it holds, on the
+        host) instead of holding them, and returns ``(outputs, timing)``.
+
+        Returns:
+          The concrete function, or None where no call is measured: weights
+          other than ``"auto"``, or one device holding every row.
+        """
+        return self._engine().trace(self._shared.arguments.classify(args, kwargs), measured=True)
 
     @_not_converted
     def iterate(
