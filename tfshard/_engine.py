@@ -397,7 +397,7 @@ class Engine:
         return tuple(pinning.to_device(r, d) for r, d in zip(results, self.devices))
 
     def _per_shard_here(self, call: _arguments.Call) -> list[Any]:
-        """The step of `per_shard`'s traced graph, traced into the caller's graph instead.
+        """Each shard's result of the step of `per_shard`, traced into the caller's graph.
 
         It is traced for any rows, as that graph is: with a batch's rows known in
         the caller's graph, a whole shard's output of as many rows would look like
