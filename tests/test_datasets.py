@@ -348,8 +348,8 @@ def test_the_traced_loops_output_leaves_keep_no_graph_of_the_function():
         want = np.tanh(want * 0.5)
     np.testing.assert_allclose(dense.numpy(), want, rtol=1e-5)
     np.testing.assert_allclose(ragged.flat_values.numpy(), want[:, :1].ravel(), rtol=1e-5)
-    (loop,) = f._runner().loops.values()
-    for leaf in loop._leaves:
+    (loop,) = f.streams.loops.values()
+    for leaf in loop.leaves:
         graph = (leaf.flat_values if isinstance(leaf, tf.RaggedTensor) else leaf).graph
         assert len(graph.get_operations()) < 10, [op.type for op in graph.get_operations()]
 
@@ -412,7 +412,7 @@ def test_low_precision_streams_of_a_million_rows(dtype, loop, one_batch_per_call
     for op in ("sum", "mean", "max", "min"):
         f = tfshard.parallelize(lambda s: s, reduce=op, devices=CPUS[:3], weights=[2, 1, 1])
         out = f(_stream(x, 50_000, loop))
-        assert len(f._runner().loops) == (loop == "traced")
+        assert len(f.streams.loops) == (loop == "traced")
         rounding.assert_rounded(out, rounding.reference(op, rounding.exact(x)), dtype)
 
 
@@ -427,7 +427,7 @@ def test_low_precision_shard_means_over_a_stream_are_weighted_by_size(dtype, loo
     # shard means nearly cancel and a total rounded to the dtype shows in the mean.
     x = rounding.values(np.random.default_rng(4), [300_000, 2], dtype, low=-1.0)
     out = f(_stream(x, 3_000, loop))
-    assert len(f._runner().loops) == (loop == "traced")
+    assert len(f.streams.loops) == (loop == "traced")
     means = [rounding.exact(shard_mean(tf.constant(s)).numpy()) for s in np.split(x, 300)]
     rounding.assert_rounded(out, np.mean(means, 0), dtype)
 
@@ -443,7 +443,7 @@ def test_integer_means_over_a_stream_total_past_the_dtypes_range(dtype, low, hig
     x = np.random.default_rng(3).integers(low, high, size=[5_000, 1], dtype=dtype)
     f = tfshard.parallelize(lambda s: s, reduce="mean", devices=CPUS[:3])
     out = f(_stream(x, 512, loop))
-    assert len(f._runner().loops) == (loop == "traced")
+    assert len(f.streams.loops) == (loop == "traced")
     assert out.dtype == tf.float64  # as tf.math.truediv gives for 32- and 64-bit integers
     want = sum(int(v) for v in x[:, 0]) / len(x)  # exact in Python, rounded once
     np.testing.assert_allclose(out.numpy(), [want], rtol=1e-12)
@@ -791,8 +791,8 @@ def test_iterate_refuses_bad_arguments_at_the_call_not_at_the_first_batch():
 def _loop_body(f, guarded=False):
     """The traced loop's body (a FunctionDef) and its While node, from the public GraphDef,
     of the loop with bare shards, or with guarded ones; and the graph's function library."""
-    (loop,) = f._runner().loops.values()
-    graph = loop._chunk(guarded).graph.as_graph_def()
+    (loop,) = f.streams.loops.values()
+    graph = loop.graph(guarded).as_graph_def()
     (node,) = [n for n in graph.node if n.op in ("While", "StatelessWhile")]
     library = {fn.signature.name: fn for fn in graph.library.function}
     return library[node.attr["body"].func.name], node, library

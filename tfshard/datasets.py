@@ -586,6 +586,10 @@ class _Loop:
     ``weights="auto"``, the plan's weights: the loop carries each shard's rows and
     seconds over its batches, which the engine's balance reads after the call (one
     measurement per call), and the next call plans by what it decided.
+
+    Attributes:
+      leaves: stand-ins of one shard's output leaves (or of the batch's
+        `collect.Total`s): symbolic tensors of a tiny graph of their own.
     """
 
     def __init__(
@@ -623,14 +627,14 @@ class _Loop:
         self._structure = _trees.flatten(like)[1]
         # One shard's output leaves (or the batch's `collect.Total`s), and entries per
         # batch: shards, or 1.
-        self._leaves = _stand_ins(per_batch[0])
+        self.leaves = _stand_ins(per_batch[0])
         self._slots = self._count if self._op is None else 1
         # `first` stays alive in the loop's graph that calls it; only the stand-ins are ours.
         del first, like, per_batch
         self._state_specs = (
-            [tf.TensorSpec([], tf.variant)] * collect.array_count(self._leaves)
+            [tf.TensorSpec([], tf.variant)] * collect.array_count(self.leaves)
             if self._op is None
-            else [collect.running_spec(self._op, leaf.output_dtype) for leaf in self._leaves]
+            else [collect.running_spec(self._op, leaf.output_dtype) for leaf in self.leaves]
         )
         # The rows before the call; with weights="auto", the plan's weights (`Engine.feeds`).
         feed_specs = [tf.TensorSpec([], tf.int64)]
@@ -649,7 +653,7 @@ class _Loop:
         self._chunk(guarded=not bare)
         if self._op is None:
             with tf.device(step.output):
-                leaves = self._leaves
+                leaves = self.leaves
                 self._start = tf.function(
                     lambda: collect.new_arrays(leaves), autograph=False
                 ).get_concrete_function()
@@ -661,6 +665,10 @@ class _Loop:
     def trace_count(self) -> int:
         """The loop's graphs: bare shards, and guarded ones once a batch needed them."""
         return len(self._chunks)
+
+    def graph(self, guarded: bool) -> tf.Graph:
+        """The graph of the loop's calls (`_run_chunk`), with bare or guarded shards."""
+        return self._chunk(guarded).graph
 
     def _chunk(self, guarded: bool) -> Any:
         """The loop's graph (`_run_chunk`) with bare or guarded shards, traced on first use."""
@@ -790,7 +798,7 @@ class _Loop:
             _, per_batch, timing = batch(fed, shared, offset)
             with tf.device(output):
                 if op is None:
-                    state = collect.write_shards(state, self._leaves, i * self._slots, per_batch)
+                    state = collect.write_shards(state, self.leaves, i * self._slots, per_batch)
                 else:
                     state = collect.accumulate(state, per_batch[0], op)
             with tf.device(HOST):
@@ -858,7 +866,7 @@ class _Loop:
             if self._op is None:
                 state = self._start()
             else:
-                state = [collect.no_rows(self._op, leaf.output_dtype) for leaf in self._leaves]
+                state = [collect.no_rows(self._op, leaf.output_dtype) for leaf in self.leaves]
         # Start from the size that last ran about CALL_SECONDS (one batch at first), then adapt.
         i, total, limit = tf.constant(0), 0, self._last_limit
         guarded = not self._bare
