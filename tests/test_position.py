@@ -161,6 +161,55 @@ def test_a_row_keyed_random_stream_is_the_same_whatever_the_devices():
         np.testing.assert_array_equal(got, one)
 
 
+def where_shard_in_branches(block):
+    """`where_shard`, its position read first inside a tf.cond branch and a loop's body,
+    then again outside them (each read in its own graph)."""
+    n = tf.shape(block, out_type=tf.int64)[0]
+    rows = tf.cond(n > 0, tfshard.row_index, lambda: tf.zeros([0], tf.int64))
+    shard = tf.while_loop(
+        lambda i, s: i < 1,
+        lambda i, s: (i + 1, s + tf.cast(tfshard.shard_index(), tf.int64)),
+        (tf.constant(0), tf.constant(0, tf.int64)),
+    )[1]
+    assert_same = tf.debugging.assert_equal(rows, tfshard.row_index())
+    with tf.control_dependencies([assert_same]):
+        shard = tf.fill([n], shard + 0 * tf.cast(tfshard.shard_index(), tf.int64))
+    return tf.stack([shard, rows], axis=1)
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_position_read_inside_a_branch_or_a_loop_is_the_shards_own(devices):
+    # The position's tensors are made where the function first reads them.
+    f = tfshard.parallelize(where_shard_in_branches, devices=CPUS[:devices], per_sample=False)
+    for n in (7, 2, 0):
+        got = f(np.zeros([n, 1], np.float32)).numpy().reshape(-1, 2)
+        np.testing.assert_array_equal(got, expected(f.plan(n)))
+    g = tfshard.parallelize(where_shard_in_branches, devices=CPUS[:devices], per_sample=False,
+                            max_rows=2)  # fmt: skip
+    got = g(np.zeros([7, 1], np.float32)).numpy().reshape(-1, 2)
+    np.testing.assert_array_equal(got, expected(g.plan(7)))
+
+
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per_sample", "whole_shard"])
+def test_a_function_that_never_reads_its_position_has_none_in_its_graph(per_sample):
+    # A position's ops are made in the scope "tfshard_position", where the function reads it.
+    f = tfshard.parallelize(lambda x: x * 2.0, devices=CPUS[:2], per_sample=per_sample)
+    g = tfshard.parallelize(
+        lambda x: x * tf.cast(tfshard.shard_index(), tf.float32),
+        devices=CPUS[:2],
+        per_sample=per_sample,
+    )
+    x = np.ones([4, 3], np.float32)
+    np.testing.assert_array_equal(g(x).numpy(), expected([2, 2])[:, :1] * x)
+
+    def position_ops(h):
+        graph = h.get_concrete_function(x).graph.as_graph_def()
+        nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+        return [node.name for node in nodes if "tfshard_position/" in node.name]
+
+    assert position_ops(g) and not position_ops(f)
+
+
 @pytest.mark.parametrize("name", ["shard_index", "row_index"])
 def test_outside_a_parallelized_function_it_says_where_to_call_it(name):
     with pytest.raises(TfshardError, match=rf"tfshard.{name}\(\) was called outside"):

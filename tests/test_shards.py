@@ -134,3 +134,27 @@ def test_a_per_sample_assertion_holds_for_every_sample_whatever_the_device_count
     with pytest.raises(tf.errors.InvalidArgumentError, match="too big"):
         f(np.arange(8, dtype=np.float32))
     np.testing.assert_array_equal(f(np.arange(6, dtype=np.float32)).numpy(), np.arange(6) * 2.0)
+
+
+# ------------------------------------------------ one row per row, on any device count
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])  # a ConcatV2, a TensorList
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_whole_shard_output_without_a_row_per_row_is_refused_on_any_device_count(
+    devices, dtype
+):
+    # One device's check compares two scalars, several devices' two vectors; both name
+    # the output, the shard and its rows.
+    f = tfshard.parallelize(lambda b: {"y": b[:1]}, per_sample=False, devices=CPUS[:devices])
+    with pytest.raises(
+        ArgumentError,
+        match=r"outputs\['y'\] on shard 0 \(/device:CPU:0\) has 1 rows for [24]; with "
+        r"per_sample=False each output must have one row per input row",
+    ):
+        f(np.ones([4, 3], dtype))
+    # Right rows pass, the same graph.
+    x = np.arange(8, dtype=dtype).reshape(4, 2)
+    g = tfshard.parallelize(lambda b: {"y": b * 2}, per_sample=False, devices=CPUS[:devices])
+    np.testing.assert_array_equal(g(x)["y"].numpy(), x * 2)
+

@@ -34,8 +34,44 @@ def test_each_shard_runs_on_its_device():
     }
     gather = [op for op in graph.graph.get_operations() if op.name.startswith("tfshard_collect/")]
     assert gather and {op.device for op in gather} == {"/device:CPU:1"}
-    # A TensorArray in a TF2 graph is a TensorList.
-    assert {"TensorListReserve", "TensorListConcatV2"} <= {op.type for op in gather}
+    # float32 outputs are gathered by one ConcatV2 (no TensorList).
+    assert {op.type for op in gather} == {"ConcatV2", "Const"}
+
+
+def _op_types(graph):
+    """The types of a graph's ops, its functions' included, as a multiset."""
+    definition = graph.as_graph_def()
+    nodes = [*definition.node, *(n for f in definition.library.function for n in f.node_def)]
+    return collections.Counter(node.op for node in nodes)
+
+
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per_sample", "whole_shard"])
+def test_one_device_runs_what_a_tf_function_runs_and_the_rows_check(per_sample):
+    """One device: no plan, split, gather or position in the graph, only the user's ops
+    (as a plain tf.function of them has) and, for a whole shard, the check of its rows."""
+    w = tf.constant(np.random.default_rng(7).standard_normal([4, 4]).astype(np.float32))
+
+    def fn(x):
+        return tf.tanh(tf.linalg.matvec(w, x, transpose_a=True) if per_sample else x @ w)
+
+    f = tfshard.parallelize(fn, devices=["cpu:1"], per_sample=per_sample)
+    x = np.ones([8, 4], np.float32)
+    plain = (lambda x: tf.vectorized_map(fn, x)) if per_sample else fn
+    with tf.device("/device:CPU:1"):
+        oracle = tf.function(plain).get_concrete_function(tf.constant(x))
+    np.testing.assert_array_equal(f(x).numpy(), oracle(tf.constant(x)).numpy())
+    extra = _op_types(f.get_concrete_function(x).graph) - _op_types(oracle.graph)
+    # Per sample: the rows (a constant for the first size's graph) as sizes (Pack) and
+    # total (Cast), and the sample's outputs made ops of the map (Identity, and pfor's).
+    # A whole shard: its rows and its output's (Shape, Unpack), compared (Equal) and
+    # printed as vectors (Pack), the Assert and its message (Const), the call's NoOp,
+    # and the total (Cast).
+    if per_sample:
+        assert extra == collections.Counter(Identity=2, Const=1, Pack=1, Cast=1), extra
+    else:
+        assert extra == collections.Counter(
+            Shape=2, Unpack=2, Pack=2, Cast=1, Equal=1, Const=1, Assert=1, NoOp=1
+        ), extra
 
 
 # What the plan runs: the row count's arithmetic, the sizes and the empty-shard
@@ -67,11 +103,13 @@ def test_when_run_the_plan_runs_where_the_batch_is_and_each_shard_on_its_device(
     concrete = f.get_concrete_function(x)  # the graph of every other size
     ran = executed_nodes(concrete, x.numpy())
     top = {op.name for op in concrete.graph.get_operations()}
-    # (A shard's own ops of these types, pfor's Range in place, are the shard's.)
+    # (A shard's own ops of these types, pfor's Range in place, are the shard's; the
+    # gather's and the check's, counting the outputs' rows, theirs.)
+    scoped = ("tfshard_shard_", "tfshard_collect/", "tfshard_rows/")
     plan = {
         d
         for name, op, d in ran
-        if op in _PLAN_OPS and name in top and not name.startswith("tfshard_shard_")
+        if op in _PLAN_OPS and name in top and not name.startswith(scoped)
     }
     assert plan == {"/device:CPU:3"}, plan
     # The check of the outputs' rows where they land (the gather's counts are there).

@@ -323,10 +323,22 @@ def host_assert(got: tf.Tensor, want: tf.Tensor, message: str) -> tf.Operation:
 
     Of ops that hold int32 in host memory on a GPU (no All), so the check waits for
     nothing on the device; unguarded (`tf.debugging.assert_equal`'s tf.cond spares
-    costly data, and these vectors cost nothing).
+    costly data, and these vectors cost nothing). Vectors of one entry are compared
+    as their one scalars (the scalar a vector was stacked from, where it was).
     """
+    if want.shape[0] == 1:
+        condition = tf.equal(*(_scalar(v) for v in (got, want)))
+    else:
+        condition = tf.equal(tf.reduce_max(tf.abs(got - want)), 0)
     return tf.raw_ops.Assert(
-        condition=tf.equal(tf.reduce_max(tf.abs(got - want)), 0),
+        condition=condition,
         data=[tf.constant(message), got, want],
         summarize=int(want.shape[0]),  # K: a row count per shard
     )
+
+
+def _scalar(vector: tf.Tensor) -> tf.Tensor:
+    """The one entry of a ``[1]`` vector: the scalar it was stacked from, else unstacked."""
+    if vector.op.type == "Pack" and len(vector.op.inputs) == 1:
+        return vector.op.inputs[0]
+    return tf.unstack(vector, num=1)[0]

@@ -21,7 +21,7 @@ from tfshard import _arguments, _graph, _kinds, _trees, collect
 from tfshard._autograph import is_keras_layer
 from tfshard._plan import host_assert, row_count, rows
 from tfshard.errors import ROWS_DIFFER, ArgumentError, TfshardError, Traced, trace_error
-from tfshard.position import Position, seen
+from tfshard.position import Lazy, Position, seen
 
 
 def shard_of(
@@ -309,7 +309,7 @@ def vectorized(
             return tf.nest.map_structure(_uncarried, stacked, signature)
         stacked = tf.vectorized_map(one, elements, fallback_to_while_loop=True)
         stacked = tf.nest.map_structure(_uncarried, stacked, signature)
-        n = rows(rows_in[0]), rows_in[0].shape[0]
+        n = Lazy(lambda: rows(rows_in[0])), rows_in[0].shape[0]
         return tf.nest.map_structure(functools.partial(_with_rows, *n), stacked, signature)
 
     return Shard(each, lambda outputs: collect.empty(signature))
@@ -331,17 +331,15 @@ def _uncarried(stacked: Any, spec: Any) -> Any:
     return _kinds.uncarried(stacked, spec.dtype) if isinstance(stacked, tf.Tensor) else stacked
 
 
-def _with_rows(
-    n: tf.Tensor, known: int | None, stacked: tf.Tensor, spec: tf.TypeSpec
-) -> tf.Tensor:
+def _with_rows(n: Lazy, known: int | None, stacked: tf.Tensor, spec: tf.TypeSpec) -> tf.Tensor:
     """A vectorised output as ``[n, *sample]``, where the sample's shape is fixed
-    (`known`: n where it is static)."""
+    (`known`: n where it is static; `n` is made only where it is not)."""
     if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
         return stacked
     static = known is not None and stacked.shape.is_fully_defined()
     if static and stacked.shape.as_list() == [known, *spec.shape.as_list()]:
         return stacked  # static rows (a graph traced for its batch's rows): as it is
-    return tf.reshape(stacked, tf.concat([tf.reshape(n, [1]), spec.shape.as_list()], 0))
+    return tf.reshape(stacked, tf.concat([tf.reshape(n(), [1]), spec.shape.as_list()], 0))
 
 
 def whole_shard(call: Callable[[Sequence[Any], Position, tf.Tensor | None], Any]) -> Shard:
@@ -364,7 +362,8 @@ def whole_shard(call: Callable[[Sequence[Any], Position, tf.Tensor | None], Any]
         return _trees.build(structure, iter([_no_rows(t) for t in leaves]))
 
     def run(rows_in: Sequence[Any], position: Position) -> Any:
-        return call(rows_in, position, rows(rows_in[0]))
+        # The rows `row_index` counts, made only where the function reads it.
+        return call(rows_in, position, Lazy(lambda: rows(rows_in[0])))
 
     return Shard(run, empty)
 

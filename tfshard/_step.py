@@ -63,11 +63,13 @@ from tfshard._shards import (
     skip_if_empty,
 )
 from tfshard.errors import SHARD_SCOPE
-from tfshard.position import Position
+from tfshard.position import Lazy, Position
 from tfshard.replicas import Replicas
 
 # The name scope of the gather or reduction's ops.
 COLLECT_SCOPE = "tfshard_collect"
+# The name scope of the ops of a shard's position, made where the function reads it.
+POSITION_SCOPE = "tfshard_position"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +188,7 @@ class Step:
         device = self._checks_on()
         n = agreed_rows(inputs, self.split_devices, paths, device)
         with tf.device(device):
-            sizes = tf.reshape(n, [1])
+            sizes = tf.stack([n])
             total = tf.cast(n, tf.int64)
         return Planned(total, sizes, [[t] for t in inputs])
 
@@ -206,23 +208,36 @@ class Step:
             rows before it), or None for 0.
         """
         count = len(self.devices)
-        # Each shard's rows as it takes them (`skip_if_empty`, chunks): an int32 scalar
-        # where the plan is (a guarded shard counts its own, below), which a function
-        # on a GPU takes in host memory.
-        if self.alone:
-            with tf.device(self.devices[0]):  # nothing of the call on the host
-                rows = [planned.sizes[0]]
-                first = tf.constant(0, tf.int64) if offset is None else tf.cast(offset, tf.int64)
-                position = Position(tf.constant(self.index(0), tf.int32), first)
-                positions = [lambda: position]
-        else:
-            with _kinds.placed(self._planned_on()):  # where the plan's sizes are
+        how = _sharding.choose(
+            self.devices,
+            self.output,
+            self.host,
+            replicas=self.replicas is not None,
+            jit_compile=self.options.jit_compile,
+            beside_transfers=self.beside_transfers,
+            chunked=self.max_rows is not None,
+        )
+        all_in_place = all(h is _sharding.How.IN_PLACE for h in how)
+        # Each shard's rows as it takes them (`skip_if_empty`, chunks, a trace's input):
+        # an int32 scalar where the plan is, which a function on a GPU takes in host
+        # memory. A guarded shard of several counts its own (below); a bare shard in
+        # place takes none.
+        rows: list[Any] = [None] * count
+        counts_its_own = self.guarded and not self.alone
+        chunked = self.max_rows is not None
+        if not counts_its_own and (self.guarded or chunked or not all_in_place):
+            with _kinds.placed(self.devices[0] if self.alone else self._planned_on()):
                 rows = tf.unstack(planned.sizes, num=count)
-                firsts = tf.unstack(prefix_sums(planned.sizes, count, exclusive=True), num=count)
-            positions = [
-                functools.partial(self._position, k, first, offset)
-                for k, first in enumerate(firsts)
-            ]
+
+        def befores() -> list[tf.Tensor]:
+            # The rows before each shard, where the plan is, once a shard reads its row:
+            # named outside every shard's scope, as the plan is (not a shard's op).
+            top = tf.compat.v1.get_default_graph().name_scope(None)
+            with top, tf.name_scope(POSITION_SCOPE), _kinds.placed(self._planned_on()):
+                return tf.unstack(prefix_sums(planned.sizes, count, exclusive=True), num=count)
+
+        before = Lazy(befores)  # one for every shard
+        positions = [self._position(k, before, offset) for k in range(count)]
         example = [p[0] for p in planned.pieces]
         shard = shard_of(
             self.fn,
@@ -240,15 +255,6 @@ class Step:
         def bare(rows_in: Sequence[Any], n: tf.Tensor, position: Position) -> Any:
             return shard.run(rows_in, position)
 
-        how = _sharding.choose(
-            self.devices,
-            self.output,
-            self.host,
-            replicas=self.replicas is not None,
-            jit_compile=self.options.jit_compile,
-            beside_transfers=self.beside_transfers,
-            chunked=self.max_rows is not None,
-        )
         # Unguarded (every shard has rows), in-place shards run the function bare. A
         # shared trace keeps its guard: inside a cond branch its nodes keep the user's
         # frames in an error (TF loses them for a function's top-level nodes once it
@@ -272,8 +278,11 @@ class Step:
                     # predicate sent there).
                     pieces = [_moved(piece) for piece in pieces]
                     n = row_count(pieces[0], device)
+                # In place, the position is made only where the function reads it; a
+                # shared or compiled trace takes it as inputs.
+                position = positions[k] if all_in_place else positions[k].tensors()
                 compute = functools.partial(
-                    self._shard, run, pieces, n, positions[k](), device, self._limit(k)
+                    self._shard, run, pieces, n, position, device, self._limit(k)
                 )
                 if clock is None:
                     outputs.append(compute())
@@ -287,14 +296,26 @@ class Step:
                 timing = _balance.Timing(tf.cast(planned.sizes, tf.int64), tf.stack(seconds))
         return ShardOutputs(*check_outputs(outputs, self.devices), timing)
 
-    def _position(self, k: int, first: tf.Tensor, offset: tf.Tensor | None) -> Position:
-        """Shard k's `Position`, made in its scope: its global first row in int64 from
-        the plan's int32 (a GPU's Cast holds both in device memory: the int32 crosses
-        once, as the shard's rows do), plus a stream's `offset`."""
-        first = tf.cast(first, tf.int64)
-        if offset is not None:
-            first += tf.cast(offset, tf.int64)
-        return Position(tf.constant(self.index(k), tf.int32), first)
+    def _position(self, k: int, befores: Lazy, offset: tf.Tensor | None) -> Position:
+        """Shard k's `Position`, each field made where the function first reads it
+        (`tfshard.position.Lazy`): its index, and its global first row, the rows of
+        the shards before it (`befores`: int32 where the plan is) cast to int64 on its
+        device (a GPU's Cast holds both in device memory: the int32 crosses once, as
+        the shard's rows do), plus a stream's `offset`."""
+        index = self.index(k)
+        device = self.devices[k]
+
+        def shard_index() -> tf.Tensor:
+            with tf.name_scope(POSITION_SCOPE):
+                return tf.constant(index, tf.int32)
+
+        def first() -> tf.Tensor:
+            made = befores()[k] if k else None
+            with tf.name_scope(POSITION_SCOPE), tf.device(device):
+                start = tf.constant(0, tf.int64) if made is None else tf.cast(made, tf.int64)
+                return start if offset is None else start + tf.cast(offset, tf.int64)
+
+        return Position(Lazy(shard_index), Lazy(first))
 
     def _limit(self, k: int) -> int | None:
         return None if self.max_rows is None else self.max_rows[k]
@@ -340,7 +361,9 @@ class Step:
                 counted = {}
             elif self.options.reduce is None:
                 outputs.check_gatherable()
-                results, counted = collect.gather_leaves(leaves)
+                # Each shard's rows counted where they land, for the check of a whole
+                # shard's outputs (a per-sample function's are one per row by construction).
+                results, counted = collect.gather_leaves(leaves, not self.options.per_sample)
             else:
                 per_sample, sizes, op = self.options.per_sample, planned.sizes, self.options.reduce
                 rowed = [by_row(values[0], per_sample=per_sample, reduce=op) for values in leaves]

@@ -1,9 +1,10 @@
 """How results come back: gather shard outputs in order, or reduce them.
 
 These functions run while `tfshard.parallelize` traces its graph. Gathering
-writes each shard's output into a `tf.TensorArray` with ``infer_shape=False``
-(shards have different row counts) and concatenates it under the caller's
-device scope, the output device. Reductions are two-level: each shard reduces
+concatenates the shards' outputs (of any row counts) under the caller's device
+scope, the output device: one ConcatV2 for the dtypes whose GPU kernel keeps
+them in device memory (`CONCATENATED`), else through a `tf.TensorArray` with
+``infer_shape=False``. Reductions are two-level: each shard reduces
 its own rows on its own device (`shard_partial`), and only the small partials
 cross to the output device (`combine`), so a ``reduce="sum"`` over a million
 rows moves K values, not a million.
@@ -39,33 +40,51 @@ def gather(values: Sequence[tf.Tensor | tf.RaggedTensor]) -> tf.Tensor | tf.Ragg
     Returns:
       A tensor whose rows are shard 0's rows, then shard 1's, and so on.
     """
-    return gather_counted(values)[0]
+    return gather_counted(values, counts=False)[0]
 
 
-def gather_counted(values: Sequence[Any]) -> tuple[Any, tf.Tensor | None]:
-    """`gather`, and each shard's row count as the gather itself saw it.
+def gather_counted(values: Sequence[Any], counts: bool = True) -> tuple[Any, tf.Tensor | None]:
+    """`gather`, and each shard's row count as the gather itself saw it (where `counts`).
 
     The counts are int32 Shapes of the values where they are gathered (the
     caller's scope, the output device), read from the copies the gather takes
     anyway, so nothing more crosses between devices for them (on a GPU they are
-    in host memory); None for outputs of unknown rank.
+    in host memory); None for outputs of unknown rank, or not asked for.
     """
     kind = _kinds.of(values[0])
     # Each part of a value (a ragged tensor's flat values, then its row lengths),
     # gathered in order; the counts are those of the part that holds the rows.
-    parts = [_concat(list(part)) for part in zip(*(kind.parts(v) for v in values))]
+    parts = [
+        _concat(list(part), counts and i == kind.ROWS_PART)
+        for i, part in enumerate(zip(*(kind.parts(v) for v in values)))
+    ]
     return kind.from_parts([part for part, _ in parts]), parts[kind.ROWS_PART][1]
 
 
-def _concat(values: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor | None]:
-    # [n_k, *inner] x K -> [sum n_k, *inner], and the n_k (int32)
+# The dtypes gathered by one ConcatV2: those whose GPU kernel holds them in device
+# memory (int32's holds it in host memory); the others through a TensorList.
+CONCATENATED = frozenset({*_kinds.SPLIT_DTYPES, tf.int64})
+
+
+def _concat(values: list[tf.Tensor], counts: bool) -> tuple[tf.Tensor, tf.Tensor | None]:
+    # [n_k, *inner] x K -> [sum n_k, *inner], and the n_k (int32) where `counts`
     dtype = values[0].dtype
     if dtype in _kinds.CARRIERS:
         # Each shard's values cross in their own dtype and are cast where they land.
-        result, lengths = _concat([_kinds.carried(value) for value in values])
+        result, lengths = _concat([_kinds.carried(value) for value in values], counts)
         return _kinds.uncarried(result, dtype), lengths
     if any(value.shape.rank is None for value in values):
         return _concat_unknown_rank(values), None
+    # Not a TensorList's second output, the rows of each entry: int64, which the int32
+    # check (`tfshard._plan.host_assert`) would Cast, in device memory on a GPU. Each
+    # count is read from the value's copy here (an Identity where the gather is): where
+    # the optimizer knows the shape, the Shape becomes a constant that waits for that
+    # copy here, not for its producer on another device (a second transfer).
+    lengths = None
+    if counts:
+        lengths = tf.stack([_kinds.Dense.row_count(tf.identity(value), None) for value in values])
+    if dtype in CONCATENATED:
+        return tf.concat(values, axis=0), lengths
     inner = values[0].shape[1:]
     for value in values[1:]:
         inner = inner.most_specific_compatible_shape(value.shape[1:])
@@ -75,12 +94,6 @@ def _concat(values: list[tf.Tensor]) -> tuple[tf.Tensor, tf.Tensor | None]:
     )
     for k, value in enumerate(values):
         array = array.write(k, value)
-    # Not the op's second output, the rows of each entry: int64, which the int32 check
-    # (`tfshard._plan.host_assert`) would Cast, in device memory on a GPU. Each count
-    # is read from the value's copy here (an Identity where the gather is): where the
-    # optimizer knows the shape, the Shape becomes a constant that waits for that copy
-    # here, not for its producer on another device (a second transfer).
-    lengths = tf.stack([tf.shape(tf.identity(value), out_type=tf.int32)[0] for value in values])
     result, _ = tf.raw_ops.TensorListConcatV2(
         input_handle=array.flow,
         element_dtype=values[0].dtype,
@@ -122,19 +135,22 @@ def empty(signature: Any) -> Any:
     return _trees.map_leaves(zeros, signature)
 
 
-def gather_leaves(leaves: Sequence[Sequence[Any]]) -> tuple[list[Any], dict[int, tf.Tensor]]:
+def gather_leaves(
+    leaves: Sequence[Sequence[Any]], counts: bool = True
+) -> tuple[list[Any], dict[int, tf.Tensor]]:
     """Each output leaf gathered in shard order (`gather_counted`).
 
     Args:
       leaves: for each output leaf, its value from every shard, in shard order.
+      counts: whether to count each shard's rows (for a check of them).
 
     Returns:
       The gathered leaves, and the row count of each shard's output as the
-      gather saw it (by leaf index; none for unknown rank).
+      gather saw it (by leaf index; none for unknown rank, or not `counts`).
     """
     results, counted = [], {}
     for i, per_shard in enumerate(leaves):
-        result, lengths = gather_counted(per_shard)
+        result, lengths = gather_counted(per_shard, counts)
         results.append(result)
         if lengths is not None:
             counted[i] = lengths
