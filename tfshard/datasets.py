@@ -775,9 +775,10 @@ class _Loop:
         counters, the optional and the batch's sizes on the host, read there
         (the loop's condition, the next feed, the offset), the pieces on their
         devices, the state on the output device. So no iteration waits for a
-        device: nothing crosses back to the host but int32 scalars and sizes
-        (which a GPU holds in host memory) and control edges. What the host
-        reads of the call is one int32 vector (`_counts`).
+        device: nothing crosses back to the host but the loop's condition and
+        int32 sizes (which a GPU holds in host memory), control edges and, with
+        ``weights="auto"``, the shards' timing. What the host reads of the call
+        is one int32 vector (`_counts`).
 
         Unless `guarded`, the shards run bare (`Step.guarded`), and the loop
         stops before a batch that would give a device no rows: `run` runs the
