@@ -63,14 +63,14 @@ def test_one_device_runs_what_a_tf_function_runs_and_the_rows_check(per_sample):
     extra = _op_types(f.get_concrete_function(x).graph) - _op_types(oracle.graph)
     # Per sample: the rows (a constant for the first size's graph) as sizes (Pack) and
     # total (Cast), and the sample's outputs made ops of the map (Identity, and pfor's).
-    # A whole shard: its rows and its output's (Shape, Unpack), compared (Equal) and
-    # printed as vectors (Pack), the Assert and its message (Const), the call's NoOp,
-    # and the total (Cast).
+    # A whole shard: its rows and its output's (Shape, StridedSlice and its three
+    # Consts), compared (Equal) and printed as vectors (Pack), the Assert and its
+    # message (Const), the call's NoOp, and the total (Cast).
     if per_sample:
         assert extra == collections.Counter(Identity=2, Const=1, Pack=1, Cast=1), extra
     else:
         assert extra == collections.Counter(
-            Shape=2, Unpack=2, Pack=2, Cast=1, Equal=1, Const=1, Assert=1, NoOp=1
+            Shape=2, StridedSlice=2, Const=7, Pack=2, Cast=1, Equal=1, Assert=1, NoOp=1
         ), extra
 
 

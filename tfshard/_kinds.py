@@ -135,8 +135,7 @@ class Dense:
     @staticmethod
     def rows(t: Any) -> tf.Tensor:
         """The number of rows, as an int64 scalar tensor."""
-        shape = tf.shape(t, out_type=tf.int64)
-        return tf.unstack(shape, num=t.shape.rank)[0] if t.shape.rank else shape[0]
+        return tf.shape(t, out_type=tf.int64)[0]
 
     @staticmethod
     def row_count(t: Any, device: str | None) -> tf.Tensor:
@@ -146,9 +145,7 @@ class Dense:
             with placed(device):
                 return tf.constant(t.shape[0], tf.int32)
         with placed(device):
-            shape = tf.shape(t, out_type=tf.int32)
-            # Unpack: one op, where a slice takes three constants beside it.
-            return tf.unstack(shape, num=t.shape.rank)[0] if t.shape.rank else shape[0]
+            return tf.shape(t, out_type=tf.int32)[0]
 
     @staticmethod
     def split(t: Any, sizes: tf.Tensor, count: int, where: str) -> list[Any]:

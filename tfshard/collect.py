@@ -82,7 +82,7 @@ def _concat(values: list[tf.Tensor], counts: bool) -> tuple[tf.Tensor, tf.Tensor
     # copy here, not for its producer on another device (a second transfer).
     lengths = None
     if counts:
-        lengths = tf.stack([_kinds.Dense.row_count(tf.identity(value), None) for value in values])
+        lengths = tf.stack([_rows_of(tf.identity(value)) for value in values])
     if dtype in CONCATENATED:
         return tf.concat(values, axis=0), lengths
     inner = values[0].shape[1:]
@@ -102,6 +102,11 @@ def _concat(values: list[tf.Tensor], counts: bool) -> tuple[tf.Tensor, tf.Tensor
     )
     result.set_shape(element_shape)
     return result, lengths
+
+
+def _rows_of(value: tf.Tensor) -> tf.Tensor:
+    """The rows of a tensor of known rank, int32: its Shape unpacked (no slice's constants)."""
+    return tf.unstack(tf.shape(value, out_type=tf.int32), num=value.shape.rank)[0]
 
 
 def _concat_unknown_rank(values: list[tf.Tensor]) -> tf.Tensor:
