@@ -31,8 +31,18 @@ tfshard runs (`ShardedFunction.get_concrete_function`) called as it is, so
 that tfshard's time splits into its Python (tfshard over tfshard_graph) and
 its graph (tfshard_graph over hand_concrete). Each graph's ops are counted.
 
+``one_device``: the same function on one device, tfshard (``alone``, and its
+graph called as it is) against a plain `tf.function` of it there, called as a
+user calls it and as its concrete function. The promise: one device costs what
+a `tf.function` costs.
+
+``--ops`` prints each graph's ops by name scope (``tfshard_shard_k``,
+``tfshard_collect``, ``tfshard_rows``, ``tfshard_position``; the plan at the
+top), to see what each part of a call adds.
+
   python benchmarks/call_overhead.py                     # every case
   python benchmarks/call_overhead.py --case=dropped --profile=12
+  python benchmarks/call_overhead.py --case=one_device --case=small_batch --ops
 
 Only tfshard's public API is used, so another version of it can be measured
 the same way (``PYTHONPATH=../other-checkout``).
@@ -50,7 +60,7 @@ from typing import Any
 
 from absl import app, flags
 
-CASES = ("dropped", "settled", "small_batch")
+CASES = ("dropped", "settled", "small_batch", "one_device")
 _CASE = flags.DEFINE_multi_enum("case", list(CASES), list(CASES), "Cases to run.")
 _ROWS = flags.DEFINE_integer("rows", 8, "Rows per call.")
 _WIDTH = flags.DEFINE_integer("width", 16, "Feature size of the function's matmul + tanh.")
@@ -72,6 +82,7 @@ _PROFILE = flags.DEFINE_integer(
     "profile", 0, "Print this many of each method's functions by own time (0: none)."
 )
 _JSON = flags.DEFINE_string("json", None, "Write the numbers here.")
+_OPS = flags.DEFINE_bool("ops", False, "Print each graph's ops, grouped by name scope.")
 
 
 def chain(tf: Any, tfshard: Any, width: int, sleep_s: float) -> Callable[[Any], Any]:
@@ -129,15 +140,36 @@ def _where(func: tuple[str, int, str]) -> str:
     return f"{short}:{line}({name})"
 
 
-def graph_ops(method: Any, x: Any) -> int | None:
-    """The ops of the graph a call of `method` runs (its functions' bodies included)."""
+def graph_nodes(method: Any, x: Any) -> list[Any] | None:
+    """The nodes of the graph a call of `method` runs (its functions' bodies included)."""
     graph = getattr(method, "graph", None)
     if graph is None and hasattr(method, "get_concrete_function"):
         graph = method.get_concrete_function(x).graph
     if graph is None:
         return None
-    library = graph.as_graph_def().library.function
-    return len(graph.get_operations()) + sum(len(f.node_def) for f in library)
+    definition = graph.as_graph_def()
+    return [*definition.node, *(n for f in definition.library.function for n in f.node_def)]
+
+
+def graph_ops(method: Any, x: Any) -> int | None:
+    """The number of ops of the graph a call of `method` runs."""
+    nodes = graph_nodes(method, x)
+    return None if nodes is None else len(nodes)
+
+
+def ops_by_scope(method: Any, x: Any) -> list[str]:
+    """Lines: each top name scope of the graph's ops, their count and types."""
+    nodes = graph_nodes(method, x)
+    if nodes is None:
+        return []
+    scopes: dict[str, list[str]] = {}
+    for node in nodes:
+        scope = node.name.split("/")[0] if "/" in node.name else "(top)"
+        scopes.setdefault(scope, []).append(node.op)
+    return [
+        f"      {len(types):3d} {scope}: {', '.join(sorted(types))}"
+        for scope, types in scopes.items()
+    ]
 
 
 def measure(harness: Any, methods: dict[str, Callable[[Any], Any]], x: Any) -> dict[str, Any]:
@@ -153,6 +185,7 @@ def measure(harness: Any, methods: dict[str, Callable[[Any], Any]], x: Any) -> d
             "median_us": harness.median(times[name]) * 1e6,
             "python_calls_per_call": count,
             "graph_ops": graph_ops(method, x),
+            "ops_by_scope": ops_by_scope(method, x),
             "relative_error": errors[name],
             "top": top(stats, _PROFILE.value, _PROFILED.value),
         }
@@ -176,6 +209,9 @@ def print_case(name: str, result: dict[str, Any], ratios: list[str]) -> None:
     for ratio in ratios:
         print(f"   {ratio:<28} {result['ratios'][ratio]:.3f}x (median of per-round ratios)")
     for method, m in result["methods"].items():
+        if _OPS.value and m["ops_by_scope"]:
+            print(f"   {method}: graph ops by name scope")
+            print("\n".join(m["ops_by_scope"]))
         if m["top"]:
             print(f"   {method}: own time per call under cProfile")
             print("\n".join(m["top"]))
@@ -263,6 +299,28 @@ def small_batch_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) ->
     return result
 
 
+def one_device_case(tf: Any, tfshard: Any, harness: Any, devices: list[str]) -> dict[str, Any]:
+    fn = chain(tf, tfshard, _WIDTH.value, 0.0)
+    x = harness.random_inputs([_ROWS.value, _WIDTH.value], 1, 1, devices[0])[0]
+    per_sample = _PER_SAMPLE.value
+    alone = tfshard.parallelize(fn, devices=devices[:1], per_sample=per_sample)
+    with tf.device(devices[0]):
+        plain = tf.function(vectorized(tf, fn) if per_sample else fn)
+        plain_concrete = plain.get_concrete_function(x)
+    methods = {
+        "alone": alone,
+        "alone_graph": alone.get_concrete_function(x),
+        "tf_function": plain,
+        "tf_concrete": plain_concrete,
+    }
+    result = measure(harness, methods, x)
+    result["description"] = (
+        f"one device, {_ROWS.value} rows x {_WIDTH.value}"
+        f"{', per sample' if per_sample else ''}: tfshard against a plain tf.function"
+    )
+    return result
+
+
 def main(argv: list[str]) -> None:
     del argv
     import _harness
@@ -282,6 +340,14 @@ def main(argv: list[str]) -> None:
         elif name == "settled":
             result = settled_case(tf, tfshard, _harness, devices)
             shown = ["auto/static_same"]
+        elif name == "one_device":
+            result = one_device_case(tf, tfshard, _harness, devices)
+            shown = [
+                "alone/tf_function",
+                "alone_graph/tf_concrete",
+                "alone/alone_graph",
+                "tf_function/tf_concrete",
+            ]
         else:
             result = small_batch_case(tf, tfshard, _harness, devices)
             shown = [
