@@ -587,10 +587,11 @@ def test_a_plain_stream_reads_one_value_on_the_host_per_call_of_its_loop(monkeyp
     one = _host_reads(monkeypatch, lambda: f(stream(1)))
     nine = _host_reads(monkeypatch, lambda: f(stream(9)))
     assert nine - one == 8  # one read per call, whatever the stream reads once
-    # Batches that fit in a call's time: once measured, the whole stream is one call.
+    # Batches that fit in a call's time: once measured, a stream is two calls, its first
+    # batch (a stream's batches may cost more than the last one's), then the rest.
     monkeypatch.setattr(datasets, "CALL_SECONDS", 1e9)
     f(stream(9))
-    assert _host_reads(monkeypatch, lambda: f(stream(9))) == one
+    assert _host_reads(monkeypatch, lambda: f(stream(9))) == one + 1
     np.testing.assert_array_equal(f(stream(9)).numpy(), np.arange(36) * 2)
 
 
@@ -708,12 +709,47 @@ def test_a_call_of_the_loop_grows_at_most_twofold(monkeypatch):
     assert f(tf.data.Dataset.range(300), batch_size=2).numpy().tolist() == list(range(1, 301))
     assert limits[0] == 1
     assert all(b <= 2 * a for a, b in zip(limits, limits[1:])), limits
-    # The next run starts from where this one got to, grown at most twofold again.
-    grown = limits[-1]  # the size the last call was given
+    # The next run measures one batch first, may then go back to where this one got
+    # to, and grows at most twofold from there.
+    grown = max(limits)
     limits.clear()
     f(tf.data.Dataset.range(300), batch_size=2)
-    assert 1 <= limits[0] <= 2 * grown
-    assert all(b <= 2 * a for a, b in zip(limits, limits[1:])), limits
+    assert limits[0] == 1 and limits[1] <= max(2, 2 * grown), limits
+    assert all(b <= 2 * a for a, b in zip(limits[1:], limits[2:])), limits
+
+
+def test_a_stream_of_heavier_batches_starts_with_one_batch_per_call(monkeypatch):
+    # The loop serves every batch size: a stream of big batches after many small ones
+    # must not run the size the small ones reached in one uninterruptible call.
+    from tfshard import datasets
+
+    limits = []
+    original = datasets._Loop.run
+
+    def run(self, batches, broadcast, meter, interrupted, *rest):
+        chunk = self._chunk
+
+        def counted(guarded):
+            traced = chunk(guarded)
+            return lambda it, cur, i, limit, *more: (
+                limits.append(int(limit)),
+                traced(it, cur, i, limit, *more),
+            )[1]
+
+        self._chunk = counted
+        try:
+            return original(self, batches, broadcast, meter, interrupted, *rest)
+        finally:
+            del self._chunk
+
+    monkeypatch.setattr(datasets._Loop, "run", run)
+    f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
+    f(tf.data.Dataset.range(400), batch_size=2)
+    assert max(limits) > 1
+    limits.clear()
+    big = tf.data.Dataset.range(4000).batch(400)
+    assert f(big).numpy().tolist() == list(range(1, 4001))
+    assert limits[0] == 1, limits
 
 
 @pytest.mark.parametrize(

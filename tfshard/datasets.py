@@ -855,8 +855,9 @@ class _Loop:
         before each call of the loop. `engine` gives each call its feeds
         (`Engine.feeds`) and takes its shards' timing (`Engine.observe`). The
         host reads one int32 vector per call (`_counts`: in host memory on a
-        GPU); a stream whose batches all run in `CALL_SECONDS` runs in one call
-        once the loop has measured them.
+        GPU). Each stream's first call runs one batch; a stream whose batches
+        all run in `CALL_SECONDS` then runs the rest in one call once the loop
+        has measured them.
         """
         with tf.device(HOST):
             iterator = iter(batches)
@@ -868,8 +869,11 @@ class _Loop:
                 state = self._start()
             else:
                 state = [collect.no_rows(self._op, leaf.output_dtype) for leaf in self.leaves]
-        # Start from the size that last ran about CALL_SECONDS (one batch at first), then adapt.
-        i, total, limit = tf.constant(0), 0, self._last_limit
+        # The first call runs one batch: this stream's batches may cost more than the last
+        # stream's (the loop serves every batch size). Its time may then take the next call
+        # back to the size the last stream reached; after that, a call at most doubles.
+        i, total, limit = tf.constant(0), 0, 1
+        reached, first = self._last_limit, True
         guarded = not self._bare
         while True:
             if interrupted():  # pressed while Python could not raise it (`_stream.ctrl_c`)
@@ -893,8 +897,10 @@ class _Loop:
                 # most twice this one's batches: batches can get slower, and a call cannot
                 # be stopped.
                 per_batch = (time.perf_counter() - began) / n
-                grown = int(min(max(CALL_SECONDS / max(per_batch, 1e-9), 1), 2 * limit))
+                cap = max(2 * limit, reached) if first else 2 * limit
+                grown = int(min(max(CALL_SECONDS / max(per_batch, 1e-9), 1), cap))
                 self._last_limit = max(grown, 1) if n == limit or grown > limit else limit
+                first = False
             if not more:
                 break
             if n < limit:  # the next batch gives a device no rows: guarded from now on
