@@ -142,6 +142,47 @@ def test_a_device_left_alone_is_left_alone_for_good():
     assert [balance.due() for _ in range(30)] == [None] * 30
 
 
+def test_a_device_alone_found_useless_gives_its_rows_to_the_split():
+    # Device 1 alone ends calls far sooner than the split: it holds every row. Then it
+    # slows 100x (another job on it): once the split's measurements weigh it 0, the rows
+    # go to the other device, not to it for good with nothing measured again.
+    balance = Balance(2)
+    _measured(balance, [4, 4], [0.0040, 0.0036], times=3)
+    for _ in range(12):
+        balance.observe_alone(1, 8, 0.0001, warm_up=False)
+        balance.observe([4, 4], [0.0040, 0.0036], warm_up=False, call_seconds=0.008)
+    assert balance.weights == (0.0, 1.0) and not balance.one_left
+    _measured(balance, [4, 4], [0.0040, 0.40], times=_balance.WINDOW)
+    assert balance.weights == (1.0, 0.0) and balance.one_left
+
+
+def test_a_measured_call_interrupted_while_it_waits_leaves_later_calls_their_turns(monkeypatch):
+    # Ctrl-C while a measured call waits for the others to end: the calls after it
+    # neither wait for it nor lose their measuring (a stuck one would wait forever here).
+    monkeypatch.setattr(_balance, "LONGEST_WAIT_S", 1e9)
+    turns = _balance.Turns()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(turns._changed, "wait_for", interrupted)
+        with pytest.raises(KeyboardInterrupt), turns.call(True):
+            pass
+    measured = []
+
+    def calls():
+        with turns.call(False):
+            pass
+        with turns.call(True) as alone:
+            measured.append(alone)
+
+    later = threading.Thread(target=calls, daemon=True)
+    later.start()
+    later.join(120)  # bounds a hang only: the calls take microseconds
+    assert not later.is_alive() and measured == [True]
+
+
 def test_calls_slowed_by_other_jobs_leave_a_devices_time_as_it_is():
     """Another job only slows a call: up to 6 of a device's 9 measurements slowed leave
     its time per row (the window's lower quartile) where its undisturbed calls put it."""
@@ -469,4 +510,16 @@ def test_timing_is_four_ops_per_shard_and_keeps_the_shards_unchained():
     assert [t.dtype for t in measured.inputs if t.dtype != tf.resource] == [tf.float32, tf.int64]
     static = tfshard.parallelize(tf.identity, devices=CPUS[:2], weights=[1, 1])
     assert static.get_measured_function(x) is None
+    # One device alone holding every row: calls in turn still time the split, whose graph
+    # it is; every other device found useless, nothing is measured.
+    for _ in range(3):
+        f.balance.observe([4, 4], [0.004, 0.004], warm_up=False, call_seconds=0.008)
+    for _ in range(12):
+        f.balance.observe_alone(0, 8, 0.0001, warm_up=False)
+        f.balance.observe([4, 4], [0.004, 0.004], warm_up=False, call_seconds=0.008)
+    assert sorted(f.weights) == [0.0, 1.0] and not f.balance.one_left
+    assert f.get_measured_function(x) is not None
+    for _ in range(_balance.WINDOW):
+        f.balance.observe([4, 4], [0.004, 0.4], warm_up=False)
+    assert f.balance.one_left and f.get_measured_function(x) is None
     assert _balance.WINDOW == 9 and _balance.BAND == 0.05 and _balance.USELESS == 50.0

@@ -280,9 +280,13 @@ class Engine:
         """The concrete function a call with this trace key runs, traced on first use:
         it takes the call's tensors (the weights in use its constants), or `measured`,
         the graph a measured call runs (`_run_graph`): it also takes the plan's weights
-        (`feeds`) and returns ``(outputs, timing)``; None where no call is measured
-        (not ``weights="auto"``, or one device holds every row)."""
-        weights = self.plan_weights()
+        (`feeds`) and returns ``(outputs, timing)``: the split's (`Balance.plan_for`,
+        also while one device holds every row); None where no call is measured (not
+        ``weights="auto"``, or every other device useless)."""
+        if measured and self.balance is not None:
+            weights = self.balance.plan_for("split")
+        else:
+            weights = self.plan_weights()
         held = self._held(call.rows, weights)
         if measured and not self._weighs(held["shards"]):
             return None

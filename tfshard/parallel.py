@@ -308,8 +308,10 @@ class ShardedFunction:
         host) instead of holding them, and returns ``(outputs, timing)``.
 
         Returns:
-          The concrete function, or None where no call is measured: weights
-          other than ``"auto"``, or one device holding every row.
+          The concrete function (the split's, also while one device alone
+          holds every row and calls in turn still time the split), or None
+          where no call is measured: weights other than ``"auto"``, or every
+          other device found useless.
         """
         return self._engine().trace(self._shared.arguments.classify(args, kwargs), measured=True)
 
