@@ -210,8 +210,11 @@ class Turns:
                 return False
             if measure and not (self._alone or self._waiting):
                 self._waiting = True
-                alone = self._changed.wait_for(lambda: self._running == 0, LONGEST_WAIT_S)
-                self._waiting = False
+                try:  # Ctrl-C while it waits must not leave every later call waiting
+                    alone = self._changed.wait_for(lambda: self._running == 0, LONGEST_WAIT_S)
+                finally:
+                    self._waiting = False
+                    self._changed.notify_all()
                 if alone:
                     self._alone = True
                     return True
@@ -241,7 +244,11 @@ class _Turn:
         turns = self._turns
         self._depth = getattr(turns._inside, "depth", 0)
         self._measured = turns._enter(self._measure, self._depth > 0)
-        turns._inside.depth = self._depth + 1
+        try:
+            turns._inside.depth = self._depth + 1
+        except BaseException:  # interrupted between taking the turn and using it
+            turns._leave(self._measured)
+            raise
         return self._measured
 
     def __exit__(self, *exc: object) -> None:
@@ -414,6 +421,8 @@ class Balance:
     def _count_one(self, decide: Callable[[], None]) -> None:
         before = self._in_use[0]
         decide()
+        if self._alone is not None and self._split and self._split[self._alone] == 0:
+            self._alone = None  # the device alone was found useless: the split takes the rows
         self.measured += 1
         if self._alone is not None:
             now = tuple(1.0 if k == self._alone else 0.0 for k in range(self._count))
