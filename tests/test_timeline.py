@@ -536,9 +536,12 @@ def test_a_gpu_record_counts_each_shards_rows_in_and_result_out(tmp_path):
     piece = 256 * 256 * 4  # a shard's rows, and its result, in bytes
     for device in GPUS[1:]:
         c = copies[device]
-        assert (c.bytes_in, c.bytes_out) == (piece, piece)
+        # Its rows and its guard's predicate (one bool, from the host) in, its result out.
+        assert (c.bytes_in, c.bytes_out) == (piece + 1, piece)
         assert c.tensors_in >= 1 and c.tensors_out >= 1 and c.ms > 0
-    assert copies[GPUS[0]].bytes_in == 3 * piece  # the other shards' results, gathered
+    # The other shards' results, gathered, and shard 0's predicate; the other shards' rows out.
+    assert copies[GPUS[0]].bytes_in == 3 * piece + 1
+    assert copies[GPUS[0]].bytes_out >= 3 * piece
 
 
 def test_a_gpu_record_shows_shards_running_at_once_or_in_turn(tmp_path):
@@ -548,6 +551,41 @@ def test_a_gpu_record_shows_shards_running_at_once_or_in_turn(tmp_path):
             assert a.start_ms < b.end_ms, (a, b)  # every pair overlaps
     _, one, two, three = _recorded(tmp_path, "uniform").shards
     assert one.end_ms <= two.start_ms and two.end_ms <= three.start_ms
+
+
+def test_a_gpu_record_leaves_out_kernels_that_are_not_the_calls(tmp_path):
+    # Another function's kernel on a shard's stream, during the call and before it: it
+    # names no op of the call and no run of the call launched it.
+    space = timeline_lib.xspace_message()()
+    space.ParseFromString(gzip.decompress((DATA / "gpu_pure.xplane.pb.gz").read_bytes()))
+    plane = next(p for p in space.planes if p.name == "/device:GPU:0")
+    stat = {entry.value.name: entry.key for entry in plane.stat_metadata}
+    line = max(plane.lines, key=lambda line: len(line.events))  # a compute stream
+    line.timestamp_ns -= 10**9  # its events as they were, from a second earlier on
+    for event in line.events:
+        event.offset_ps += 10**12
+    # A kernel inside the call (1 us after the stream's first), one a second before it.
+    for offset_ps in (line.events[0].offset_ps + 10**6, 0):
+        event = line.events.add(metadata_id=line.events[0].metadata_id, duration_ps=10**6)
+        event.offset_ps = offset_ps
+        event.stats.add(metadata_id=stat["tf_op"], str_value="model/dense/MatMul:MatMul")
+        event.stats.add(metadata_id=stat["correlation_id"], uint64_value=10**9 + offset_ps)
+    path = tmp_path / "foreign.xplane.pb"
+    path.write_bytes(space.SerializeToString())
+    reference = _recorded(tmp_path, "pure")
+    timeline = timeline_lib.read(
+        path, "__inference_body_1083", devices=GPUS, output=GPUS[0], rows=[256] * 4
+    )
+    assert [s.ops for s in timeline.shards] == [s.ops for s in reference.shards]
+    assert timeline.total_ms == pytest.approx(reference.total_ms)
+
+
+def test_a_function_the_record_does_not_hold_is_named(tmp_path):
+    _recorded(tmp_path, "pure")
+    with pytest.raises(tfshard.TfshardError, match="no op of the call"):
+        timeline_lib.read(
+            tmp_path / "pure.xplane.pb", "__inference_typo_1", devices=GPUS, output=GPUS[0]
+        )
 
 
 def test_reading_a_profile_that_is_not_there_names_the_path(tmp_path):

@@ -130,16 +130,17 @@ class Shard(Span):
 class Copies:
     """What crossed into and out of one device during the call.
 
-    Tensors are counted from the call's rendezvous keys: each hands one
-    tensor from its device to another (a tensor that two devices receive
-    counts once for each), named by the host's record of a send or by a
-    GPU's copy. Bytes and time are what a GPU's copy engine recorded (its
-    ``Memcpy`` events): a copy between devices counts out for its source and
-    in for its destination; one without a key (an eager input copied to the
-    device) in or out for the GPU whose stream made it; a copy inside one
-    device, not at all. Logical CPU devices share the host's memory: TF
-    hands tensors over without copying, and the record has no size or time
-    for them (`bytes_in`, `bytes_out` and `ms` are None).
+    Tensors are counted from the call's sends: each hands one tensor from
+    its device to another (a tensor that two devices receive counts once
+    for each), the host's record of a send or, for a GPU's own sends, its
+    copy between devices. Bytes and time are what a GPU's copy engine
+    recorded (its ``Memcpy`` events): a copy between devices counts out for
+    its source and in for its destination; one between the host's memory
+    and a GPU (an eager input, a tensor kept in host memory) in or out for
+    that GPU; a copy inside one GPU's memory, not at all. Logical CPU
+    devices share the host's memory: TF hands tensors over without copying,
+    and the record has no size or time for them (`bytes_in`, `bytes_out`
+    and `ms` are None).
 
     Attributes:
       device: the device.
@@ -362,9 +363,8 @@ def record(
             tf.test.experimental.sync_devices()  # a GPU's kernels end inside the record
         finally:
             tf.profiler.experimental.stop()
-        return read(
-            logdir, function, devices=devices, rows=rows, output=output, placed=placed, name=name
-        )
+        planes = _load(Path(logdir), name)
+    return _read(planes, function, placed, devices, rows, _local(output), name, any_graph=True)
 
 
 def read(
@@ -407,7 +407,7 @@ def read(
             "log directory (tf.profiler.experimental.start's) or one of its .xplane.pb files"
         )
     planes = _load(Path(path), name)
-    return _read(planes, function, placed or {}, devices, rows, _local(output), name)
+    return _read(planes, function, placed or {}, devices, rows, _local(output), name, False)
 
 
 def _load(path: Path, name: str) -> list[_Plane]:
@@ -641,23 +641,26 @@ def _nest(events: list[_Event]) -> list[tuple[_Event, list[_Event]]]:
 
 
 def _host_ops(
-    host: list[_Event], function: str, placed: dict[str, str], output: str
+    host: list[_Event], function: str, placed: dict[str, str], output: str, any_graph: bool
 ) -> tuple[list[_Op], float | None, dict[Any, tuple[str, Any]]]:
     """The executor's ops of the call of `function`, each with its device and part.
 
     The call's partitions are the ``FunctionRun`` events inside its eager
-    execution (returned with its start); a function an op calls runs as a
+    execution (returned with its start; with `any_graph`, the eager
+    execution of any function where none of `function` is: the call that
+    ``weights="auto"`` ran as a measured graph); a function an op calls runs as a
     ``FunctionRun`` inside that op's event; an op runs in the run whose id
     (``_p``) its enclosing ``ExecutorState::Process`` event consumes (``_c``).
     A GPU kernel's launch is an event of the host thread that ran its op,
     inside that run, with the kernel's ``correlation_id``: returned too, as
-    the device and part of the run each launch happened in.
+    the device and part of the run each launch happened in (None for a run
+    of another call).
     """
     nested = _nest(host)
     window = [
         e for e in host if e.stats.get("eager_op") == function or e.name.endswith(f": {function}")
     ]
-    if not window:  # the call ran another graph of the function (weights="auto" measuring)
+    if not window and any_graph:  # the call ran another graph (weights="auto" measuring)
         window = [e for e in host if e.stats.get("is_func") and e.name == "EagerExecute"]
     runs: dict[Any, _Run] = {}
     raw: list[tuple[str, str, Any, float, float, dict[str, Any], Any]] = []
@@ -692,7 +695,7 @@ def _host_ops(
         caller = next((e for e in reversed(outer) if id(e) in op_of), None)
         if caller is None:
             inside = any(w.line == event.line and w.start <= event.start <= w.end for w in window)
-            if inside or (not window and event.stats.get("_r")):
+            if inside or (not window and any_graph and event.stats.get("_r")):
                 runs[event.stats.get("_p")] = _Run(None, "")
             continue
         op_name, _, parent, *_ = op_of[id(caller)]
@@ -727,7 +730,8 @@ def _host_ops(
     for o, run in zip(ops, ran_in):
         o.device = run.device if run is not None else placed.get(o.name) or output
         o.part = _part(o.name) or (run.part if run is not None else None)
-    launched = {c: (runs[r].device, runs[r].part) for c, r in launches if r in runs}
+    # A launch in a run of another call: its kernel is not the call's (None).
+    launched = {c: (runs[r].device, runs[r].part) if r in runs else None for c, r in launches}
     return ops, min((w.start for w in window), default=None), launched
 
 
@@ -735,7 +739,7 @@ def _device_ops(
     planes: list[_Plane],
     ops: list[_Op],
     since: float,
-    launched: dict[Any, tuple[str, Any]],
+    launched: dict[Any, tuple[str, Any] | None],
     devices: Sequence[str],
     placed: dict[str, str],
     output: str,
@@ -749,11 +753,12 @@ def _device_ops(
     happened in (`launched`: an op of the function a shard's call op called,
     the shared trace, is that shard's); by an op of that name the host
     recorded; by the call's graph (an op of the plan, where the graph placed
-    it). A kernel known by none of these goes to the device whose known
-    kernels ran on its stream (one card split into logical GPUs has one
-    plane, with streams of its own for each logical device), and to that
-    device's shard where it holds one. A copy is the call's if it started
-    after the call did (`since`).
+    it). A kernel known by none of these, launched by another call, or
+    started before the call did (`since`) is not the call's. A copy is the
+    call's if it started after the call did; its device is the one whose
+    known kernels or named copies ran on its stream (one card split into
+    logical GPUs has one plane, with streams of its own for each logical
+    device), else the plane's (the card's first logical device).
     """
     local = [_local(d) for d in devices]
     where: dict[str, set[tuple[str, Any]]] = collections.defaultdict(set)
@@ -761,6 +766,8 @@ def _device_ops(
         where[o.name].add((o.device, o.part))
 
     def known(name: str, correlation: Any) -> set[tuple[str, Any]]:
+        if correlation in launched and launched[correlation] is None:
+            return set()  # launched by another call
         part = _part(name)
         run = launched.get(correlation)
         if part is None and run is not None:
@@ -785,9 +792,9 @@ def _device_ops(
         own = f"/device:GPU:{match.group(1)}"
         for event in plane.events:
             named = str(event.stats.get("tf_op", ""))
+            if event.start < since:
+                continue
             if event.name in _MEMCPY_IN or event.name in _MEMCPY_OUT:
-                if event.start < since:
-                    continue
                 kind = "memcpy"
             elif named:
                 kind = "kernel"
@@ -797,6 +804,8 @@ def _device_ops(
             o.stats = event.stats
             correlation = event.stats.get("correlation_id")
             candidates = known(named.rsplit(":", 1)[0], correlation) if kind == "kernel" else set()
+            if kind == "kernel" and not candidates:
+                continue  # not the call's
             found.append((o, candidates, (id(plane), event.line), own))
     # Each stream's device: the one its kernels of a known device ran for.
     votes: dict[tuple[int, int], collections.Counter] = collections.defaultdict(
@@ -805,6 +814,9 @@ def _device_ops(
     for o, candidates, line, _ in found:
         if o.kind == "kernel" and len({c[0] for c in candidates}) == 1:
             votes[line][next(iter(candidates))[0]] += 1
+        ends = _ends(o.stats.get("key")) if o.kind == "memcpy" else None
+        if ends is not None:  # a copy's key names the GPU whose stream made it
+            votes[line][ends[1] if o.op == "MemcpyH2D" else ends[0]] += 1
     device_ops = []
     for o, candidates, line, own in found:
         stream = votes[line].most_common(1)[0][0] if votes[line] else None
@@ -815,10 +827,6 @@ def _device_ops(
         mine = [c for c in candidates if c[0] == o.device] or list(candidates)
         if len(mine) == 1:
             o.device, o.part = mine[0]
-        elif not candidates:  # an op of a function a shard called: the device's one shard
-            held = [k for k, d in enumerate(local) if d == o.device]
-            if len(held) == 1:  # else two shards on one device share it: unattributed
-                o.part = ("shard", held[0])
         device_ops.append(o)
     return device_ops
 
@@ -871,27 +879,23 @@ def _ends(key: Any) -> tuple[str, str] | None:
 def _copies(ops: list[_Op], device_ops: list[_Op], gpus: bool) -> tuple[Copies, ...]:
     """Tensors each device sent and received, and a GPU's copies.
 
-    A tensor crossing between devices is one rendezvous key: the host
-    records the sends of its own ops, a GPU's copies name the key of the
-    transfer they make; each key counts once. A copy between two devices
-    counts out for its source and in for its destination; a copy without a
-    key (an eager input's copy to the device) in or out for the device whose
-    stream made it; a copy inside one device moves nothing between devices.
+    A tensor crossing between devices is one send the host recorded (its
+    rendezvous key names both devices), or a GPU's copy between devices
+    whose key no send of the host's names (the send was the GPU's): each
+    counts once, out for its source and in for its destination, as do its
+    bytes. A copy between the host's memory and a GPU (an eager input, a
+    tensor kept in host memory) counts in or out for that GPU, its bytes
+    only; a copy inside one GPU's memory, not at all.
     """
     tensors_in: collections.Counter = collections.Counter()
     tensors_out: collections.Counter = collections.Counter()
-    crossed: set[str] = set()
-
-    def cross(key: str, source: str, destination: str) -> None:
-        if key not in crossed and source != destination:
-            crossed.add(key)
-            tensors_out[source] += 1
-            tensors_in[destination] += 1
-
+    sent = set()
     for o in ops:
         ends = _ends(o.stats.get("key"))
-        if o.op in _SENDS and ends is not None:
-            cross(o.stats["key"], *ends)
+        if o.op in _SENDS and ends is not None and ends[0] != ends[1]:
+            sent.add(o.stats["key"])
+            tensors_out[ends[0]] += 1
+            tensors_in[ends[1]] += 1
     bytes_in: collections.Counter = collections.Counter()
     bytes_out: collections.Counter = collections.Counter()
     ms: collections.Counter = collections.Counter()
@@ -902,12 +906,14 @@ def _copies(ops: list[_Op], device_ops: list[_Op], gpus: bool) -> tuple[Copies, 
         moved = int(size.group(1)) if size else 0
         ends = _ends(o.stats.get("key"))
         if ends is not None and ends[0] != ends[1]:
-            cross(o.stats["key"], *ends)
             source, destination = ends
-        elif ends is None and o.op in _MEMCPY_IN - {"MemcpyD2D", "MemcpyP2P"}:
-            source, destination = "", o.device
-        elif ends is None and o.op in _MEMCPY_OUT:
-            source, destination = o.device, ""
+            if o.stats["key"] not in sent:
+                tensors_out[source] += 1
+                tensors_in[destination] += 1
+        elif o.op in _MEMCPY_IN - {"MemcpyD2D", "MemcpyP2P"}:
+            source, destination = "", ends[1] if ends else o.device
+        elif o.op in _MEMCPY_OUT:
+            source, destination = ends[0] if ends else o.device, ""
         else:
             continue
         if source:
@@ -946,9 +952,10 @@ def _read(
     rows: Sequence[int] | None,
     output: str,
     name: str,
+    any_graph: bool,
 ) -> Timeline:
     host = [e for p in planes if p.name == "/host:CPU" for e in p.events]
-    ops, since, launched = _host_ops(host, function, placed, output)
+    ops, since, launched = _host_ops(host, function, placed, output, any_graph)
     if since is None and ops:
         since = min(o.start for o in ops)
     device_ops = (
