@@ -532,3 +532,19 @@ def test_an_op_xla_has_no_kernel_for_is_named_with_its_shard():
         "XLA, or keep ops XLA has no kernel for out of the function"
     )
     assert cause.startswith("TensorFlow's error: INVALID_ARGUMENT: Detected unsupported ")
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.int32])  # a concat, a TensorList
+@pytest.mark.parametrize("count", [2, 4])  # shapes known when traced; known when run
+def test_shards_outputs_of_different_shapes_past_the_rows_are_named(dtype, count):
+    f = tfshard.parallelize(
+        lambda x: tf.tile(x, [1, tfshard.shard_index() + 1]),
+        devices=[f"cpu:{k}" for k in range(count)],
+        per_sample=False,
+    )
+    x = tf.cast(np.arange(14).reshape(7, 2), dtype)
+    with pytest.raises(tfshard.ArgumentError) as raised:
+        f(x)
+    message = str(raised.value)
+    assert "the same shape past the rows on every shard" in message
+    assert "File " not in message and "{{node" not in message  # no trace, no TF node

@@ -187,7 +187,8 @@ class ShardOutputs(NamedTuple):
         return _trees.path("outputs", self.structure, i)
 
     def check_gatherable(self) -> None:
-        """Raises ArgumentError for a scalar per shard: a gather concatenates rows."""
+        """Raises ArgumentError for a scalar per shard, or shards' values whose shapes
+        past the rows differ where the trace knows them: a gather concatenates rows."""
         for i, leaf in enumerate(self.flat[0]):
             if leaf.shape.rank == 0:
                 raise ArgumentError(
@@ -195,6 +196,20 @@ class ShardOutputs(NamedTuple):
                     "are concatenated along axis 0, so return a [rows, ...] tensor, pass "
                     f"reduce={collect.reduction_names()} to combine the shards' values, or "
                     "take each shard's value as it is with f.per_shard(...)"
+                )
+            inner = [tf.TensorShape(values[i].shape)[1:] for values in self.flat]
+            differ = next(
+                (k for k in range(1, len(inner)) if not inner[k].is_compatible_with(inner[0])),
+                None,
+            )
+            if differ is not None:
+                raise ArgumentError(
+                    f"{self.path(i)} cannot be gathered in order: shard 0's is "
+                    f"[rows, {', '.join(map(str, inner[0].as_list()))}] and shard {differ}'s "
+                    f"[rows, {', '.join(map(str, inner[differ].as_list()))}]; each output "
+                    "must have one row per input row and the same shape past the rows on "
+                    "every shard (pad it to one shape, or pass ragged=True for outputs whose "
+                    "length varies by sample)"
                 )
 
 

@@ -84,6 +84,11 @@ _NOT_CAUSE_RE = re.compile(
 _TRANSPORT_CODES = frozenset({14, 4})
 # TensorFlow's code of `tf.errors.ResourceExhaustedError` (its `error_code`): out of memory.
 _RESOURCE_EXHAUSTED = 8
+# The gather's concatenation refusing shards' outputs of different shapes past the rows
+# (its scope is `tfshard._step.COLLECT_SCOPE`): TF's reason, the line before the node.
+_GATHER_SHAPES = re.compile(
+    r"\n([^\n]*(?:ConcatOp|Incompatible shapes)[^\n]*)\n\s*\[\[\{\{node tfshard_collect/"
+)
 
 
 class TfshardError(Exception):
@@ -265,7 +270,8 @@ def call_failure(error: Any, failed: Failed) -> Exception:
     """The error to raise for a call TensorFlow failed with `error` (a `tf.errors.OpError`).
 
     tfshard's own in-graph checks become an `ArgumentError` with the fix
-    (`rows_error`, `inputs_error`, `fields_differ`). Shards on workers found
+    (`rows_error`, `inputs_error`, `fields_differ`), as does the gather
+    refusing shards' outputs of different shapes past the rows. Shards on workers found
     down come first, then the remedy, then TF's text without gRPC's
     repetitions. A failure in a shard is a `ShardError` of TF's type naming
     the shard, its device and rows, and TF's text without tfshard's frames; a
@@ -279,6 +285,14 @@ def call_failure(error: Any, failed: Failed) -> Exception:
         if failed.element:
             return fields_differ(failed.name, inputs_differ(message))
         return inputs_error(failed.name, message)
+    shapes = _GATHER_SHAPES.search(message)
+    if shapes is not None:
+        return ArgumentError(
+            f"{failed.name}: the shards' outputs cannot be gathered in order: each output "
+            "must have one row per input row and the same shape past the rows on every "
+            "shard (pad it to one shape, or pass ragged=True for outputs whose length "
+            "varies by sample); TensorFlow's error: " + shapes.group(1).strip()
+        )
     hint = failed.remote
     if hint is not None and failed.lost is not None:
         return shard_error(
