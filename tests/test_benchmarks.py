@@ -197,34 +197,50 @@ def test_plot_draws_speedup_against_devices(bench, results, tmp_path):
     assert not bench["_harness"].plot(tmp_path / "none.png", {"cases": {}})
 
 
-def test_script_runs_end_to_end(tmp_path):
-    """scaling.py as a user runs it: its own process, its own devices, JSON out."""
-    out = tmp_path / "bench.json"
+def _script(
+    tmp_path: Path,
+    script: str,
+    *flags: str,
+    without: tuple[str, ...] = (),
+    json_out: bool = True,
+    **variables: str,
+) -> tuple[subprocess.CompletedProcess, Any]:
+    """Runs benchmarks/<script> as a user does, in its own process; (process, its JSON).
+
+    Its environment is this process's less `without`, with `variables` set; a
+    script without ``--json`` (`json_out` False) gives None for its JSON.
+    """
+    out = tmp_path / f"{script}.json"
+    json_flag = [f"--json={out}"] if json_out else []
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "scaling.py"),
-            "--case=compute",
-            "--case=scaling",
-            "--repeats=1",
-            "--warmup=0",
-            "--batch=32",
-            "--width=8",
-            "--depth=1",
-            "--batch_sizes=4",
-            "--max_devices=3",
-            "--device_type=cpu",  # the CPU bed by name: a GPU machine's default is its GPUs
-            f"--json={out}",
-        ],
+        [sys.executable, str(BENCHMARKS / script), *flags, *json_flag],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         cwd=tmp_path,
-        env=children.environ(),
+        env=children.environ(without=without, **variables),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(out.read_text()) if json_out else None
+
+
+def test_script_runs_end_to_end(tmp_path):
+    """scaling.py as a user runs it: its own process, its own devices, JSON out."""
+    proc, report = _script(
+        tmp_path,
+        "scaling.py",
+        "--case=compute",
+        "--case=scaling",
+        "--repeats=1",
+        "--warmup=0",
+        "--batch=32",
+        "--width=8",
+        "--depth=1",
+        "--batch_sizes=4",
+        "--max_devices=3",
+        "--device_type=cpu",  # the CPU bed by name: a GPU machine's default is its GPUs
+    )
     assert "== compute" in proc.stdout and "== scaling" in proc.stdout
-    report = json.loads(out.read_text())
     assert set(report["cases"]) == {"compute", "scaling"}
     env = report["environment"]
     assert env["logical_devices"] == [f"/device:CPU:{i}" for i in range(3)]
@@ -238,48 +254,13 @@ def test_script_runs_end_to_end(tmp_path):
 
 def test_cores_script_measures_the_machines_own_ceiling(tmp_path):
     """cores.py: workers in their own processes, alone and together, and the ratio."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "cores.py"),
-            "--rounds=2",
-            "--calls=2",
-            "--batch=16",
-            "--width=8",
-            "--depth=1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=children.environ(),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    flags = ("--rounds=2", "--calls=2", "--batch=16", "--width=8", "--depth=1")
+    proc, _ = _script(tmp_path, "cores.py", *flags, json_out=False)
     match = re.search(r"2 workers get through (\d+\.\d+)x the work of one", proc.stdout)
     assert match, proc.stdout
     # A ratio of two timings of microseconds: any positive number on a busy machine (one
     # worker descheduled while alone gave 4x and more). Timings prove nothing here.
     assert float(match.group(1)) > 0.0
-
-
-def _script(
-    tmp_path: Path, script: str, *flags: str, without: tuple[str, ...] = (), **variables: str
-) -> tuple[subprocess.CompletedProcess, Any]:
-    """Runs benchmarks/<script> as a user does, in its own process; (process, its JSON).
-
-    Its environment is this process's less `without`, with `variables` set.
-    """
-    out = tmp_path / f"{script}.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *flags, f"--json={out}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=children.environ(without=without, **variables),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, json.loads(out.read_text())
 
 
 def test_first_call_script_measures_each_first_call_in_a_fresh_process(tmp_path):
@@ -364,25 +345,15 @@ def test_stream_memory_script_reads_peak_bytes_of_each_way(tmp_path):
 
 def test_write_script_measures_each_way_in_its_own_process(tmp_path):
     """write.py: write and the README's recipe, each in a fresh process, same rows, a table."""
-    out = tmp_path / "write.json"
     flags = ["--rows=300", "--batch=64", "--features=8", "--hidden=8", "--dim=4"]
-    flags += ["--ways=write,recipe", "--repeats=1", f"--dir={tmp_path}", f"--json={out}"]
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "write.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=children.environ(TF_CPP_MIN_LOG_LEVEL="3"),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    flags += ["--ways=write,recipe", "--repeats=1", f"--dir={tmp_path}"]
+    proc, report = _script(tmp_path, "write.py", *flags, TF_CPP_MIN_LOG_LEVEL="3")
     assert [(r["way"], r["rows"]) for r in report["summary"]] == [("write", 300), ("recipe", 300)]
     for row in report["summary"]:
         assert row["seconds"] > 0 and row["result_bytes"] == 300 * 4 * 4
     assert report["summary"][1]["x_recipe"] == 1.0
     assert "  write          300" in proc.stdout and "x recipe" in proc.stdout
-    assert sorted(os.listdir(tmp_path)) == ["write.json"]  # each way's files removed
+    assert sorted(os.listdir(tmp_path)) == ["write.py.json"]  # each way's files removed
 
 
 def test_unequal_compares_even_the_best_static_weights_and_auto(bench, two_devices):
