@@ -186,13 +186,14 @@ class ShardOutputs(NamedTuple):
         """Leaf i's path, for messages (``outputs['loss']``)."""
         return _trees.path("outputs", self.structure, i)
 
-    def check_gatherable(self) -> None:
+    def check_gatherable(self, name: str) -> None:
         """Raises ArgumentError for a scalar per shard, or shards' values whose shapes
-        past the rows differ where the trace knows them: a gather concatenates rows."""
+        past the rows differ where the trace knows them: a gather concatenates rows.
+        `name` is the parallelized function's, for the message."""
         for i, leaf in enumerate(self.flat[0]):
             if leaf.shape.rank == 0:
                 raise ArgumentError(
-                    f"{self.path(i)} is a scalar per shard; with per_sample=False outputs "
+                    f"{name}: {self.path(i)} is a scalar per shard; with per_sample=False outputs "
                     "are concatenated along axis 0, so return a [rows, ...] tensor, pass "
                     f"reduce={collect.reduction_names()} to combine the shards' values, or "
                     "take each shard's value as it is with f.per_shard(...)"
@@ -204,7 +205,7 @@ class ShardOutputs(NamedTuple):
             )
             if differ is not None:
                 raise ArgumentError(
-                    f"{self.path(i)} cannot be gathered in order: shard 0's is "
+                    f"{name}: {self.path(i)} cannot be gathered in order: shard 0's is "
                     f"[rows, {', '.join(map(str, inner[0].as_list()))}] and shard {differ}'s "
                     f"[rows, {', '.join(map(str, inner[differ].as_list()))}]; each output "
                     "must have one row per input row and the same shape past the rows on "

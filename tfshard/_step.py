@@ -353,14 +353,14 @@ class Step:
         leaves = outputs.leaves()
         with tf.name_scope(COLLECT_SCOPE), tf.device(self.output):
             if self.options.reduce is None and self.alone:
-                outputs.check_gatherable()
+                outputs.check_gatherable(self.name)
                 # One shard's outputs are the call's: no gather (a copy where they
                 # land elsewhere, as a tf.function's outputs are copied).
                 here = pinning.same_device(self.devices[0], self.output)
                 results = [v[0] if here else _moved(v[0]) for v in leaves]
                 counted = {}
             elif self.options.reduce is None:
-                outputs.check_gatherable()
+                outputs.check_gatherable(self.name)
                 # Each shard's rows counted where they land, for the check of a whole
                 # shard's outputs (a per-sample function's are one per row by construction).
                 results, counted = collect.gather_leaves(leaves, not self.options.per_sample)
@@ -378,7 +378,7 @@ class Step:
         outputs are not a scalar per shard, and each output of one value per row has
         one row per row (`tfshard._shards.check_rows`)."""
         if self.options.reduce is None:
-            outputs.check_gatherable()
+            outputs.check_gatherable(self.name)
         self._check_rows(outputs, planned, {})
 
     def finish(self, totals: Sequence[Any], rows: Any) -> list[Any]:
