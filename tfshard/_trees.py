@@ -12,9 +12,8 @@ composite tensors included, is a leaf.
 
 A hand-written walker rather than `tf.nest`, because every call needs a
 hashable key of the structure for its trace key, and `tf.nest` would take a
-second pass for it. The write store (`writing`) reads a key with `fold` and `labels` rather
-than walking the value again. The walk builds no path strings: a path is built
-only for an error, by a second walk.
+second pass for it. The walk builds no path strings: a path is built only for
+an error, by a second walk.
 
 Its rules are tf.nest's (tests/test_trees.py checks them against tf.nest), and
 a mapping whose keys cannot be sorted (mixed types) is refused with the path.

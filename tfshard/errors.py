@@ -5,22 +5,12 @@ from `ValueError`, so code that already catches `ValueError` keeps working;
 errors about the state of the machine (no driver, TensorFlow already started)
 derive from `RuntimeError`.
 
-Every error TensorFlow raises becomes tfshard's message here, and nowhere else.
-The rooms that meet one say what they know and hand it over: the engine a
-call's function, devices and rows (`Failed`, `call_failure`), a shard's trace
-what the function was given (`Traced`, `trace_error`), the cluster which
-workers answer (`remote_cause`, `lost_contact`) and what `connect` could not
-do (`join_failed`, `links_failed`), a stream the fields of its
-element (`fields_differ`), a write what is on disk (`write_stopped`,
-`write_error`). Reading TF's text is this module's alone: which shard failed
-(`failing_shard`), what tfshard's own in-graph checks printed (`rows_error`,
-`inputs_differ`), whether pfor failed to stack (`pfor_stack_failure`), what XLA
-could not compile (`xla_failure`), and which workers a remote error names
-(`remote_tasks`, `grpc_reason`, `trimmed_remote`).
+Every error TensorFlow raises becomes tfshard's message here, and nowhere else:
+the other modules hand over what they know (function, devices, rows, workers,
+what is on disk), and only this module reads TF's error text.
 
-This module imports no TensorFlow (`tfshard.utilization` uses it without TF)
-and no other module of tfshard: what it needs from one (the names ``reduce=``
-takes, from `tfshard.collect`) comes in as an argument.
+It imports no TensorFlow (`tfshard.utilization` uses it without TF) and no
+other tfshard module: what it needs from one comes in as an argument.
 """
 
 from __future__ import annotations

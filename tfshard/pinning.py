@@ -18,14 +18,8 @@ runtime, after which logical devices can no longer be configured: call
 configuration and do not start the runtime.
 
 Remote names (``"/job:worker/task:1/device:GPU:0"``, short ``"worker1:GPU:0"``)
-resolve once `tfshard.connect` has connected this process to their machines.
-Those machines are `tfshard.cluster`'s business, which imports this module; this
-one knows the cluster only as TensorFlow lists its devices.
-
-Spellings are read into `tf.DeviceSpec` names by ``tfshard/_device_names.py``
-(pure parsing, nothing started); this module resolves them against the devices
-TensorFlow lists, and re-exports `is_remote` (public) and the parsing names other
-modules use.
+resolve once `tfshard.connect` has connected this process to their machines;
+this module knows the cluster only as TensorFlow lists its devices.
 """
 
 from __future__ import annotations

@@ -130,17 +130,11 @@ class Shard(Span):
 class Copies:
     """What crossed into and out of one device during the call.
 
-    Tensors are counted from the call's sends: each hands one tensor from
-    its device to another (a tensor that two devices receive counts once
-    for each), the host's record of a send or, for a GPU's own sends, its
-    copy between devices. Bytes and time are what a GPU's copy engine
-    recorded (its ``Memcpy`` events): a copy between devices counts out for
-    its source and in for its destination; one between the host's memory
-    and a GPU (an eager input, a tensor kept in host memory) in or out for
-    that GPU; a copy inside one GPU's memory, not at all. Logical CPU
+    Tensors are counted from the call's sends (a tensor that two devices
+    receive counts once for each); bytes and time are what a GPU's copy
+    engine recorded (see `_copies` for which copies count). Logical CPU
     devices share the host's memory: TF hands tensors over without copying,
-    and the record has no size or time for them (`bytes_in`, `bytes_out`
-    and `ms` are None).
+    so `bytes_in`, `bytes_out` and `ms` are None for them.
 
     Attributes:
       device: the device.

@@ -1,12 +1,11 @@
 """The store of ``f.write(dataset, path)``: batches in, committed atomically, checked before
 trusted; and `load`, which reads it back.
 
-The stream that feeds it (`tfshard.datasets.Runner.write`) hands it each global
-batch's outputs as they come (`Store.append`) and asks for commits
-(`Store.commit`); nothing here calls back up. Opening a store at a path that
-holds a write checks it against this one (`opened`), so calling ``write``
-again after the process died resumes after the last batch that reached the
-disk.
+The stream that feeds it hands it each global batch's outputs as they come
+(`Store.append`) and asks for commits (`Store.commit`); nothing here calls back
+up. Opening a store at a path that holds a write checks it against this one
+(`opened`), so calling ``write`` again after the process died resumes after the
+last batch that reached the disk.
 
 The format: `path` is a directory holding
 
@@ -27,10 +26,9 @@ The format: `path` is a directory holding
 Plain ``.npy`` files, because what people do next with embeddings or scores
 is NumPy: ``np.load(path + "/emb.npy", mmap_mode="r")`` reads a finished
 write without tfshard, memory-mapped, and `load` gives the outputs' structure
-of memory maps (`tf.data.Dataset.save` and TFRecord read back only through TF,
-row by row; HDF5 and zarr would be new dependencies). A ``.npy`` header is plain
-text with NumPy's growth padding, so the row count is rewritten in place as
-rows arrive, and each file is a valid array of the rows committed so far.
+of memory maps. A ``.npy`` header is plain text with NumPy's growth padding, so
+the row count is rewritten in place as rows arrive, and each file is a valid
+array of the rows committed so far.
 
 Crash safety. Data goes first, the count that makes it visible last: each
 batch's parts are written at their place in the files; at a commit (after the
@@ -49,10 +47,8 @@ order, and checks it before it trusts the disk: the function's name; the
 dataset's element spec, number of batches and first batch (a hash, which
 catches another file, another batch size or an unseeded shuffle); the
 manifest's fields and each file's header, dtype, per-row shape, rows and size;
-then the last committed batch, read again (``dataset.skip(n - 1)``) and
-computed again, against what is on disk (`Store.verify`), which catches
-another function, changed weights, a dataset changed up to that batch and a
-random function. It then streams the rest with ``tfshard.row_index()``
+then the last committed batch, read and computed again, against what is on
+disk (`Store.verify`). It then streams the rest with ``tfshard.row_index()``
 counting on from the rows on disk. A change between the first and the last
 committed batch cannot be seen.
 """
@@ -669,9 +665,8 @@ class _Column:
             raise OSError(error.errno, error.strerror, self._path) from None
         if hasattr(os, "posix_fadvise") and len(data):
             # Starts writing these pages back now (and lets them leave the cache once
-            # written): the commit's sync then finds them mostly on disk. Writing 8 MB
-            # batches every 40 ms, a sync a second blocked 0.16 s of a 2.2 s run without
-            # this, none with it.
+            # written), so the commit's sync finds them mostly on disk and does not
+            # stall the stream.
             os.posix_fadvise(self._fd, start, len(data), os.POSIX_FADV_DONTNEED)
 
     def sync(self) -> None:
