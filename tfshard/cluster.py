@@ -7,10 +7,6 @@ resolves with `tfshard.resolve_device`, and `parallelize` can place shards
 there. `start_server` is the other end, one per task; ``python -m
 tfshard.worker`` (tfshard/worker.py) is its command line.
 
-This module reads device names with ``tfshard/_device_names.py`` and is
-imported by no device module: `tfshard.resolve_device` explains a remote name
-that does not resolve from the devices TensorFlow lists, not from here.
-
 One piece of state is module-level, as TensorFlow's cluster connection is: the
 `Connection` record of the cluster this process is connected to, which
 `connection()` returns and only `connect` replaces. A task found down in it
@@ -24,11 +20,6 @@ call forever; `connect` (and ``python -m tfshard.worker`` on each worker) turns
 on gRPC keepalive (``TF_GRPC_DEFAULT_OPTIONS``, unless already set; read when
 the process makes its first connection), so that such a call fails instead
 (workers started another way need the same variable).
-
-Shared internals (plain names, not in ``__all__``): `cluster_jobs`, `cluster_flag`,
-`Jobs` (used by tfshard.worker); `any_down`, `down_task`, `down_hint`,
-`all_answer` (used by the engine, tfshard/_engine.py: `Connection`'s methods, asked of
-`connect`'s record).
 
 >>> tfshard.cluster.cluster_spec("127.0.0.1:2222,127.0.0.1:2223").as_dict()
 {'worker': ['127.0.0.1:2222', '127.0.0.1:2223']}
@@ -510,10 +501,8 @@ def connect(cluster: Any = None, *, timeout: float = 10.0) -> list[str]:
 
     Call it again with the same cluster after a worker restarts: that
     re-registers this client on every worker (tensors that lived on the old
-    workers are gone), and the next call works.
-
-    How a lost worker fails a call, and the keepalive that bounds it: see this
-    module's docstring.
+    workers are gone), and the next call works. How a lost worker fails a call,
+    and the keepalive that bounds it: see this module's docstring.
 
     Args:
       cluster: the worker servers; anything `cluster_spec` accepts (a
@@ -740,8 +729,7 @@ def down_hint() -> str | None:
 def all_answer(probe_timeout: float = 2.0) -> bool:
     """Whether every task of the connected cluster answers (True without a cluster).
 
-    Probes the tasks not found down yet and records those down. The engine clears
-    TensorFlow's async error state only when this holds (see `Connection`).
+    Probes the tasks not found down yet and records those down.
     """
     connection = _connection
     return connection is None or connection.all_answer(probe_timeout)

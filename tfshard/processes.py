@@ -32,24 +32,15 @@ How it works, and why:
   have no memory limit, each gets ``TF_FORCE_GPU_ALLOW_GROWTH=true``, so each
   TensorFlow takes memory as it needs it instead of nearly all of the GPU at
   start, which would leave the next worker none.
-- Each worker finds the packages this process found, however it found them
-  (`child_environ`): ``spawn`` gives it this process's ``sys.path``, and its
-  ``PYTHONPATH`` holds the entries of ``sys.path`` its interpreter would not add
-  by itself, so the Python processes a worker starts find them too.
+- Each worker finds the packages this process found, however it found them,
+  and so do the Python processes it starts (`child_environ`).
 - Each worker sends back its result, or its exception and traceback, through
   its own pipe. The first failure, an exit without a result, or the timeout
-  stops every other worker (SIGTERM, then SIGKILL for what still runs
-  ``grace`` seconds later, 5 by default) and raises `WorkerError` naming the
-  worker's device. No worker outlives the call, whatever happens, also on
-  KeyboardInterrupt, and neither does a process a worker started: each
-  worker leads its own session (``os.setsid``), and the whole process group
-  is signalled, also after a normal exit (POSIX only).
-- With a session of its own, a worker is out of reach of a Ctrl-C in a
-  terminal once it runs ``fn`` (one still starting gets it and stops). The
-  Ctrl-C reaches the parent, which stops the workers the same way: workers
-  that exit on SIGTERM are gone at once, and the call raises
-  KeyboardInterrupt. A second Ctrl-C during the grace given to workers that
-  ignore SIGTERM kills every worker's process group at once.
+  stops every other worker (SIGTERM, then SIGKILL ``grace`` seconds later)
+  and raises `WorkerError` naming the worker's device. No worker outlives the
+  call, also on Ctrl-C, and neither does a process a worker started: each
+  worker leads its own session (``os.setsid``), out of reach of a terminal's
+  Ctrl-C, and the parent signals its whole process group (POSIX only).
 
 `fn`, the arguments and the results travel by pickle: `fn` must be a function
 defined at the top level of an importable module (or of the script being run,
@@ -246,11 +237,9 @@ def _worker_main(
 def limit_gpu_memory(memory_limit_mb: int) -> None:
     """Gives this process's GPU:0 a memory limit; nothing when it sees no GPU.
 
-    What a worker of `run_per_device` does first, before ``fn`` runs, with its
-    `Placement`'s ``memory_limit_mb`` (the limit of the parent's logical GPU it
-    stands for); a worker started another way from `placements` calls it the
-    same way. Like `tfshard.virtual_devices`, it must run before TensorFlow
-    starts its runtime.
+    A worker started from a `Placement` calls it with the placement's
+    ``memory_limit_mb`` before ``fn`` runs. Like `tfshard.virtual_devices`, it
+    must run before TensorFlow starts its runtime.
     """
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:

@@ -60,13 +60,10 @@ class Replicas:
     Use `Replicas.of` (or ``f.replicas()``): one instance per set of devices,
     so every parallelized function on them reads the same copies.
 
-    Why process-wide state (`_registry`, `generation`): a device and a
-    variable belong to the process, not to one function (TensorFlow's
-    runtime and its variable creator scopes are global), so the copies on a
-    set of devices are one thing for every function on them, and a variable
-    made by any of them must make every one retrace. Functions do not hold
-    them: an `Engine` looks its replicas up by its devices (`find`) and
-    compares `generation` with the one it traced at.
+    Process-wide state (`_registry`, `generation`), because a device and a
+    variable belong to the process, not to one function: the copies on a set
+    of devices are one thing for every function on them, and a variable made
+    by any of them must make every one retrace (`generation` changes).
 
     Attributes:
       devices: the canonical device names, one copy each.
@@ -182,15 +179,11 @@ def _key(devices: Sequence[str]) -> tuple[str, ...]:
 class _Strategy(tf.distribute.MirroredStrategy):
     """The strategy that holds the copies; inside a shard it counts one replica in sync.
 
-    ``num_replicas_in_sync`` is what TensorFlow and Keras read to learn how
-    many replicas' values an implicit sum will add up: a Keras loss object
-    divides its mean by it (``scale_loss_for_distribution``), as does
-    `tf.nn.compute_average_loss`, because under `MirroredStrategy` the
-    gradients of all replicas are summed. tfshard sums nothing implicitly: a
-    shard's outputs reach the user's own reduction (``reduce="mean"`` weighs
-    each shard by its rows), so inside a shard nothing else is in sync with
-    it, and a loss gives what it gives on one device. Outside shards (the
-    copies' scope, `apply_gradients`) it is MirroredStrategy's own count.
+    A Keras loss object and `tf.nn.compute_average_loss` divide by
+    ``num_replicas_in_sync``, expecting the replicas' gradients to be summed.
+    tfshard sums nothing implicitly (a shard's outputs reach the user's own
+    reduction), so inside a shard the count is 1 and a loss gives what it
+    gives on one device. Outside shards it is MirroredStrategy's own count.
     """
 
     @property
@@ -510,8 +503,8 @@ def check_no_writes(concrete: Any, replicas: Replicas, name: str) -> None:
     A shard that assigns a replicated variable (a Keras layer called with
     ``training=True`` updating its moving averages, ``v.assign_add``) writes
     only the copy on its device: the copies would drift apart silently. The
-    writes are found in the graph (`_graph.shard_writes`), so the message names the
-    variables written, not merely ones the writing op was given.
+    writes are found in the graph, so the message names the variables
+    written, not merely ones the writing op was given.
     """
     written: dict[int, list[str]] = {}
     for k, variable in shard_writes(concrete):
