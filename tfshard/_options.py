@@ -1,8 +1,8 @@
 """The options of one parallelized function: one frozen value, validated once.
 
-`parallelize` validates what it was given into an `Options` and hands it whole
-to `ShardedFunction`, which hands it to its engine; a variant (a method's
-per-instance function) is ``dataclasses.replace(options, ...)``.
+`parallelize` validates what it was given into an `Options`, which is passed
+whole, never copied field by field; a variant (a method's per-instance
+function) is ``dataclasses.replace(options, ...)``.
 """
 
 from __future__ import annotations

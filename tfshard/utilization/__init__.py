@@ -14,8 +14,7 @@ standard library (absl is used by the command line only).
 - `format_table` lays readings out as the table the command line prints.
 - ``python -m tfshard.utilization`` prints that table (``--watch SECONDS`` to refresh,
   ``--threshold``, ``--json``); it exits 0 when every GPU meets the threshold, 1 when one
-  does not, 2 when no reading could be taken, and 0 for ``--help``
-  (``tfshard/utilization/__main__.py``, which imports this package, never the reverse).
+  does not, 2 when no reading could be taken, and 0 for ``--help``.
 
 The ``nvidia-smi`` executable is, in order: the ``nvidia_smi=`` argument, the
 ``TFSHARD_NVIDIA_SMI`` environment variable, ``nvidia-smi`` on ``PATH``.
