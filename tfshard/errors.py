@@ -259,14 +259,13 @@ class Failed(NamedTuple):
 def call_failure(error: Any, failed: Failed) -> Exception:
     """The error to raise for a call TensorFlow failed with `error` (a `tf.errors.OpError`).
 
-    tfshard's own in-graph checks become an `ArgumentError` with the fix
-    (`rows_error`, `inputs_error`, `fields_differ`), as does the gather
-    refusing shards' outputs of different shapes past the rows. Shards on workers found
-    down come first, then the remedy, then TF's text without gRPC's
-    repetitions. A failure in a shard is a `ShardError` of TF's type naming
-    the shard, its device and rows, and TF's text without tfshard's frames; a
-    shard out of memory gets the remedies that give it fewer rows at once.
-    pfor's failure to stack per-sample results gets ``ragged=True``.
+    tfshard's own in-graph checks (rows, inputs, the gather's shapes) become an
+    `ArgumentError` with the fix. Otherwise a `ShardError` of TF's type names
+    what is known (shards on workers found down first, else the failing shard,
+    its device and rows) and the remedy that applies (fewer rows at once for a
+    shard out of memory, ``ragged=True`` where pfor cannot stack), before TF's
+    text without tfshard's frames. An error none of this applies to is
+    returned as it is.
     """
     message = error.message
     if ROWS_DIFFER in message:

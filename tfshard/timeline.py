@@ -25,18 +25,11 @@ message classes only in a private module, so this module declares the few
 XSpace messages it reads (field numbers of TSL's ``xplane.proto``) and decodes
 them with the ``protobuf`` package TensorFlow itself depends on.
 
-How ops are attributed: each partition of the call's graph runs as one
-``FunctionRun`` whose id the executor's ``ExecutorState::Process`` events
-carry, so every op is known to run in one partition. A partition's device is
-the one its sends name as their source (a ``_Send``'s rendezvous key names both
-devices), else the device the graph placed its ops on, else the output
-device. An op in a shard's name scope (``tfshard_shard_k/``) is that shard's;
-an op of a function that a shard calls (the shared trace, a cond's branch) is
-the shard's whose call op started it; the gather is the ``tfshard_collect/``
-scope. An op that runs on a GPU leaves no event on the host: its kernels on
-the GPU's plane name it (``tf_op``), and the host thread's launch of each,
-inside its run, carries the kernel's ``correlation_id``: a kernel is its
-shard's by its op's scope, else by the run that launched it.
+How ops are attributed: an op in a shard's name scope (``tfshard_shard_k/``)
+is that shard's; an op of a function that a shard calls (the shared trace, a
+cond's branch) is the shard's whose call op started it; the gather is the
+``tfshard_collect/`` scope. A GPU's kernels are attributed through the ops
+that launched them (`_host_ops`, `_device_ops`).
 
 What the record may lack: with ``jit_compile=True``, TensorFlow's profiler
 leaves a compiled shard's call out of some records (the XSpace holds the
@@ -645,6 +638,9 @@ def _host_ops(
     ``weights="auto"`` ran as a measured graph); a function an op calls runs as a
     ``FunctionRun`` inside that op's event; an op runs in the run whose id
     (``_p``) its enclosing ``ExecutorState::Process`` event consumes (``_c``).
+    A run's device is the one its sends name as their source (a rendezvous key
+    names both devices) or the graph placed its ops on, else its parent's (the
+    output device for a partition).
     A GPU kernel's launch is an event of the host thread that ran its op,
     inside that run, with the kernel's ``correlation_id``: returned too, as
     the device and part of the run each launch happened in (None for a run
