@@ -25,8 +25,7 @@ from typing import Any, NamedTuple
 # Frames in this folder are tfshard's own: a shard's error leaves them out.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
-# The name scope of shard k's ops (``tfshard_shard_k/...``): `tfshard._step` writes
-# it, and `shard_in` reads it back from a node's name (an error's, a graph's, a timeline's).
+# The name scope of shard k's ops (``tfshard_shard_k/...``); `shard_in` reads it back.
 SHARD_SCOPE = "tfshard_shard_"
 # Marks the in-graph check that a whole-shard function returned one row per row.
 ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
