@@ -19,8 +19,8 @@ device alone costs.
 
 ``settled``: ``weights="auto"`` on two alike devices, settled (whatever it
 settled on: a split, or one device alone where the split does not pay), its
-measured calls (one in 25) among those timed, against static weights equal to
-the ones it settled on; ``--settled_rows`` rows (512) of
+measured calls (one in 25 at first, ever fewer down to one in 200) among those
+timed, against static weights equal to the ones it settled on; ``--settled_rows`` rows (512) of
 ``--settled_width`` (64), so that its shards are long enough to time. The promise: within 5 %.
 
 ``small_batch``: an even 2-device call of ``--rows`` rows (8 by default)

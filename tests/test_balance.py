@@ -232,8 +232,76 @@ def test_a_settled_plan_is_measured_one_call_in_every():
     assert balance.settled
     # Whole calls not measured here: at most LEARNING calls try to, then one in EVERY.
     assert all(balance.due() for _ in range(_balance.LEARNING))
-    due = [balance.due() is not None for _ in range(3 * _balance.EVERY)]
-    assert due == ([False] * (_balance.EVERY - 1) + [True]) * 3
+    due = [balance.due() is not None for _ in range(_balance.EVERY)]
+    assert due == [False] * (_balance.EVERY - 1) + [True]
+
+
+def _gaps(balance, count):
+    """The calls from each of the next `count` measured calls (`Balance.due`) to the one
+    before it (the first: from the last call asked)."""
+    gaps = []
+    for _ in range(count):
+        calls = 1
+        while balance.due() is None:
+            calls += 1
+            assert calls <= 10 * _balance.SPARSEST, "no call measured"
+        gaps.append(calls)
+    return gaps
+
+
+def _settled_three_to_one():
+    """A Balance settled on 3:1, its first calls after settling (whole calls) done."""
+    balance = Balance(2)
+    _measured(balance, [75, 25], [0.075, 0.075], times=_balance.MIN_SAMPLES + _balance.SETTLED)
+    assert balance.settled and balance.weights == (3.0, 1.0)
+    assert all(balance.due() for _ in range(_balance.LEARNING))
+    return balance
+
+
+def test_a_settled_plan_is_measured_ever_more_sparsely():
+    """Each measured call that leaves the plan as it is doubles the calls to the next,
+    from EVERY up to SPARSEST: counted exactly, call by call."""
+    assert _balance.EVERY < _balance.SPARSEST < 10 * _balance.EVERY
+    balance = _settled_three_to_one()
+    sparse = [min(_balance.EVERY * 2**i, _balance.SPARSEST) for i in range(7)]
+    gaps = []
+    for _ in range(len(sparse)):
+        gaps += _gaps(balance, 1)
+        balance.observe([75, 25], [0.075, 0.075], warm_up=False)  # the same plan
+    assert gaps == sparse and sparse[-2:] == [_balance.SPARSEST] * 2
+    assert balance.settled and balance.changes == 1
+    # Device 1 gets as fast as device 0: the plan moves, every call is measured until
+    # the new one settles, then the interval starts again from EVERY.
+    _measured(balance, [75, 25], [0.075, 0.025], times=7)
+    assert balance.weights == (1.0, 1.0) and not balance.settled
+    assert _gaps(balance, 3) == [1, 1, 1]
+    _measured(balance, [50, 50], [0.05, 0.05], times=_balance.SETTLED)
+    assert balance.settled and balance.weights == (1.0, 1.0)
+    learning = _gaps(balance, _balance.LEARNING)
+    assert learning == [1] * _balance.LEARNING
+    assert _gaps(balance, 3) == [_balance.EVERY, 2 * _balance.EVERY, 4 * _balance.EVERY]
+
+
+def test_a_settled_plan_measures_often_again_once_a_device_alone_leans_ahead(monkeypatch):
+    """Whole calls: the split ends a call in 14 ms and the device alone in 20, the plan
+    the split, measured ever more sparsely; one call alone of 10 ms leans towards a
+    change, and the next measured call comes EVERY calls later, not SPARSEST (the calls
+    measured in a row to weigh a change, LEARNING, are used up here: 0)."""
+    monkeypatch.setattr(_balance, "LEARNING", 0)
+    balance = Balance(2)
+    _measured(balance, [50, 50], [0.01, 0.02], times=_balance.MIN_SAMPLES)
+    for _ in range(_balance.SETTLED):
+        balance.observe([67, 33], [0.0134, 0.0132], warm_up=False, call_seconds=0.014)
+    for _ in range(_balance.MIN_SAMPLES):
+        balance.observe_alone(0, 100, 0.02, warm_up=False)
+    assert balance.settled and balance.weights == (2.0, 1.0)
+    for _ in range(4):
+        _gaps(balance, 1)
+        balance.observe([67, 33], [0.0134, 0.0132], warm_up=False, call_seconds=0.014)
+    assert _gaps(balance, 1) == [_balance.SPARSEST]
+    balance.observe_alone(0, 100, 0.010, warm_up=False)
+    assert balance.weights == (2.0, 1.0)  # once is not enough to change
+    assert _gaps(balance, 1) == [_balance.EVERY]
 
 
 def test_a_new_plan_is_measured_every_call_until_it_settles():
@@ -421,12 +489,15 @@ def test_calls_between_measured_ones_run_the_unmeasured_graph(monkeypatch):
         )
     asked = balance.due
     monkeypatch.setattr(balance, "due", lambda: (due.append(asked()), due[-1])[1])
-    for _ in range(2 * _balance.EVERY):
+    for _ in range(3 * _balance.EVERY):
         np.testing.assert_array_equal(f(x).numpy(), x)
-    # Each call asked once; one in EVERY measured (its shards timed), the others not.
-    assert len(due) == 2 * _balance.EVERY
-    assert [d is not None for d in due] == ([False] * (_balance.EVERY - 1) + [True]) * 2
-    assert len(observed) == 2
+    # Each call asked once; the EVERY-th measured (its shards timed), then the one twice
+    # as many calls later, the others not.
+    assert len(due) == 3 * _balance.EVERY
+    assert [d is not None for d in due] == (
+        [False] * (_balance.EVERY - 1) + [True] + [False] * (2 * _balance.EVERY - 1) + [True]
+    )
+    assert len(observed) == 2 and balance.settled and balance.weights is None
     # The graph of the calls between: the outputs alone, no timestamp, no fed weights.
     graph = f.get_concrete_function(x)
     assert isinstance(graph.structured_outputs, tf.Tensor)

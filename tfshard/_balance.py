@@ -16,15 +16,20 @@ Across workers, both timestamps of a shard are taken on its own machine's
 clock, and its seconds include sending it its rows.
 
 **Which calls are measured** (`Balance.due`). Until the plan has stayed the
-same over `SETTLED` measurements, every call is; once it has, one call in
-`EVERY` (after a few more that weigh the fastest device alone against the
-split), and the calls between run the unmeasured graph: the same plan, its
+same over `SETTLED` measurements, every call is; once it has (and after a few
+more that weigh the fastest device alone against the split), one call after
+`EVERY`, the next after twice as many calls, and so on up to one in
+`SPARSEST`: the interval doubles with each measured call that leaves the plan
+as it is. The calls between run the unmeasured graph: the same plan, its
 weights the graph's constants, with no timestamp and nothing sent to the
-host, as static weights run. A plan change measures every call again until
-it settles. A measured call is either the split, its shards timed and the
-whole call to its outputs ready (on a GPU, one element of them read on the
-host; outputs on a CPU are ready when the call returns), or the fastest
-device alone, the whole call timed so.
+host, as static weights run. A measurement that changes the plan (or the
+split's weights while the fastest device alone holds every row), or that finds
+the other of the two ending calls sooner once, takes the interval back to
+`EVERY`; a plan change measures every call again until it settles.
+A measured call is either the split, its shards timed and the whole call to
+its outputs ready (on a GPU, one element of them read on the host; outputs on
+a CPU are ready when the call returns), or the fastest device alone, the whole
+call timed so.
 (A stream's traced loop times every batch of its calls, each call of the
 loop one measurement.)
 A measured call of a function runs alone among its calls (`Turns`): it
@@ -80,10 +85,13 @@ from tfshard import _plan, _sharding
 WINDOW = 9
 # Measurements in a row that leave the plan as it is, after which it is settled,
 SETTLED = 9
-# and one call in this many is measured, after at most this many measured in a row to
-# weigh the fastest device alone against the split.
+# and then one call in this many is measured, after at most this many measured in a row
+# to weigh the fastest device alone against the split;
 EVERY = 25
 LEARNING = 12
+# The calls between measured ones double with each measured call that leaves the plan as
+# it is, up to this many.
+SPARSEST = 200
 # The plan changes when the best weights are predicted this much faster than those in use,
 BAND = 0.05
 # and by at least this many seconds a call.
@@ -219,7 +227,10 @@ class Turns:
                     self._alone = True
                     return True
                 self._changed.notify_all()
-            self._changed.wait_for(lambda: not (self._alone or self._waiting), LONGEST_WAIT_S)
+            if self._alone or self._waiting:
+                self._changed.wait_for(
+                    lambda: not (self._alone or self._waiting), LONGEST_WAIT_S
+                )
             self._running += 1
             return False
 
@@ -227,9 +238,11 @@ class Turns:
         with self._changed:
             if measured:
                 self._alone = False
+                self._changed.notify_all()
             else:
                 self._running -= 1
-            self._changed.notify_all()
+                if self._waiting and self._running == 0:  # only a measured call waits on it
+                    self._changed.notify_all()
 
 
 class _Turn:
@@ -292,6 +305,7 @@ class Balance:
         self.changes = 0
         self._steady = 0  # measurements in a row that left the plan as it was
         self._since = 0  # calls since the last one measured, once settled
+        self._interval = EVERY  # calls from one measured to the next, once settled
         self._trials = 0  # calls measured since the plan settled, to weigh alone and split
         # What a call reads, kept as it is after each measurement (`_count_one`, the only
         # place the plan changes): a call between measurements computes nothing of it.
@@ -349,7 +363,10 @@ class Balance:
         between them found once is checked (`_choose`), the two in turn (at
         most `LEARNING` calls: a call that cannot run alone, such as a stream's
         batch, never measures it); then one call in `EVERY` (the first after
-        that is not), the two in turn.
+        that is not), the two in turn; the interval then doubles with each
+        measured call, up to `SPARSEST`, and is `EVERY` again after a
+        measurement that changes the plan or leans towards a change
+        (`_count_one`).
         """
         if self.one_left:
             return None  # every other device useless: one device, nothing to measure
@@ -365,8 +382,9 @@ class Balance:
                 self._trials += 1
             elif self.settled:
                 self._since += 1
-                if self._since < EVERY:
+                if self._since < self._interval:
                     return None
+                self._interval = min(2 * self._interval, SPARSEST)
             self._since = 0
             if not weighing or (self._alone is None and not self.settled):
                 return "split"  # the split's weights first
@@ -419,7 +437,7 @@ class Balance:
             self._count_one(self._choose)
 
     def _count_one(self, decide: Callable[[], None]) -> None:
-        before = self._in_use[0]
+        before, split = self._in_use[0], self._split
         decide()
         if self._alone is not None and self._split and self._split[self._alone] == 0:
             self._alone = None  # the device alone was found useless: the split takes the rows
@@ -434,6 +452,8 @@ class Balance:
             self._in_use = (now, _integer(now, self._count))
         else:
             self._steady += 1
+        if now != before or self._split != split or self._leaning:
+            self._interval = EVERY  # something moved: measure often again (`due`)
         self._weighed = self._candidate()
         # A device found useless stays so (`_decide`): once one device is left, for good.
         self.one_left = sum(1 for w in (self._split or (1.0,) * self._count) if w > 0) <= 1
