@@ -681,38 +681,18 @@ def test_elements_that_are_not_tensors_are_an_error():
         f(tf.data.Dataset.range(6).window(3))
 
 
-@pytest.fixture
-def batches_per_call(monkeypatch):
-    """The batches each call of a stream's traced loop is given, in order, as they run."""
-    from tfshard import datasets
-
+def _batches_per_call(f):
+    """The most batches each call of f's traced loop runs, in order, as the calls come
+    (`f.streams.on_call`)."""
     limits = []
-    original = datasets._Loop.run
-
-    def run(self, batches, broadcast, meter, interrupted, *rest):
-        chunk = self._chunk
-
-        def counted(guarded):
-            traced = chunk(guarded)
-            return lambda it, cur, i, limit, *more: (
-                limits.append(int(limit)),
-                traced(it, cur, i, limit, *more),
-            )[1]
-
-        self._chunk = counted
-        try:
-            return original(self, batches, broadcast, meter, interrupted, *rest)
-        finally:
-            del self._chunk
-
-    monkeypatch.setattr(datasets._Loop, "run", run)
+    f.streams.on_call = lambda limit, guarded: limits.append(limit)
     return limits
 
 
-def test_a_call_of_the_loop_grows_at_most_twofold(batches_per_call):
+def test_a_call_of_the_loop_grows_at_most_twofold():
     # Batches that turn slow after fast ones must not make one long, uninterruptible call.
-    limits = batches_per_call
     f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
+    limits = _batches_per_call(f)
     assert f(tf.data.Dataset.range(300), batch_size=2).numpy().tolist() == list(range(1, 301))
     assert limits[0] == 1
     assert all(b <= 2 * a for a, b in zip(limits, limits[1:])), limits
@@ -725,11 +705,11 @@ def test_a_call_of_the_loop_grows_at_most_twofold(batches_per_call):
     assert all(b <= 2 * a for a, b in zip(limits[1:], limits[2:])), limits
 
 
-def test_a_stream_of_heavier_batches_starts_with_one_batch_per_call(batches_per_call):
+def test_a_stream_of_heavier_batches_starts_with_one_batch_per_call():
     # The loop serves every batch size: a stream of big batches after many small ones
     # must not run the size the small ones reached in one uninterruptible call.
-    limits = batches_per_call
     f = tfshard.parallelize(lambda s: s + 1, devices=CPUS[:2])
+    limits = _batches_per_call(f)
     f(tf.data.Dataset.range(400), batch_size=2)
     assert max(limits) > 1
     limits.clear()

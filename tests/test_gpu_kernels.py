@@ -62,7 +62,7 @@ from __future__ import annotations
 import collections
 import functools
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -234,24 +234,18 @@ def _call(dtypes: tuple[str, ...], rows: int | None) -> Any:
     return call._replace(key=call.key._replace(leaves=leaves), rows=rows)
 
 
-class _Traced(Exception):
-    """Stops a stream once its loop is traced: nothing here can run on a GPU."""
-
-
 def _loop(engine: Any, dtypes: tuple[str, ...]) -> Any:
-    """The traced loop of a stream of [N, 3] batches, traced as `f(dataset)` traces it."""
-
-    def traced_only(*args: Any, **kwargs: Any) -> Any:
-        raise _Traced
-
-    runner = datasets.Runner(engine)
+    """The traced loop of a stream of [N, 3] batches, traced as `f(dataset)` traces it,
+    and not run (nothing here can run on a GPU)."""
     dataset = tf.data.Dataset.from_tensor_slices(_batch(dtypes, 8)).batch(4)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(datasets._Loop, "run", traced_only)
-        with pytest.raises(_Traced):
-            runner.run(_arguments.Arguments(_same, (), "f"), dataset, (), {})
-    (loop,) = runner.loops.values()
-    return loop
+    arguments = _arguments.Arguments(_same, (), "f")
+    return datasets.Runner(engine).traced_loop(arguments, dataset, (), {})
+
+
+class _Graph(NamedTuple):
+    """A traced loop's graph, read as a concrete function's (`.graph`)."""
+
+    graph: tf.Graph
 
 
 # Every graph a call of a function (or a stream of them) can run, by the case that
@@ -270,9 +264,9 @@ FORMS = {
     # A function that runs sample by sample (`_checked`: tf.map_fn), rows unknown.
     "sequential": lambda engine, dtypes: engine.trace(_call(dtypes, None)),
     # A dataset's traced loop: split on the host, pieces fed to the devices ahead.
-    "stream": lambda engine, dtypes: _loop(engine, dtypes)._chunk(False),
+    "stream": lambda engine, dtypes: _Graph(_loop(engine, dtypes).graph(False)),
     # Its twin for a batch that leaves a device no rows.
-    "stream_guarded": lambda engine, dtypes: _loop(engine, dtypes)._chunk(True),
+    "stream_guarded": lambda engine, dtypes: _Graph(_loop(engine, dtypes).graph(True)),
     # Static weights (`WEIGHTS`), rows unknown: planned in int32 where the batch is.
     "weighted": lambda engine, dtypes: engine.trace(_call(dtypes, None)),
     # Static weights of a total too large for an exact int32 plan: planned in int64 on

@@ -89,12 +89,20 @@ class Runner:
 
     Args:
       engine: the function's engine.
+
+    Attributes:
+      loops: the traced loops, by element spec and trace key.
+      on_call: None, or a callable that hears each call of a traced loop just
+        before it runs, as ``on_call(limit, guarded)``: the most batches the
+        call runs, and whether its shards are guarded (`_Loop.graph`). It runs
+        on the thread of the stream; what it raises stops the stream there.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._lock = threading.RLock()
-        self.loops: dict[Any, _Loop] = {}  # traced loops, by element spec and trace key
+        self.loops: dict[Any, _Loop] = {}
+        self.on_call: Callable[[int, bool], None] | None = None
         self._batches: dict[Any, Any] = {}  # a symbolic batch of each loop's element spec
         self._traces_dropped = engine.traces_dropped
 
@@ -313,16 +321,57 @@ class Runner:
         stream = _batches(self.engine.call, intake, batches, meter, first_row)
         return _reported(stream, meter)
 
+    def traced_loop(
+        self,
+        arguments: Arguments,
+        dataset: tf.data.Dataset,
+        args: tuple,
+        kwargs: dict,
+        **asked: Any,
+    ) -> _Loop | None:
+        """The traced loop `run` takes `dataset` through, traced but not run (its graphs:
+        `_Loop.graph`); None where `run` takes it through the Python loop. `asked`:
+        tfshard's keywords (`_intake.Asked`)."""
+        intake = self._take(arguments, dataset, args, kwargs, "(dataset)", **asked)
+        self._current()
+        found = self._loop_of(intake)
+        return None if found is None else found[0]
+
     def _graph_loop(
         self, intake: Intake, interrupted: Callable[[], bool]
     ) -> tuple[Any, int] | None:
-        """The whole dataset through a traced loop; None where it does not apply.
+        """The whole dataset through its traced loop (`_loop_of`); None where none applies.
+        Returns the result and the number of rows."""
+        found = self._loop_of(intake)
+        if found is None:
+            return None
+        loop, broadcast = found
+        engine = self.engine
+        meter = intake.meter()
+        try:
+            result, total = loop.run(
+                intake.batches, broadcast, meter, interrupted, engine, self.on_call
+            )
+        except tf.errors.OpError as error:
+            if meter:
+                meter.stopped(error)
+            raise engine.call_error(error, None, element=True) from None
+        except BaseException as error:  # Ctrl-C between calls: say where it stopped
+            if meter:
+                meter.stopped(error)
+            raise
+        if meter:
+            meter.close()
+        return result, total
 
-        It applies when the element spec fixes every per-sample shape (so no
+    def _loop_of(self, intake: Intake) -> tuple[_Loop, list[Any]] | None:
+        """The traced loop of the dataset, made at first use, and the call's broadcast
+        tensors; None where no traced loop applies.
+
+        One applies when the element spec fixes every per-sample shape (so no
         batch can change one, and outputs of all batches concatenate), the
         element is exactly the split arguments (further arguments are
-        broadcast or constants), and results land on this machine. Returns the
-        result and the number of rows.
+        broadcast or constants), and results land on this machine.
         """
         engine = self.engine
         spec = intake.batches.element_spec
@@ -359,22 +408,7 @@ class Runner:
                 shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
                 loop = _Loop(*steps, relaxed, shared_specs, engine.checked, bare=bare)
                 self.loops[key] = loop
-        meter = intake.meter()
-        try:
-            result, total = loop.run(
-                intake.batches, call.tensors[count:], meter, interrupted, engine
-            )
-        except tf.errors.OpError as error:
-            if meter:
-                meter.stopped(error)
-            raise engine.call_error(error, None, element=True) from None
-        except BaseException as error:  # Ctrl-C between calls: say where it stopped
-            if meter:
-                meter.stopped(error)
-            raise
-        if meter:
-            meter.close()
-        return result, total
+        return loop, call.tensors[count:]
 
     def _python_loop(self, intake: Intake) -> tuple[Any, int]:
         """The batches one call each, for elements whose per-sample shapes may change."""
@@ -848,11 +882,13 @@ class _Loop:
         meter: _stream.Progress | None,
         interrupted: Callable[[], bool],
         engine: Engine,
+        on_call: Callable[[int, bool], None] | None = None,
     ) -> tuple[Any, int]:
         """All of `batches` through the loop: the result, and how many rows.
 
         `interrupted` says whether Ctrl-C was pressed (`_stream.ctrl_c`); it is read
-        before each call of the loop. `engine` gives each call its feeds
+        before each call of the loop, and `on_call` (`Runner.on_call`) hears each call
+        just before it runs. `engine` gives each call its feeds
         (`Engine.feeds`) and takes its shards' timing (`Engine.observe`). The
         host reads one int32 vector per call (`_counts`: in host memory on a
         GPU). Each stream's first call runs one batch; a stream whose batches
@@ -878,6 +914,8 @@ class _Loop:
         while True:
             if interrupted():  # pressed while Python could not raise it (`_stream.ctrl_c`)
                 raise KeyboardInterrupt
+            if on_call is not None:
+                on_call(limit, guarded)
             began = time.perf_counter()
             feeds = engine.feeds(total)
             chunk = self._chunk(guarded)
