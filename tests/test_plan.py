@@ -178,6 +178,116 @@ def test_weights_fed_at_run_time_plan_as_the_same_weights_traced(n, weights):
     assert even.numpy().tolist() == _plan.plan_rows(n, count, None)  # equal weights: even
 
 
+# ------------------------------------------------------ plans under caps, property
+
+
+def _water_filled(n, weights, caps):
+    """Independent reference for a plan under caps, in exact fractions: the water level
+    found by taking the devices in order of cap per weight (the first to fill first),
+    each at its cap while its share of the rows left at that level passes it; the rest
+    share the rows left by their weights (none left: every device by its weight, past
+    the caps); then largest-remainder rounding of those real shares."""
+    count = len(caps)
+    w = weights or (1,) * count
+    real = [Fraction(0)] * count
+    open_ = [k for k in range(count) if w[k] > 0]
+    left = Fraction(n)
+    capped = [k for k in open_ if caps[k] is not None]
+    for k in sorted(capped, key=lambda k: Fraction(caps[k], w[k])):
+        if left * w[k] / sum(w[j] for j in open_) <= caps[k]:
+            break
+        real[k] = Fraction(caps[k])
+        left -= caps[k]
+        open_.remove(k)
+    sharing = open_ or [k for k in range(count) if w[k] > 0]
+    total = sum(w[j] for j in sharing)
+    for j in sharing:
+        real[j] += left * w[j] / total
+    base = [int(r) for r in real]
+    order = sorted(range(count), key=lambda k: (-(real[k] - base[k]), k))
+    for k in order[: n - sum(base)]:
+        base[k] += 1
+    return base
+
+
+_CAPPED_PLANS = {}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(0, 3000),
+    weights=st.none() | st.lists(st.integers(0, 9), min_size=1, max_size=5).filter(any),
+    caps=st.lists(st.none() | st.integers(0, 600), min_size=5, max_size=5),
+    fed=st.booleans(),
+)
+def test_a_plan_under_caps_is_water_filling(n, weights, caps, fed):
+    """Python's plan and the graph's (weights as constants or fed, caps constants) are
+    the exact water-filling reference: within the caps wherever they hold the rows,
+    the rows over them shared by the weights of the devices under theirs."""
+    count = len(weights) if weights else 3
+    weights = tuple(weights) if weights else None
+    caps = tuple(caps[:count])
+    want = _water_filled(n, weights, caps)
+    assert _plan.plan_rows(n, count, weights, caps) == want
+    fits = _plan.capacity(weights, caps)
+    if fits is None or n <= fits:
+        assert all(c is None or size <= c for size, c in zip(want, caps))
+    assert sum(want) == n
+    if fed and weights is not None:
+        key = (count, caps)
+        plan = _CAPPED_PLANS.get(key)
+        if plan is None:  # one trace per device count and caps: rows and weights are inputs
+            plan = _CAPPED_PLANS[key] = tf.function(
+                lambda n, w: _plan.plan_sizes(n, count, w, caps), autograph=False
+            ).get_concrete_function(
+                tf.TensorSpec([], tf.int64), tf.TensorSpec([count], tf.int64)
+            )
+        in_graph = plan(tf.constant(n, tf.int64), tf.constant(weights, tf.int64))
+    else:
+        in_graph = _plan.plan_sizes(tf.constant(n, tf.int64), count, weights, caps)
+    assert in_graph.numpy().tolist() == want
+
+
+@pytest.mark.parametrize(
+    "n, weights, caps, expected",
+    [
+        (0, (3, 1), (2, None), [0, 0]),  # no rows
+        (8, (3, 1), (2, None), [2, 6]),  # the rows over device 0's cap go to device 1
+        (8, (3, 1), (6, None), [6, 2]),  # 6 of 8 is its quota exactly: not over
+        (12, (1, 1, 1), (2, None, None), [2, 5, 5]),
+        (12, (2, 1, 1), (3, 4, None), [3, 4, 5]),  # two rounds: device 0, then device 1
+        (7, (1,), (10,), [7]),  # one device, under its cap
+        (7, (1,), (3,), [7]),  # one device over its cap: every row by the weights
+        (9, (1, 1), (4, 3), [5, 4]),  # all capped, 2 rows over: by the weights, past both
+        (5, (1, 0), (2, None), [5, 0]),  # a device weighted 0 takes nothing, capped or not
+        (5, None, (0, None, None), [0, 3, 2]),  # a cap of 0: no rows at all
+    ],
+)
+def test_plans_under_caps(n, weights, caps, expected):
+    count = len(caps)
+    assert _plan.plan_rows(n, count, weights, caps) == expected == _water_filled(n, weights, caps)
+    in_graph = _plan.plan_sizes(tf.constant(n, tf.int64), count, weights, caps)
+    assert in_graph.numpy().tolist() == expected
+
+
+def test_capacity_is_what_the_caps_hold_and_no_caps_add_no_ops():
+    assert _plan.capacity((3, 1), (2, None)) is None  # device 1 takes any rows
+    assert _plan.capacity((3, 1), (2, 5)) == 7
+    assert _plan.capacity((1, 0), (2, None)) == 2  # device 1 takes no rows
+    assert _plan.capacity(None, (2, 5, 1)) == 8
+    assert _plan.capacity((3, 1), None) is None and not _plan.capped((None, None))
+    assert not _plan.planned_where_the_batch_is((3, 1), (2, None))
+    assert _plan.planned_where_the_batch_is((3, 1), (None, None))
+
+    def ops(caps):
+        graph = tf.function(
+            lambda n: _plan.plan_sizes(n, 2, (3, 1), caps), autograph=False
+        ).get_concrete_function(tf.TensorSpec([], tf.int64))
+        return sorted(op.type for op in graph.graph.get_operations())
+
+    assert ops(None) == ops((None, None)) != ops((2, None))
+
+
 def test_plan_and_explain_work_inside_a_tf_function():
     f = tfshard.parallelize(tf.identity, devices=CPUS[:3], weights=[2, 1, 1])
     seen = []

@@ -18,6 +18,19 @@ no more transfers than a hand-written ``tf.split`` where the batch is.
 Weights fed at run time (``weights="auto"``), or static weights whose total
 is too large for exact int32 arithmetic, are planned in int64 on the host
 instead (`device_plan`), and only their int32 sizes cross to the split.
+
+**Caps.** ``weights="auto"`` may hold a device to at most so many rows (a cap
+learned when a shard of that many more ran out of memory,
+`tfshard._balance.Balance.caps`). A plan with caps is water-filling: each
+device's share is its quota by the weights of the rows left, a device whose
+quota passes its cap gets its cap and leaves, and the rows left are shared
+again by the weights of the devices still under theirs, until no quota passes
+a cap; then largest-remainder rounding as without caps (a cap is an integer,
+so rounding never passes it). The caps are constants of the graph, planned in
+int64 on the host, one round per capped device (`plan_sizes`); a plan without
+caps has none of these ops. Rows beyond what the caps hold together
+(`capacity`) go by the weights, past the caps: a call of so many rows raises
+before it runs (`tfshard._engine.Engine.plan`).
 """
 
 from __future__ import annotations
@@ -83,11 +96,31 @@ def int32_weights(weights: tuple[int, ...] | tf.Tensor | None) -> tuple[int, ...
     return reduced if sum(reduced) <= INT32_TOTAL else None
 
 
-def planned_where_the_batch_is(weights: tuple[int, ...] | tf.Tensor | None) -> bool:
+Caps = tuple[int | None, ...]  # each device's most rows, None: no cap
+
+
+def planned_where_the_batch_is(
+    weights: tuple[int, ...] | tf.Tensor | None, caps: Caps | None = None
+) -> bool:
     """Whether a plan of these weights is int32 arithmetic where the batch is
-    (`plan_sizes_int32`): even, or static with a small total (`int32_weights`);
-    else it is int64 on the host (`plan_sizes`)."""
-    return weights is None or int32_weights(weights) is not None
+    (`plan_sizes_int32`): even, or static with a small total (`int32_weights`),
+    and no caps; else it is int64 on the host (`plan_sizes`)."""
+    return not capped(caps) and (weights is None or int32_weights(weights) is not None)
+
+
+def capped(caps: Caps | None) -> bool:
+    """Whether `caps` hold any device to fewer rows (None, or all None: no)."""
+    return caps is not None and any(c is not None for c in caps)
+
+
+def capacity(weights: tuple[int, ...] | None, caps: Caps | None) -> int | None:
+    """The most rows a plan of these weights gives within `caps`: the caps of the devices
+    it gives rows to added up, or None where one of them has no cap (any rows fit)."""
+    if not capped(caps):
+        return None
+    weights = (1,) * len(caps) if weights is None else weights
+    held = [c for w, c in zip(weights, caps) if w > 0]
+    return None if None in held else sum(held)
 
 
 def plan_sizes_int32(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) -> tf.Tensor:
@@ -121,7 +154,10 @@ def plan_sizes_int32(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) 
 
 
 def plan_sizes(
-    n: tf.Tensor, count: int, weights: tuple[int, ...] | tf.Tensor | None
+    n: tf.Tensor,
+    count: int,
+    weights: tuple[int, ...] | tf.Tensor | None,
+    caps: Caps | None = None,
 ) -> tf.Tensor:
     """Shard sizes for `n` rows on `count` devices, as an int64 vector summing to n.
 
@@ -130,7 +166,8 @@ def plan_sizes(
     ``n * w_k / sum(w)`` and the rows left over go one each to the largest
     remainders (ties to the lower index): largest-remainder rounding. Equal
     weights give the unweighted plan. `plan_sizes_int32` is the same plan in
-    int32, for the plans made where the batch is.
+    int32, for the plans made where the batch is. With `caps`, the quotas are
+    water-filled under them first (module docstring).
 
     Args:
       n: the rows, a scalar tensor.
@@ -138,9 +175,13 @@ def plan_sizes(
       weights: `integer_weights` as constants of the graph, or as an int64
         ``[count]`` tensor fed at run time (``weights="auto"``, whose weights
         change without a new trace), or None for an even split.
+      caps: each device's most rows (None: no cap), constants of the graph, or
+        None for no caps.
     """
     n = tf.cast(n, tf.int64)
     index = tf.range(count, dtype=tf.int64)
+    if capped(caps):
+        return _capped_sizes(n, count, weights, caps, index)
     if weights is None:
         return n // count + tf.cast(index < n % count, tf.int64)
     if isinstance(weights, tf.Tensor):
@@ -149,6 +190,42 @@ def plan_sizes(
     else:
         w = tf.constant(weights, tf.int64)
         total = sum(weights)
+    return _shares(n, w, total, index)
+
+
+def _capped_sizes(
+    n: tf.Tensor,
+    count: int,
+    weights: tuple[int, ...] | tf.Tensor | None,
+    caps: Caps,
+    index: tf.Tensor,
+) -> tf.Tensor:
+    """`plan_sizes` under `caps`: one round per capped device fixes each device whose
+    quota of the rows left passes its cap (exactly: ``left * w_k > cap_k * W``, W the
+    weights of the devices still open), then the rows left are shared by largest
+    remainder among the open devices (by every weight where none is left open)."""
+    if isinstance(weights, tf.Tensor):
+        w = tf.reshape(tf.cast(weights, tf.int64), [count])
+    else:
+        w = tf.constant((1,) * count if weights is None else weights, tf.int64)
+    limit = tf.constant([0 if c is None else c for c in caps], tf.int64)
+    has_cap = tf.constant([c is not None for c in caps])
+    zero = tf.zeros([count], tf.int64)
+    open_ = w > 0
+    fixed = zero
+    for _ in range(sum(c is not None for c in caps)):
+        left = n - tf.reduce_sum(fixed)
+        now = tf.where(open_, w, zero)
+        over = open_ & has_cap & (left * w > limit * tf.reduce_sum(now))
+        fixed = tf.where(over, limit, fixed)
+        open_ = open_ & ~over
+    left = n - tf.reduce_sum(fixed)
+    shared = tf.where(tf.reduce_any(open_), tf.where(open_, w, zero), w)
+    return fixed + _shares(left, shared, tf.reduce_sum(shared), index)
+
+
+def _shares(n: tf.Tensor, w: tf.Tensor, total: Any, index: tf.Tensor) -> tf.Tensor:
+    """Largest-remainder shares of `n` rows by the int64 weights `w` of sum `total`."""
     quota = n * w  # Exact: n < 2**31 and total <= 2**24 + count.
     base = quota // total
     remainder = quota % total
@@ -161,8 +238,20 @@ def plan_sizes(
     return base + tf.cast(rank < left, tf.int64)
 
 
-def plan_rows(n: int, count: int, weights: tuple[int, ...] | None) -> list[int]:
+def plan_rows(
+    n: int, count: int, weights: tuple[int, ...] | None, caps: Caps | None = None
+) -> list[int]:
     """`plan_sizes` in Python, for `plan`, `explain` and messages (no TF ops: works in a graph)."""
+    if capped(caps):
+        w = (1,) * count if weights is None else weights
+        fixed, open_ = [0] * count, [x > 0 for x in w]
+        for _ in range(sum(c is not None for c in caps)):
+            left, total = n - sum(fixed), sum(x for x, o in zip(w, open_) if o)
+            for k in range(count):
+                if open_[k] and caps[k] is not None and left * w[k] > caps[k] * total:
+                    fixed[k], open_[k] = caps[k], False
+        shared = tuple(x if o else 0 for x, o in zip(w, open_)) if any(open_) else w
+        return [f + r for f, r in zip(fixed, plan_rows(n - sum(fixed), count, shared))]
     if weights is None:
         return [n // count + (1 if k < n % count else 0) for k in range(count)]
     total = sum(weights)
@@ -218,12 +307,15 @@ class Planned(NamedTuple):
 
 
 def plan_device(
-    split_devices: Sequence[str], weights: tuple[int, ...] | tf.Tensor | None, host: str
+    split_devices: Sequence[str],
+    weights: tuple[int, ...] | tf.Tensor | None,
+    host: str,
+    caps: Caps | None = None,
 ) -> str:
     """Where `plan_and_split` plans: where the first split argument lives ("" where
     that is the caller's scope: a tensor of a graph, a stream's batch on the host),
-    or `host` for weights it plans there (`planned_where_the_batch_is`)."""
-    if not planned_where_the_batch_is(weights):
+    or `host` for weights or caps it plans there (`planned_where_the_batch_is`)."""
+    if not planned_where_the_batch_is(weights, caps):
         return host
     return split_devices[0] if split_devices else ""
 
@@ -235,6 +327,7 @@ def plan_and_split(
     count: int,
     weights: tuple[int, ...] | tf.Tensor | None,
     host: str,
+    caps: Caps | None = None,
 ) -> Planned:
     """The rows and shard sizes where the batch is, then every split argument cut where
     it lives.
@@ -256,17 +349,18 @@ def plan_and_split(
       weights: `integer_weights`, as constants or an int64 tensor fed at run
         time (`plan_sizes`), or None for an even split.
       host: the CPU of a plan made on the host.
+      caps: each device's most rows, constants (`plan_sizes`), or None: no caps.
     """
     batch = split_devices[0] if split_devices else ""
     n = agreed_rows(inputs, split_devices, paths, batch)
     with _kinds.placed(batch):
         total = tf.cast(n, tf.int64)
-    where = plan_device(split_devices, weights, host)
+    where = plan_device(split_devices, weights, host, caps)
     with _kinds.placed(where):
-        if planned_where_the_batch_is(weights):
+        if planned_where_the_batch_is(weights, caps):
             sizes = plan_sizes_int32(n, count, int32_weights(weights))
         else:
-            sizes = tf.cast(plan_sizes(n, count, weights), tf.int32)
+            sizes = tf.cast(plan_sizes(n, count, weights, caps), tf.int32)
     pieces = []
     for tensor, device in zip(inputs, split_devices):
         with _kinds.placed(device):  # "": where the caller's scope says (a stream's host)
