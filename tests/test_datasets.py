@@ -801,7 +801,7 @@ def _loop_body(f, guarded=False):
 
 
 def _batch_call(body, library):
-    """The body's call of the batch's shards (`_Loop._batch`), and that function."""
+    """The body's call of the batch's shards (`_Loop._batch_graph`), and that function."""
     (call,) = [
         n
         for n in body.node_def

@@ -68,7 +68,7 @@ def _on_host_cpus(engine: Engine) -> bool:
 
 
 def _check_eager(name: str, how: str) -> None:
-    """Refuses a stream inside a tf.function: it runs Python per chunk of batches."""
+    """Refuses a stream inside a tf.function: it runs Python between calls of its loop."""
     if not tf.executing_eagerly():
         raise ArgumentError(
             f"{name}{how} inside a tf.function: streaming a dataset runs Python between "
@@ -103,7 +103,7 @@ class Runner:
         self._lock = threading.RLock()
         self.loops: dict[Any, _Loop] = {}
         self.on_call: Callable[[int, bool], None] | None = None
-        self._batches: dict[Any, Any] = {}  # a symbolic batch of each loop's element spec
+        self._symbolic_elements: dict[Any, Any] = {}  # a symbolic element of each loop's spec
         self._traces_dropped = engine.traces_dropped
 
     @property
@@ -316,9 +316,9 @@ class Runner:
         meter: _stream.Progress | None,
         first_row: int = 0,
     ) -> Iterator[tuple[Any, int]]:
-        """``(result, rows)`` for each of `batches`, one call each, in order (`_batches`),
+        """``(result, rows)`` for each of `batches`, one call each, in order (`_per_batch_calls`),
         `first_row` the global row of the first batch's first row (`tfshard.row_index`)."""
-        stream = _batches(self.engine.call, intake, batches, meter, first_row)
+        stream = _per_batch_calls(self.engine.call, intake, batches, meter, first_row)
         return _reported(stream, meter)
 
     def traced_loop(
@@ -383,9 +383,9 @@ class Runner:
         # Python knows neither its rows (an error names the shard's slice) nor its
         # device, nor whether its fields' rows agree (the step's plan checks them, as
         # in a tf.function).
-        batch = self._batches.get(loop_spec)
+        batch = self._symbolic_elements.get(loop_spec)
         if batch is None:
-            batch = self._batches.setdefault(loop_spec, _symbolic(relaxed))
+            batch = self._symbolic_elements.setdefault(loop_spec, _symbolic(relaxed))
         try:
             call = intake.call(batch)
         except ArgumentError:
@@ -405,8 +405,8 @@ class Runner:
                 steps = [engine.step(call, beside_transfers=True, guarded=g) for g in (False, True)]
                 weights = steps[0].weights
                 bare = not steps[0].options.jit_compile and not (weights and 0 in weights)
-                shared_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
-                loop = _Loop(*steps, relaxed, shared_specs, engine.checked, bare=bare)
+                broadcast_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
+                loop = _Loop(*steps, relaxed, broadcast_specs, engine.checked, bare=bare)
                 self.loops[key] = loop
         return loop, call.tensors[count:]
 
@@ -422,7 +422,7 @@ class Runner:
         # accumulator dtype), finished once at the end.
         run = engine.call if op is None else engine.totals
         meter = intake.meter()
-        stream = _reported(_batches(run, intake, intake.batches, meter), meter)
+        stream = _reported(_per_batch_calls(run, intake, intake.batches, meter), meter)
         for result, batch_rows in stream:
             total += batch_rows
             if op is None:
@@ -477,7 +477,7 @@ def _read_counts(counts: tf.Tensor) -> tuple[int, bool, int]:
     return n, bool(more), high * 2**31 + low
 
 
-def _batches(
+def _per_batch_calls(
     run: Callable[[Call, int], Any],
     intake: Intake,
     batches: tf.data.Dataset,
@@ -584,7 +584,7 @@ def _static_inner_shapes(spec: Any) -> bool:
 class _Loop:
     """Traced loops over the batches of datasets with one element spec.
 
-    `run` iterates the dataset in calls of a traced `tf.function` (`_chunk`),
+    `run` iterates the dataset in calls of a traced `tf.function` (`_call_graph`),
     each a `tf.while_loop` over up to ``limit`` batches, sized so a call lasts
     about half a second: Python gets control back that often, for Ctrl-C and
     progress, while the batches themselves run with no Python between them.
@@ -607,7 +607,7 @@ class _Loop:
     accumulator dtype (float32 for float16 outputs, int64 for int32's) between
     calls too, and finished once after the last batch.
 
-    The loop's body calls one traced graph of a batch's shards (`_batch`), which
+    The loop's body calls one traced graph of a batch's shards (`_batch_graph`), which
     is traced before the loop and tells the outputs' specs that the loop's
     state needs: each such graph traces the function once per device, as
     MirroredStrategy does (a stream traces a second one, guarded, only when a
@@ -631,32 +631,32 @@ class _Loop:
         step: Step,
         guarded: Step,
         spec: Any,
-        shared_specs: Sequence[tf.TypeSpec],
+        broadcast_specs: Sequence[tf.TypeSpec],
         checked: Callable[[Any], Any],
         *,
         bare: bool = True,
     ) -> None:
         self._step = step
         self._steps = {False: step, True: guarded}
-        self._bare = bare  # whether a stream starts with bare shards (`_run_chunk`)
+        self._bare = bare  # whether a stream starts with bare shards (`_run_call`)
         self._tracing = threading.Lock()  # threads that need a loop trace it once
         self._count = len(step.devices)
         self._op = step.options.reduce
         self._last_limit = 1  # batches per call that last took about CALL_SECONDS
-        self._shared_specs = list(shared_specs)
-        self._batches: dict[bool, Any] = {}  # `_batch`'s graphs, bare and guarded
+        self._broadcast_specs = list(broadcast_specs)
+        self._batch_graphs: dict[bool, Any] = {}  # `_batch_graph`, bare and guarded
         self._checked = checked
         # One batch's specs as `_feed` leaves it: planned, split, on its devices.
         element_specs = _trees.flatten(spec)[0]
         fed = tf.function(
             lambda *tensors: self._step.onto_devices(self._step.plan(tensors)[0]),
             autograph=False,
-        ).get_concrete_function(*element_specs, *shared_specs)
+        ).get_concrete_function(*element_specs, *broadcast_specs)
         self._fed_spec = tf.nest.map_structure(tf.type_spec_from_value, fed.structured_outputs)
         # The graph of one batch's shards (the function traced once per device; the loop calls it)
         # tells the outputs' structure, dtypes and shapes, which the loop's state needs
         # before the loop is traced.
-        first = self._batch(guarded=not bare)
+        first = self._batch_graph(guarded=not bare)
         like, per_batch, _ = first.structured_outputs
         self._structure = _trees.flatten(like)[1]
         # One shard's output leaves (or the batch's `collect.Total`s), and entries per
@@ -674,17 +674,17 @@ class _Loop:
         feed_specs = [tf.TensorSpec([], tf.int64)]
         if step.balanced:
             feed_specs.append(tf.TensorSpec([self._count], tf.int64))
-        self._chunk_specs = (
+        self._call_specs = (
             tf.data.IteratorSpec(spec),
             tf.OptionalSpec(spec),
             tf.TensorSpec([], tf.int32),
             tf.TensorSpec([], tf.int32),
             feed_specs,
             self._state_specs,
-            self._shared_specs,
+            self._broadcast_specs,
         )
-        self._chunks: dict[bool, Any] = {}
-        self._chunk(guarded=not bare)
+        self._call_graphs: dict[bool, Any] = {}
+        self._call_graph(guarded=not bare)
         if self._op is None:
             with tf.device(step.output):
                 leaves = self.leaves
@@ -698,56 +698,56 @@ class _Loop:
     @property
     def trace_count(self) -> int:
         """The loop's graphs: bare shards, and guarded ones once a batch needed them."""
-        return len(self._chunks)
+        return len(self._call_graphs)
 
     def graph(self, guarded: bool) -> tf.Graph:
-        """The graph of the loop's calls (`_run_chunk`), with bare or guarded shards."""
-        return self._chunk(guarded).graph
+        """The graph of the loop's calls (`_run_call`), with bare or guarded shards."""
+        return self._call_graph(guarded).graph
 
-    def _chunk(self, guarded: bool) -> Any:
-        """The loop's graph (`_run_chunk`) with bare or guarded shards, traced on first use."""
-        chunk = self._chunks.get(guarded)
-        if chunk is not None:
-            return chunk
+    def _call_graph(self, guarded: bool) -> Any:
+        """The loop's graph (`_run_call`) with bare or guarded shards, traced on first use."""
+        graph = self._call_graphs.get(guarded)
+        if graph is not None:
+            return graph
         with self._tracing:
-            chunk = self._chunks.get(guarded)
-            if chunk is None:
-                run = functools.partial(self._run_chunk, guarded)
-                chunk = tf.function(run, autograph=False).get_concrete_function(*self._chunk_specs)
-                self._chunks[guarded] = chunk
-        return chunk
+            graph = self._call_graphs.get(guarded)
+            if graph is None:
+                run = functools.partial(self._run_call, guarded)
+                graph = tf.function(run, autograph=False).get_concrete_function(*self._call_specs)
+                self._call_graphs[guarded] = graph
+        return graph
 
-    def _batch(self, guarded: bool) -> Any:
+    def _batch_graph(self, guarded: bool) -> Any:
         """The graph of one batch's shards (`_run_batch`), bare or guarded, traced once.
 
         The loop's body calls it (TensorFlow inlines the call when it runs the
         loop), so each graph traces the function once per device, and the loop
         learns its outputs' specs from the same trace before it is traced.
         """
-        batch = self._batches.get(guarded)
+        batch = self._batch_graphs.get(guarded)
         if batch is None:
             step = self._steps[guarded]
 
-            def tfshard_batch(fed: Planned, shared: list, offset: tf.Tensor) -> tuple:
-                return self._run_batch(step, fed, shared, offset)  # named so in errors
+            def tfshard_batch(fed: Planned, broadcast: list, offset: tf.Tensor) -> tuple:
+                return self._run_batch(step, fed, broadcast, offset)  # named so in errors
 
             batch = tf.function(tfshard_batch, autograph=False).get_concrete_function(
-                self._fed_spec, self._shared_specs, tf.TensorSpec([], tf.int64)
+                self._fed_spec, self._broadcast_specs, tf.TensorSpec([], tf.int64)
             )
             # The loop nests its shards where the engine's checks cannot read them; this
             # graph holds them at its top level, each on its device, under its replica: a
             # shard that writes a replicated variable (or, compiled, reads one on another
             # device) is refused here, before anything runs.
-            self._batches[guarded] = self._checked(batch)
+            self._batch_graphs[guarded] = self._checked(batch)
         return batch
 
     @staticmethod
-    def _run_batch(step: Step, fed: Planned, shared: list, offset: tf.Tensor) -> tuple:
+    def _run_batch(step: Step, fed: Planned, broadcast: list, offset: tf.Tensor) -> tuple:
         """One batch's shards on the pieces `_feed` put on their devices, at `offset` (its
         first row in the stream): its outputs as the function returns them (for their
         structure), its entries (each shard's output leaves, checked, or the batch's
         totals) and, where the step times its shards, ``(rows, seconds)``."""
-        outputs = step.run(fed, shared, offset)
+        outputs = step.run(fed, broadcast, offset)
         like = _trees.build(outputs.structure, iter(outputs.flat[0]))
         if step.options.reduce is None:
             step.check(outputs, fed)
@@ -758,12 +758,12 @@ class _Loop:
         return like, per_batch, timing
 
     def _feed(
-        self, batch: Any, wanted: tf.Tensor, shared: Sequence[Any], weights: tf.Tensor | None
+        self, batch: Any, wanted: tf.Tensor, broadcast: Sequence[Any], weights: tf.Tensor | None
     ) -> tuple[Planned, tuple[tf.Tensor, tf.Tensor]]:
         """The batch in the optional `batch`, planned, split and on its devices; and its
         rows and each shard's, on the host (where the loop reads them).
 
-        Runs ahead of the batch's shards (`_run_chunk`): the plan (which checks
+        Runs ahead of the batch's shards (`_run_call`): the plan (which checks
         that the element's fields have the same rows) and the split run on the
         host, where the iterator leaves the batch, and each piece is copied to
         its shard's device (`Step.onto_devices`), so a GPU receives its rows
@@ -778,13 +778,13 @@ class _Loop:
                     lambda: _trees.flatten(zeros(batch.element_spec))[0],
                 )
                 # [B, ...] -> K x [B_k, ...]
-                planned, _ = self._step.plan([*tensors, *shared], weights)
+                planned, _ = self._step.plan([*tensors, *broadcast], weights)
             with tf.device(HOST):
                 # Counted here again: a device alone counts its rows on the device.
                 sizes = (tf.cast(rows(tensors[0]), tf.int64), tf.identity(planned.sizes))
             return self._step.onto_devices(planned), sizes
 
-    def _run_chunk(
+    def _run_call(
         self,
         guarded: bool,
         iterator: Any,
@@ -793,7 +793,7 @@ class _Loop:
         limit: tf.Tensor,
         feeds: list,
         state: list,
-        shared: list,
+        broadcast: list,
     ) -> tuple:
         """Up to `limit` batches; `state` holds the TensorList flows or the running totals.
 
@@ -818,7 +818,7 @@ class _Loop:
         stops before a batch that would give a device no rows: `run` runs the
         rest of the stream through the guarded loop.
         """
-        op, output, batch = self._op, self._step.output, self._batch(guarded)
+        op, output, batch = self._op, self._step.output, self._batch_graph(guarded)
         before, weights = feeds[0], (feeds[1] if len(feeds) > 1 else None)
 
         def body(i, n, total, more, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
@@ -829,8 +829,8 @@ class _Loop:
                 wanted = n + 1 < limit  # none past this call's last batch
                 offset = before + total
             # The next batch onto the devices while this one runs.
-            fed_next = self._feed(following, wanted, shared, weights)
-            _, per_batch, timing = batch(fed, shared, offset)
+            fed_next = self._feed(following, wanted, broadcast, weights)
+            _, per_batch, timing = batch(fed, broadcast, offset)
             with tf.device(output):
                 if op is None:
                     state = collect.write_shards(state, self.leaves, i * self._slots, per_batch)
@@ -848,7 +848,7 @@ class _Loop:
             current = _on_host(current)
             rows = tf.zeros([self._count], tf.int64)
             seconds = tf.zeros([self._count], tf.float64)
-        fed = self._feed(current, tf.constant(True), shared, weights)
+        fed = self._feed(current, tf.constant(True), broadcast, weights)
 
         def going(i, n, total, more, current, fed, state, rows, seconds):  # noqa: ANN001, ANN202
             with tf.device(HOST):
@@ -918,15 +918,15 @@ class _Loop:
                 on_call(limit, guarded)
             began = time.perf_counter()
             feeds = engine.feeds(total)
-            chunk = self._chunk(guarded)
+            graph = self._call_graph(guarded)
             with tf.device(self._step.output):
-                current, i, counts, state, rows, seconds = chunk(
+                current, i, counts, state, rows, seconds = graph(
                     iterator, current, i, tf.constant(limit), feeds, state, broadcast
                 )
             # The call's one read on the host (int32: in host memory on a GPU).
             n, more, batch_rows = _read_counts(counts)
             if self._step.balanced and n:
-                engine.observe(Timing(rows, seconds), id(chunk))
+                engine.observe(Timing(rows, seconds), id(graph))
             total += batch_rows
             if meter and n:
                 meter.update(batch_rows, n)

@@ -60,7 +60,7 @@ class ShardedFunction:
 
     def __init__(self, fn: Callable[..., Any], options: _options.Options) -> None:
         name = getattr(fn, "__name__", type(fn).__name__)
-        self._shared = _Shared(fn, options, _arguments.Arguments(fn, options.broadcast, name))
+        self._parts = _Parts(fn, options, _arguments.Arguments(fn, options.broadcast, name))
         self.__name__ = name
         # Not updated=("__dict__",): the wrapped object's attributes (a Keras layer's
         # _lock, a tf.function's _jit_compile) must not replace ours.
@@ -120,8 +120,8 @@ class ShardedFunction:
     def trace_count(self) -> int:
         """Graphs traced so far (dataset loops included): one per argument signature, one more
         per sample for exactly the first batch size, one for fewer rows than devices."""
-        streams = 0 if self._shared.runner is None else self._shared.runner.trace_count
-        return (0 if self._shared.engine is None else self._shared.engine.trace_count) + streams
+        streams = 0 if self._parts.runner is None else self._parts.runner.trace_count
+        return (0 if self._parts.engine is None else self._parts.engine.trace_count) + streams
 
     @property
     def streams(self) -> datasets.Runner:
@@ -170,11 +170,11 @@ class ShardedFunction:
           0      /device:CPU:0  [0:3)      3  /device:CPU:0
           1      /device:CPU:1  [3:5)      2  -> /device:CPU:0
         """
-        call = self._shared.arguments.classify(args, kwargs)
+        call = self._parts.arguments.classify(args, kwargs)
         if call.rows is None:
             raise ArgumentError("explain() needs arguments whose row count is known")
         engine = self._engine()
-        return _explain.table(engine, call, self.plan(call.rows), self.__name__, self._shared.fn)
+        return _explain.table(engine, call, self.plan(call.rows), self.__name__, self._parts.fn)
 
     def replicas(self) -> contextlib.AbstractContextManager[Any]:
         """A scope in which new variables get one copy on each of this function's devices.
@@ -224,10 +224,10 @@ class ShardedFunction:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args and isinstance(args[0], tf.data.Dataset):
             options = {k: kwargs.pop(k) for k in _intake.DATASET_OPTIONS if k in kwargs}
-            return self._runner().run(self._shared.arguments, args[0], args[1:], kwargs, **options)
+            return self._runner().run(self._parts.arguments, args[0], args[1:], kwargs, **options)
         if kwargs and not _STREAM_KEYWORDS.isdisjoint(kwargs):
-            _intake.refuse_stream_options(self._shared.arguments, kwargs)
-        call = self._shared.arguments.classify(args, kwargs)
+            _intake.refuse_stream_options(self._parts.arguments, kwargs)
+        call = self._parts.arguments.classify(args, kwargs)
         return self._engine().call(call)
 
     _call_unconverted = _not_converted(_call)
@@ -272,7 +272,7 @@ class ShardedFunction:
                 f"{self.__name__}.per_shard() takes tensors and arrays, not a "
                 f"tf.data.Dataset; stream one with {self.__name__}.iterate(dataset)"
             )
-        return self._engine().per_shard(self._shared.arguments.classify(args, kwargs))
+        return self._engine().per_shard(self._parts.arguments.classify(args, kwargs))
 
     @_not_converted
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
@@ -295,7 +295,7 @@ class ShardedFunction:
         >>> sorted({op.device for op in graph.get_operations() if "shard_1/" in op.name})
         ['/device:CPU:1']
         """
-        return self._engine().trace(self._shared.arguments.classify(args, kwargs))
+        return self._engine().trace(self._parts.arguments.classify(args, kwargs))
 
     @_not_converted
     def get_measured_function(self, *args: Any, **kwargs: Any) -> Any:
@@ -313,7 +313,7 @@ class ShardedFunction:
           where no call is measured: weights other than ``"auto"``, or every
           other device found useless.
         """
-        return self._engine().trace(self._shared.arguments.classify(args, kwargs), measured=True)
+        return self._engine().trace(self._parts.arguments.classify(args, kwargs), measured=True)
 
     @_not_converted
     def iterate(
@@ -365,7 +365,7 @@ class ShardedFunction:
                 f"{type(dataset).__name__}; call {self.__name__}(x) for tensors and arrays"
             )
         stream = self._runner().iterate(
-            self._shared.arguments,
+            self._parts.arguments,
             dataset,
             args,
             kwargs,
@@ -451,7 +451,7 @@ class ShardedFunction:
         0
         """
         return self._runner().write(
-            self._shared.arguments,
+            self._parts.arguments,
             dataset,
             path,
             args,
@@ -463,7 +463,7 @@ class ShardedFunction:
         )
 
     def __repr__(self) -> str:
-        devices = self._shared.options.devices or "all devices"
+        devices = self._parts.options.devices or "all devices"
         return f"<tfshard.ShardedFunction {self.__name__} on {devices}>"
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
@@ -473,47 +473,47 @@ class ShardedFunction:
         # bound methods do, so ``self`` is the instance itself for the whole call.
         if instance is None:
             return self
-        if any(isinstance(b, int) for b in self._shared.arguments.broadcast):
+        if any(isinstance(b, int) for b in self._parts.arguments.broadcast):
             raise ArgumentError(
                 f"{self.__name__} is a method decorated with broadcast="
-                f"{tuple(self._shared.arguments.broadcast)!r}: a method's positions shift by self, "
+                f"{tuple(self._parts.arguments.broadcast)!r}: a method's positions shift by self, "
                 "so name its arguments instead, e.g. broadcast=('weights',)"
             )
-        shared = self._shared
-        bound = shared.bound.get(instance)
+        parts = self._parts
+        bound = parts.bound.get(instance)
         if bound is None:
             # Names only for methods (checked above): positions would shift by self.
-            broadcast = tuple(shared.arguments.broadcast)
-            options = dataclasses.replace(shared.options, broadcast=broadcast)
-            bound = ShardedFunction(_autograph.WeakMethod(shared.fn, instance), options)
-            shared.bound[instance] = bound
+            broadcast = tuple(parts.arguments.broadcast)
+            options = dataclasses.replace(parts.options, broadcast=broadcast)
+            bound = ShardedFunction(_autograph.WeakMethod(parts.fn, instance), options)
+            parts.bound[instance] = bound
         return _BoundMethod(bound, instance)
 
     # ------------------------------------------------------------ devices
 
     def _engine(self) -> _engine.Engine:
         """The engine, made when the devices are first needed (they resolve then)."""
-        shared = self._shared
-        if shared.engine is None:
-            with shared.lock:
-                if shared.engine is None:
-                    devices, output = shared.options.resolve()
+        parts = self._parts
+        if parts.engine is None:
+            with parts.lock:
+                if parts.engine is None:
+                    devices, output = parts.options.resolve()
                     # jit_compile=None becomes what the function is (a Keras model's own).
-                    options = shared.options.for_function(shared.fn, devices)
-                    shared.engine = _engine.Engine(
-                        shared.fn, options, name=self.__name__, devices=devices, output=output
+                    options = parts.options.for_function(parts.fn, devices)
+                    parts.engine = _engine.Engine(
+                        parts.fn, options, name=self.__name__, devices=devices, output=output
                     )
-        return shared.engine
+        return parts.engine
 
     def _runner(self) -> datasets.Runner:
         """What runs datasets through the engine, with its own caches."""
         engine = self._engine()
-        shared = self._shared
-        if shared.runner is None:
-            with shared.lock:
-                if shared.runner is None:
-                    shared.runner = datasets.Runner(engine)
-        return shared.runner
+        parts = self._parts
+        if parts.runner is None:
+            with parts.lock:
+                if parts.runner is None:
+                    parts.runner = datasets.Runner(engine)
+        return parts.runner
 
     # ------------------------------------------------------------ timeline
 
@@ -565,7 +565,7 @@ class ShardedFunction:
           0       /device:CPU:0     3  ...
           1       /device:CPU:1     3  ...
         """
-        arguments = self._shared.arguments
+        arguments = self._parts.arguments
         if args and isinstance(args[0], tf.data.Dataset):
             call = self._runner().one_batch(
                 arguments, args[0], args[1:], kwargs, batch_index, batch_size, batched
@@ -594,7 +594,7 @@ class _BoundMethod(ShardedFunction):
     """A decorated method of one instance: its ShardedFunction, holding the instance.
 
     Made at each attribute access (`ShardedFunction.__get__`), as Python makes a
-    bound method. It shares the `_Shared` of the ShardedFunction cached for the
+    bound method. It shares the `_Parts` of the ShardedFunction cached for the
     instance, which holds the instance only weakly (`_autograph.WeakMethod`);
     this object holds it strongly, so ``Model().apply(x)`` keeps its temporary
     alive through the call (and ``iterate`` through the stream), and a cached
@@ -607,9 +607,9 @@ class _BoundMethod(ShardedFunction):
 
     def __init__(self, function: ShardedFunction, instance: Any) -> None:
         # Not ShardedFunction.__init__: the cached function's parts, shared, not copied.
-        self._shared = function._shared
+        self._parts = function._parts
         self.__name__ = function.__name__
-        functools.update_wrapper(self, function._shared.fn, updated=())
+        functools.update_wrapper(self, function._parts.fn, updated=())
         self.__func__ = function
         self.__self__ = instance
 
@@ -626,19 +626,19 @@ class _BoundMethod(ShardedFunction):
         # As bound methods compare: the same function of the same instance.
         return (
             isinstance(other, _BoundMethod)
-            and other._shared is self._shared
+            and other._parts is self._parts
             and other.__self__ is self.__self__
         )
 
     def __hash__(self) -> int:
-        return hash((id(self._shared), id(self.__self__)))
+        return hash((id(self._parts), id(self.__self__)))
 
     def __repr__(self) -> str:
         return f"<bound tfshard.ShardedFunction {self.__qualname__} of {self.__self__!r}>"
 
 
 @dataclasses.dataclass(eq=False)
-class _Shared:
+class _Parts:
     """What one parallelized function is made of, shared with its bound methods.
 
     `lock` guards making `engine` (when the devices are first needed) and `runner`
