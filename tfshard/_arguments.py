@@ -117,10 +117,15 @@ class Call(NamedTuple):
         return [type_spec(t, split=i < count) for i, t in enumerate(self.tensors)]
 
 
+# Words the error for split tensors whose rows differ (`Arguments.classify`).
+RowsDiffer = Callable[[str, str, str], Exception | None]
+
+
 class _Sorted:
     """The leaves of one call as they are sorted (a scratch pad for `classify`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows_differ: RowsDiffer | None) -> None:
+        self.rows_differ = rows_differ
         self.split: list[Any] = []
         self.shared: list[Any] = []
         self.keys: list[LeafKey] = []
@@ -211,8 +216,15 @@ class Arguments:
         ]
         return positional + list(kwarg_names)
 
-    def classify(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Call:
+    def classify(
+        self, args: Sequence[Any], kwargs: dict[str, Any], rows_differ: RowsDiffer | None = None
+    ) -> Call:
         """Sorts the arguments' leaves into split, broadcast and static.
+
+        `rows_differ`, where given, may word the error for split tensors of
+        different row counts: ``rows_differ(differ, name, first)`` hears what
+        differs (``"b has 4 rows but a has 3"``) and the two arguments' names,
+        and returns the error to raise, or None for the call's own.
 
         Raises:
           ArgumentError: arguments that do not bind, leaves that are neither
@@ -223,7 +235,7 @@ class Arguments:
         self.check_binds(args, kwarg_names, kwargs)
         names = self.names(len(args), kwarg_names)
         values = [*args, *(kwargs[k] for k in kwarg_names)]
-        found = _Sorted()
+        found = _Sorted(rows_differ)
         structures, kinds, statics = [], [], []
         for position, (name, value) in enumerate(zip(names, values)):
             leaves, structure = _trees.flatten(value, name)
@@ -328,6 +340,10 @@ class Arguments:
                 found.rows_name = name
             elif n != found.rows:
                 where = _trees.path(name, structure, i)
+                differ = f"{where} has {n} rows but {found.rows_from} has {found.rows}"
+                worded = found.rows_differ and found.rows_differ(differ, name, found.rows_name)
+                if worded is not None:
+                    raise worded
                 if found.rows_name == name and listed_arrays(structure):
                     # A list of arrays of different sizes: samples, most likely.
                     raise ArgumentError(
