@@ -200,7 +200,10 @@ class Turns:
     """
 
     def __init__(self) -> None:
-        self._changed = threading.Condition()
+        # One lock, taken directly on the path of every call (a Condition's own `with`
+        # runs Python code), that the condition's waits and notices take too.
+        self._mutex = threading.Lock()
+        self._changed = threading.Condition(self._mutex)
         self._running = 0  # unmeasured calls in flight
         self._alone = False  # a measured call is in flight
         self._waiting = False  # a measured call waits for the others to end
@@ -211,8 +214,31 @@ class Turns:
         (`measure`, and it could run alone)."""
         return _Turn(self, measure)
 
+    def unmeasured(self) -> int | None:
+        """An unmeasured call's turn, taken at once where no measured call is in flight
+        or waits (the path of most calls, cheaper than `call`): this thread's depth
+        of calls before it, to hand to `done` when the call ends; None where one is
+        (take ``call(False)`` instead, which waits for it)."""
+        inside = self._inside
+        depth = getattr(inside, "depth", 0)
+        with self._mutex:
+            if self._alone or self._waiting:
+                return None
+            self._running += 1
+        try:
+            inside.depth = depth + 1
+        except BaseException:  # interrupted between taking the turn and using it
+            self.done(depth)
+            raise
+        return depth
+
+    def done(self, depth: int) -> None:
+        """Ends an `unmeasured` turn; `depth`: what `unmeasured` returned."""
+        self._inside.depth = depth
+        self._leave(False)
+
     def _enter(self, measure: bool, nested: bool) -> bool:
-        with self._changed:
+        with self._mutex:
             if nested:
                 self._running += 1
                 return False
@@ -235,7 +261,7 @@ class Turns:
             return False
 
     def _leave(self, measured: bool) -> None:
-        with self._changed:
+        with self._mutex:
             if measured:
                 self._alone = False
                 self._changed.notify_all()
@@ -378,17 +404,18 @@ class Balance:
                 or len(self._alone_calls[fastest]) < MIN_SAMPLES
                 or self._leaning > 0  # a change found once: see whether it holds
             )
-            if self.settled and learning and self._trials < LEARNING:
+            settled = self._steady >= SETTLED
+            if settled and learning and self._trials < LEARNING:
                 self._trials += 1
-            elif self.settled:
+            elif settled:
                 self._since += 1
                 if self._since < self._interval:
                     return None
                 self._interval = min(2 * self._interval, SPARSEST)
             self._since = 0
-            if not weighing or (self._alone is None and not self.settled):
+            if not weighing or (self._alone is None and not settled):
                 return "split"  # the split's weights first
-            if self._alone is not None and not self.settled:
+            if self._alone is not None and not settled:
                 return "alone"  # the device alone, newly the plan, until it settles
             if len(self._split_calls) < MIN_SAMPLES:
                 return "split"

@@ -309,8 +309,8 @@ class Engine:
         if weights is None:
             return rows < len(self.devices)
         # A shard of weight w gets at least floor(rows * w / total) rows (`plan_rows`).
-        total = sum(weights)
-        if all(rows * w >= total for w in weights if w > 0):
+        # (filter(None, ...): the weights above 0, without a Python frame per weight.)
+        if rows * min(filter(None, weights)) >= sum(weights):
             return False
         sizes = plan_rows(rows, len(self.devices), weights)
         return any(sizes[k] == 0 for k in (range(len(sizes)) if shards is None else shards))
@@ -327,7 +327,7 @@ class Engine:
         """The integer weights of every device that a graph holding `shards` plans by as
         constants: `weights` where ``weights="auto"`` weighs them unmeasured and the kept
         devices' differ, else None (measured: fed; not weighed, or alike: the options')."""
-        if self._weighs(shards) and not measured and len({w for w in weights if w}) > 1:
+        if self._weighs(shards) and not measured and len(set(filter(None, weights))) > 1:
             return weights
         return None
 
@@ -442,7 +442,14 @@ class Engine:
             # Inside a user's tf.function there is nothing to read: never measured.
             return self._run_graph(call, body, offset, None)
         kind = balance.due()
-        if kind == "alone" and (body != "call" or call.rows is None):
+        if kind is None:
+            depth = self._turns.unmeasured()
+            if depth is not None:  # no measured call in flight: no wait
+                try:
+                    return self._run_graph(call, body, offset, None)
+                finally:
+                    self._turns.done(depth)
+        elif kind == "alone" and (body != "call" or call.rows is None):
             kind = "split"  # a whole call's rows are needed to weigh it against the split
         with self._turns.call(kind is not None) as measured:
             return self._run_graph(call, body, offset, kind if measured else None)
