@@ -1101,6 +1101,23 @@ def test_rows_that_differ_between_fields_name_the_dataset_fix_in_the_python_loop
         f(ds)
 
 
+def test_rows_that_differ_name_the_fix_where_it_is():
+    # Fields of an element: the fix is in the dataset, for f.timeline's batch too. A further
+    # split argument that differs from them: the fix is broadcast=, as in a call.
+    f = tfshard.parallelize(lambda a, b, c=None: a, devices=CPUS[:2])
+    zipped = tf.data.Dataset.zip(
+        (tf.data.Dataset.range(6).batch(3), tf.data.Dataset.range(8).batch(4))
+    )
+    fields = r"fields of one dataset element .*\(b has 4 rows but a has 3\).*batch zipped"
+    for run in (f, lambda ds: list(f.iterate(ds)), f.timeline):
+        with pytest.raises(ArgumentError, match=fields):
+            run(zipped)
+    agree = tf.data.Dataset.zip((tf.data.Dataset.range(6).batch(3),) * 2)
+    further = r"c has 5 rows but a has 3; .*broadcast=\('c',\)"
+    with pytest.raises(ArgumentError, match=further):
+        f(agree, c=np.zeros([5]))
+
+
 # A stream's mean is its total divided by its rows, rounded once, as NumPy's: seven rows
 # whose means a multiply by the reciprocal of 7 gets one ulp off (float32 84 / 7 = 12, not
 # 12.000001; float16 and bfloat16 ties, 2733 and 345, round to even once divided).

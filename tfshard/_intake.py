@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from tfshard import _autograph, _kinds, _stream, _trees, collect
 from tfshard._arguments import Arguments, Call
-from tfshard.errors import ArgumentError
+from tfshard.errors import ArgumentError, fields_differ
 
 
 class Asked(NamedTuple):
@@ -82,8 +82,20 @@ class Intake(NamedTuple):
     asked: Asked
 
     def call(self, element: Any) -> Call:
-        """The call of one batch (an element of `batches`, or its stand-in)."""
-        return self.arguments.classify((*split_element(element), *self.args), self.kwargs)
+        """The call of one batch (an element of `batches`, or its stand-in).
+
+        Raises:
+          ArgumentError: as a call on the element's fields and the further
+            arguments would; fields whose rows differ name the dataset's fix
+            (`tfshard.errors.fields_differ`).
+        """
+        fields = split_element(element)
+        names = self.arguments.names(len(fields), ())
+
+        def rows_differ(differ: str, name: str, first: str) -> ArgumentError | None:
+            return fields_differ(self.name, differ) if {name, first} <= {*names} else None
+
+        return self.arguments.classify((*fields, *self.args), self.kwargs, rows_differ)
 
     def empty(self) -> Call:
         """The call of a batch of zero rows: what a dataset with no elements gives

@@ -46,7 +46,7 @@ from tfshard._engine import Engine
 from tfshard._intake import Intake, split_element, zeros
 from tfshard._plan import Planned, host_cpu, rows
 from tfshard._step import Step
-from tfshard.errors import ArgumentError, fields_differ, write_stopped
+from tfshard.errors import ArgumentError, write_stopped
 
 # This process's CPU: where datasets iterate, and where the loop splits each batch.
 HOST = host_cpu()
@@ -506,15 +506,10 @@ def _per_batch_calls(
                         f"{list(was)} in the first; every batch must keep its per-sample "
                         "shapes (pad to one length, or use ragged tensors)"
                     )
+        call = intake.call(element)  # checks that the fields have the same rows
         # An eager batch's rows are static (its shape's first dimension).
-        counts = [t.shape[0] if t.shape[0] is not None else int(rows(t)) for t in leaves]
-        if len(set(counts)) > 1:
-            paths = _trees.paths("element", structure)
-            k = next(i for i, n in enumerate(counts) if n != counts[0])
-            differ = f"{paths[k]} has {counts[k]} rows but {paths[0]} has {counts[0]}"
-            raise fields_differ(intake.name, differ)
-        result = run(intake.call(element), before)
-        batch_rows = counts[0]
+        batch_rows = call.rows if call.rows is not None else int(rows(leaves[0]))
+        result = run(call, before)
         before += batch_rows
         if meter:
             meter.update(batch_rows)
