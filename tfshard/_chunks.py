@@ -71,7 +71,7 @@ def in_chunks(
     rowed = [leaf for leaf, r in zip(leaves, rowed_at) if r]
     fixed = [leaf for leaf, r in zip(leaves, rowed_at) if not r]
     flows = collect.write_shards(collect.new_arrays(rowed), rowed, tf.constant(0), [rowed])
-    totals = [collect.shard_partial(v, head, reduce, per_sample=False).value for v in fixed]
+    totals = [collect.shard_partial(v, head, reduce, per_sample=False) for v in fixed]
     handle = _sharding.token(device)
 
     def body(i, start, flows, totals, handle):  # noqa: ANN001, ANN202
@@ -81,17 +81,15 @@ def in_chunks(
         rowed_now = [v for v, r in zip(values, rowed_at) if r]
         fixed_now = [v for v, r in zip(values, rowed_at) if not r]
         flows = collect.write_shards(flows, rowed, i, [rowed_now])
-        totals = [
-            reduce.accumulate(total, collect.shard_partial(v, n, reduce, per_sample=False).value)
-            for total, v in zip(totals, fixed_now)
-        ]
+        partials = [collect.shard_partial(v, n, reduce, per_sample=False) for v in fixed_now]
+        totals = collect.accumulate(totals, partials, reduce)
         return i + 1, start + n, flows, totals, handle
 
     invariants = (
         tf.TensorShape([]),
         tf.TensorShape([]),
         [tf.TensorShape([])] * len(flows),
-        [tf.TensorShape(None)] * len(totals),
+        [collect.running_spec(reduce, v.dtype) for v in fixed],
         tf.TensorShape([]),
     )
     _, _, flows, totals, _ = tf.while_loop(
@@ -101,10 +99,7 @@ def in_chunks(
         shape_invariants=invariants,
     )
     gathered = iter(collect.concat_all(flows, rowed))
-    reduced = iter(
-        collect.shard_value(collect.Total(total, v.dtype), count, reduce)
-        for total, v in zip(totals, fixed)
-    )
+    reduced = iter(collect.shard_value(total, count, reduce) for total in totals)
     results = []
     for leaf, r in zip(leaves, rowed_at):
         value = next(gathered) if r else next(reduced)
