@@ -235,7 +235,10 @@ class Turns:
     def done(self, depth: int) -> None:
         """Ends an `unmeasured` turn; `depth`: what `unmeasured` returned."""
         self._inside.depth = depth
-        self._leave(False)
+        with self._mutex:
+            self._running -= 1
+            if self._waiting and self._running == 0:  # only a measured call waits on it
+                self._changed.notify_all()
 
     def _enter(self, measure: bool, nested: bool) -> bool:
         with self._mutex:
@@ -332,6 +335,10 @@ class Balance:
         self._steady = 0  # measurements in a row that left the plan as it was
         self._since = 0  # calls since the last one measured, once settled
         self._interval = EVERY  # calls from one measured to the next, once settled
+        # Calls sure to be unmeasured from now (once settled, those up to the next measured
+        # one), counted down without the lock: `due`'s path for most calls. Under threads a
+        # count may be lost (a call more unmeasured); a change sets it to 0 (`_count_one`).
+        self._quiet = 0
         self._trials = 0  # calls measured since the plan settled, to weigh alone and split
         # What a call reads, kept as it is after each measurement (`_count_one`, the only
         # place the plan changes): a call between measurements computes nothing of it.
@@ -396,6 +403,10 @@ class Balance:
         """
         if self.one_left:
             return None  # every other device useless: one device, nothing to measure
+        quiet = self._quiet
+        if quiet > 0:
+            self._quiet = quiet - 1
+            return None
         with self._lock:
             fastest = self._weighed
             weighing = fastest is not None  # alone or split: which pays
@@ -412,16 +423,25 @@ class Balance:
                 if self._since < self._interval:
                     return None
                 self._interval = min(2 * self._interval, SPARSEST)
+                # The calls up to the next measured one (the last counts under the lock).
+                self._since = self._quiet = self._interval - 1
+                return self._kind(settled)
             self._since = 0
-            if not weighing or (self._alone is None and not settled):
-                return "split"  # the split's weights first
-            if self._alone is not None and not settled:
-                return "alone"  # the device alone, newly the plan, until it settles
-            if len(self._split_calls) < MIN_SAMPLES:
-                return "split"
-            if len(self._alone_calls[fastest]) < MIN_SAMPLES:
-                return "alone"
-            return "alone" if self._last == "split" else "split"
+            return self._kind(settled)
+
+    def _kind(self, settled: bool) -> str:
+        """What a measured call measures now (`due`), under the lock."""
+        fastest = self._weighed
+        weighing = fastest is not None
+        if not weighing or (self._alone is None and not settled):
+            return "split"  # the split's weights first
+        if self._alone is not None and not settled:
+            return "alone"  # the device alone, newly the plan, until it settles
+        if len(self._split_calls) < MIN_SAMPLES:
+            return "split"
+        if len(self._alone_calls[fastest]) < MIN_SAMPLES:
+            return "alone"
+        return "alone" if self._last == "split" else "split"
 
     def observe(
         self,
@@ -480,7 +500,8 @@ class Balance:
         else:
             self._steady += 1
         if now != before or self._split != split or self._leaning:
-            self._interval = EVERY  # something moved: measure often again (`due`)
+            # Something moved: measure often again (`due`), from this measurement on.
+            self._interval, self._since, self._quiet = EVERY, 0, 0
         self._weighed = self._candidate()
         # A device found useless stays so (`_decide`): once one device is left, for good.
         self.one_left = sum(1 for w in (self._split or (1.0,) * self._count) if w > 0) <= 1
