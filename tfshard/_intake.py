@@ -90,9 +90,9 @@ class Intake(NamedTuple):
             (`tfshard.errors.fields_differ`).
         """
         fields = split_element(element)
-        names = self.arguments.names(len(fields), ())
 
         def rows_differ(differ: str, name: str, first: str) -> ArgumentError | None:
+            names = self.arguments.names(len(fields), ())  # the fields' parameters
             return fields_differ(self.name, differ) if {name, first} <= {*names} else None
 
         return self.arguments.classify((*fields, *self.args), self.kwargs, rows_differ)
