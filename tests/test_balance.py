@@ -594,3 +594,133 @@ def test_timing_is_four_ops_per_shard_and_keeps_the_shards_unchained():
         f.balance.observe([4, 4], [0.004, 0.4], warm_up=False)
     assert f.balance.one_left and f.get_measured_function(x) is None
     assert _balance.WINDOW == 9 and _balance.BAND == 0.05 and _balance.USELESS == 50.0
+
+
+# ------------------------------------------------- what a device's memory holds
+
+# Shard 1 "runs out of memory" on more than OUT_OF_MEMORY_ABOVE rows: its Python raises
+# MemoryError, which TensorFlow raises as a tf.errors.ResourceExhaustedError, as a GPU's
+# allocator does. Every shard's rows are recorded (shard index, rows) as it runs.
+OUT_OF_MEMORY_ABOVE = {"rows": 5}
+
+
+def _affine(block, k, seen):
+    seen.append((int(k), len(block)))
+    if int(k) == 1 and len(block) > OUT_OF_MEMORY_ABOVE["rows"]:
+        raise MemoryError(f"{len(block)} rows")
+    return block * 2.0 + 1.0
+
+
+def _bounded(seen):
+    """A function of a shard, 2 x + 1, whose device 1 holds few rows (records in `seen`)."""
+
+    def affine(block):
+        out = tf.py_function(
+            lambda b, k: _affine(b.numpy(), k, seen), [block, tfshard.shard_index()], tf.float32
+        )
+        return tf.ensure_shape(out, block.shape)
+
+    return affine
+
+
+def test_a_shard_out_of_memory_caps_its_device_and_later_calls_plan_within_it(monkeypatch):
+    monkeypatch.setitem(OUT_OF_MEMORY_ABOVE, "rows", 5)
+    seen = []
+    f = tfshard.parallelize(_bounded(seen), devices=CPUS[:2], per_sample=False, weights="auto")
+    x = np.random.default_rng(12).normal(size=[16, 3]).astype(np.float32)
+    with pytest.raises(tfshard.ShardError) as raised:
+        f(x)
+    error = raised.value
+    assert isinstance(error, tf.errors.ResourceExhaustedError)
+    first = str(error).splitlines()[0]
+    assert first.startswith(f"affine: shard 1 on {CPUS[1]} (rows [8:16) of 16) failed: it ran")
+    assert f"{CPUS[1]} gets at most 4 rows (it ran out of memory with 8)" in first
+    assert "from the next call on" in first and "is not run again" in first
+    assert f.balance.caps() == (None, 4)
+    assert f.plan(16) == [12, 4] and f.plan(6) == [3, 3] and f.plan(9) == [5, 4]
+    assert "caps [-, 4]" in f.explain(x)
+    # Later calls, measured (every call until the plan settles, then sparsely) and not:
+    # each correct, and device 1 never given more than its cap.
+    kinds = []
+    due = f.balance.due
+    monkeypatch.setattr(f.balance, "due", lambda: (kinds.append(due()), kinds[-1])[1])
+    seen.clear()
+    for i in range(60):
+        rows = (16, 9, 40, 3, 0, 7)[i % 6]
+        out = f(x if rows == 16 else np.resize(x, [rows, 3]))
+        numerics.assert_close(out.numpy(), np.resize(x, [rows, 3]) * 2.0 + 1.0)
+    assert {None, "split"} <= set(kinds), kinds  # both graphs ran
+    assert max(n for k, n in seen if k == 1) == 4
+    assert f.balance.caps() == (None, 4)
+
+
+def test_a_cap_only_goes_down(monkeypatch):
+    monkeypatch.setitem(OUT_OF_MEMORY_ABOVE, "rows", 5)
+    seen = []
+    f = tfshard.parallelize(_bounded(seen), devices=CPUS[:2], per_sample=False, weights="auto")
+    x = np.ones([16, 3], np.float32)
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        f(x)
+    assert f.balance.caps() == (None, 4)
+    # Its memory shrinks (another job): 4 rows do not fit either, then 2 do.
+    monkeypatch.setitem(OUT_OF_MEMORY_ABOVE, "rows", 3)
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="at most 2 rows"):
+        f(x)
+    assert f.balance.caps() == (None, 2)
+    seen.clear()
+    np.testing.assert_array_equal(f(x).numpy(), x * 3.0)
+    assert [n for k, n in seen if k == 1] == [2]
+    balance = Balance(2)
+    assert balance.cap(1, 8) == 4 and balance.cap(1, 20) == 4 and balance.cap(1, 5) == 2
+    assert balance.cap(0, 1) == 0 and balance.caps() == (0, 2)
+
+
+def test_rows_over_what_every_device_holds_are_refused_before_the_call(monkeypatch):
+    seen = []
+    f = tfshard.parallelize(_bounded(seen), devices=CPUS[:2], per_sample=False, weights="auto")
+    f.balance.cap(0, 8)
+    f.balance.cap(1, 6)
+    assert f.balance.caps() == (4, 3) and f.plan(7) == [4, 3]
+    x = np.ones([8, 3], np.float32)
+    message = (
+        r"a call of 8 rows needs more memory than its devices hold at once: .* at most 7 "
+        r"rows together .*Call it with at most 7 rows at a time, or make it with max_rows=N"
+    )
+    with pytest.raises(tfshard.ArgumentError, match=message):
+        f(x)
+    with pytest.raises(tfshard.ArgumentError, match=message):
+        f.plan(8)
+    assert seen == []  # nothing ran
+    np.testing.assert_array_equal(f(x[:7]).numpy(), x[:7] * 3.0)
+    assert sorted(seen) == [(0, 4), (1, 3)]
+
+
+def test_a_device_alone_that_runs_out_of_memory_gives_the_rows_back_to_the_split():
+    balance = Balance(2)
+    _measured(balance, [4, 4], [0.0040, 0.0036], times=3)
+    for _ in range(12):
+        balance.observe_alone(1, 8, 0.0001, warm_up=False)
+        balance.observe([4, 4], [0.0040, 0.0036], warm_up=False, call_seconds=0.008)
+    assert balance.weights == (0.0, 1.0)
+    changes = balance.changes
+    assert balance.cap(1, 8) == 4
+    # The split's weights again: even (device 1 is 10 % faster per row, inside the band).
+    assert balance.weights is None and balance.integer() == (1, 1)
+    assert balance.changes == changes + 1 and not balance.settled
+    # It is not weighed alone again: whole calls alone, faster, change nothing.
+    for _ in range(3 * _balance.SETTLED):
+        assert balance.due() in ("split", None)
+        balance.observe([4, 4], [0.0040, 0.0036], warm_up=False, call_seconds=0.008)
+        balance.observe_alone(1, 8, 0.0001, warm_up=False)
+    assert balance.plan_for("alone") == balance.integer() == (1, 1)
+
+
+def test_static_weights_learn_nothing_from_a_shard_out_of_memory(monkeypatch):
+    monkeypatch.setitem(OUT_OF_MEMORY_ABOVE, "rows", 5)
+    seen = []
+    f = tfshard.parallelize(_bounded(seen), devices=CPUS[:2], per_sample=False, weights=[1, 1])
+    x = np.ones([16, 3], np.float32)
+    for _ in range(2):
+        with pytest.raises(tf.errors.ResourceExhaustedError, match="weights='auto' measures"):
+            f(x)
+    assert f.balance is None and f.plan(16) == [8, 8]

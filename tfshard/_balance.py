@@ -38,6 +38,15 @@ it, so its seconds are its own shards', not another call's queued on the
 same device. Nothing runs apart from the user's own calls, at the split they
 use, beside whatever else the machine runs then.
 
+**Memory** (`Balance.cap`). A shard of a call that runs out of memory
+(``tf.errors.ResourceExhaustedError``) on a device given r rows caps that
+device at r // 2 rows (never above a cap it had: caps only go down, for the
+function's life). Every later plan gives a capped device at most its cap, the
+rows over it going to the devices under theirs by their weights
+(`tfshard._plan`, water-filling); a capped device no longer holds every row
+alone, nor is it weighed alone. Speed still sets the weights: a cap only
+bounds a share.
+
 **Deciding** (`Balance`, pure Python, on the engine):
 
 - A device's time per row is the lower quartile of its last `WINDOW`
@@ -347,6 +356,7 @@ class Balance:
             None, _integer(None, count)
         )
         self._weighed: int | None = None  # `_candidate`
+        self._caps: tuple[int | None, ...] | None = None  # `cap`
         self.one_left = count <= 1
 
     @property
@@ -371,6 +381,32 @@ class Balance:
             if kind == "alone" and self._weighed is not None:
                 return tuple(int(k == self._weighed) for k in range(self._count))
             return self._in_use[1]
+
+    def caps(self) -> tuple[int | None, ...] | None:
+        """Each device's most rows in a call (None: no cap), as learned by `cap`, or None
+        while no device has one."""
+        return self._caps
+
+    def cap(self, device: int, rows: int) -> int:
+        """Learns that `device` ran out of memory on a shard of `rows` rows; returns its cap.
+
+        From now on the plan gives it at most ``rows // 2`` rows, or the cap it
+        had if that is fewer (caps only go down). Where it held every row alone,
+        the split is the plan again; it is not weighed alone from then on.
+        """
+        with self._lock:
+            caps = list(self._caps or (None,) * self._count)
+            had = caps[device]
+            caps[device] = rows // 2 if had is None else min(had, rows // 2)
+            self._caps = tuple(caps)
+            if self._alone == device:
+                self._alone, self._leaning = None, 0
+                self.changes += 1
+                self._steady = self._trials = 0
+                self._interval, self._since, self._quiet = EVERY, 0, 0
+                self._in_use = (self._split, _integer(self._split, self._count))
+            self._weighed = self._candidate()
+            return caps[device]
 
     def per_row(self) -> list[float | None]:
         """Each device's time per row now (the lower quartile of its window), None until
@@ -508,8 +544,12 @@ class Balance:
 
     def _candidate(self) -> int | None:
         """The device alone that calls weigh against the split: the one holding every row,
-        else the fastest (None until every device is measured `MIN_SAMPLES` times)."""
-        return self._alone if self._alone is not None else self._fastest()
+        else the fastest (None until every device is measured `MIN_SAMPLES` times, or
+        where the fastest has a cap: it cannot hold every row)."""
+        found = self._alone if self._alone is not None else self._fastest()
+        if found is not None and self._caps is not None and self._caps[found] is not None:
+            return None
+        return found
 
     def _fastest(self) -> int | None:
         """The device of least time per row among those kept, or None: not every device

@@ -34,9 +34,9 @@ import tensorflow as tf
 from tfshard import _arguments, _balance, _trees, cluster, collect, pinning
 from tfshard._autograph import autographed
 from tfshard._options import Options
-from tfshard._plan import host_cpu, plan_rows
+from tfshard._plan import Caps, capacity, host_cpu, plan_rows
 from tfshard._step import Step
-from tfshard.errors import Failed, call_failure, shard_error
+from tfshard.errors import ArgumentError, Failed, call_failure, failing_shard, shard_error
 from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
 
 
@@ -163,11 +163,38 @@ class Engine:
             return self.balance.integer()
         return self.options.weights
 
-    def plan(self, n: int, weights: tuple[int, ...] | None = None) -> list[int]:
+    def plan_caps(self) -> Caps | None:
+        """Each device's most rows a plan gives it now (``weights="auto"``, learned from
+        shards that ran out of memory: `tfshard._balance.Balance.cap`), or None: no caps."""
+        return None if self.balance is None else self.balance.caps()
+
+    def plan(
+        self, n: int, weights: tuple[int, ...] | None = None, caps: Caps | None = None
+    ) -> list[int]:
         """The shard sizes for `n` rows, in Python (the graph's `plan_sizes`, exactly),
-        by these integer weights (None: those in use)."""
-        weights = self.plan_weights() if weights is None else weights
-        return plan_rows(int(n), len(self.devices), weights)
+        by these integer weights and caps (weights None: those in use, and the caps in
+        use, which `n` rows must fit: else the `ArgumentError` a call of them raises)."""
+        if weights is None:
+            weights, caps = self.plan_weights(), self.plan_caps()
+            self.check_caps(int(n), weights, caps)
+        return plan_rows(int(n), len(self.devices), weights, caps)
+
+    def check_caps(self, rows: int, weights: tuple[int, ...] | None, caps: Caps | None) -> None:
+        """Raises the `ArgumentError` of a call of more `rows` than the devices that these
+        weights give rows hold under their caps together (`tfshard._plan.capacity`)."""
+        fits = capacity(weights, caps)
+        if fits is None or rows <= fits:
+            return
+        held = ", ".join(
+            f"{d} {c}" for d, c, w in zip(self.devices, caps, weights or caps) if w
+        )
+        raise ArgumentError(
+            f"{self.name}: a call of {rows} rows needs more memory than its devices hold "
+            f"at once: weights='auto' learned from shards that ran out of memory that "
+            f"they hold at most {fits} rows together ({held}). Call it with at most "
+            f"{fits} rows at a time, or make it with max_rows=N to run each shard's "
+            "function on at most N rows at a time (a new function: its caps start anew)"
+        )
 
     # ------------------------------------------------------------ steps
 
@@ -187,6 +214,7 @@ class Engine:
         shards: tuple[int, ...] | None = None,
         measured: bool = True,
         weights: tuple[int, ...] | None = None,
+        caps: Caps | None = None,
     ) -> Step:
         """The step of a call with this trace key (see `tfshard._step.Step`), built once.
 
@@ -202,9 +230,10 @@ class Engine:
             and plans by weights fed at run time (a stream's is measured).
           weights: the integer weights of every device, as the plan's constants (an
             unmeasured call of ``weights="auto"``), or None: the options' weights.
+          caps: each device's most rows (`plan_caps`), the plan's constants, or None.
         """
         self.refresh()
-        key = (call.key, beside_transfers, guarded, shards, measured, weights)
+        key = (call.key, beside_transfers, guarded, shards, measured, weights, caps)
         step = self._steps.get(key)
         if step is not None:
             return step
@@ -217,6 +246,7 @@ class Engine:
             devices = tuple(devices[k] for k in shards)
             weights = None if weights is None else tuple(weights[k] for k in shards)
             limits = None if limits is None else tuple(limits[k] for k in shards)
+            caps = None if caps is None else tuple(caps[k] for k in shards)
         step = Step(
             fn=self._converted,
             name=self.name,
@@ -235,6 +265,7 @@ class Engine:
             guarded=guarded,
             shards=shards,
             listed=None if shards is None else len(self.devices),
+            caps=caps,
         )
         self._steps[key] = step
         return step
@@ -287,25 +318,35 @@ class Engine:
             weights = self.balance.plan_for("split")
         else:
             weights = self.plan_weights()
-        held = self._held(call.rows, weights)
+        held = self._held(call.rows, weights, self.plan_caps())
         if measured and not self._weighs(held["shards"]):
             return None
         return self._traced(call, "call", offset=False, measured=measured, **held).graph
 
-    def _held(self, rows: int | None, weights: tuple[int, ...] | None) -> dict[str, Any]:
+    def _held(
+        self, rows: int | None, weights: tuple[int, ...] | None, caps: Caps | None = None
+    ) -> dict[str, Any]:
         """The devices a call of `rows` rows holds (`holding`), whether it is guarded, and
-        the integer `weights` it plans by (those in use, read once by the caller)."""
+        the integer `weights` and `caps` it plans by (those in use, read once by the
+        caller)."""
         shards = self.holding(weights)
-        guarded = self._may_be_empty(rows, weights, shards)
-        return {"shards": shards, "guarded": guarded, "weights": weights}
+        guarded = self._may_be_empty(rows, weights, shards, caps)
+        return {"shards": shards, "guarded": guarded, "weights": weights, "caps": caps}
 
     def _may_be_empty(
-        self, rows: int | None, weights: tuple[int, ...] | None, shards: tuple[int, ...] | None
+        self,
+        rows: int | None,
+        weights: tuple[int, ...] | None,
+        shards: tuple[int, ...] | None,
+        caps: Caps | None = None,
     ) -> bool:
         """Whether a shard of a call of `rows` rows (None: not known) may have none, so
         the call needs the graph with the empty-shard guard (`Step.guarded`)."""
         if rows is None:
             return True
+        if caps is not None:
+            sizes = plan_rows(rows, len(self.devices), weights, caps)
+            return any(sizes[k] == 0 for k in (range(len(sizes)) if shards is None else shards))
         if weights is None:
             return rows < len(self.devices)
         # A shard of weight w gets at least floor(rows * w / total) rows (`plan_rows`).
@@ -408,7 +449,7 @@ class Engine:
         an output per row. A function that may break a promise of its devices
         (`checked`) is traced once more by itself, to be checked.
         """
-        held = self._held(call.rows, self.plan_weights())
+        held = self._held(call.rows, self.plan_weights(), self.plan_caps())
         step = self.step(
             call,
             beside_transfers=True,
@@ -416,6 +457,7 @@ class Engine:
             shards=held["shards"],
             measured=False,
             weights=self._constants(held["shards"], held["weights"], measured=False),
+            caps=held["caps"],
         )
         if self._checks():
             self.checked(
@@ -462,12 +504,15 @@ class Engine:
         use; what a measured call took goes to the balance."""
         # Read once: the graph, its feeds and errors agree.
         weights = self.plan_weights() if kind is None else self.balance.plan_for(kind)
-        held = self._held(call.rows, weights)
+        caps = None if self.balance is None else self.balance.caps()
+        if caps is not None and call.rows is not None:
+            self.check_caps(call.rows, weights, caps)
+        held = self._held(call.rows, weights, caps)
         measured = kind == "split"
         traced = self._traced(call, body, offset=offset is not None, measured=measured, **held)
         feeds = self.feeds(offset, held["shards"], weights, traced.feed.weights)
         began = time.perf_counter()
-        result = self.execute(traced.graph, [*call.tensors, *feeds], call.rows, weights)
+        result = self.execute(traced.graph, [*call.tensors, *feeds], call.rows, weights, caps)
         result = traced.rebuilt(result)
         timing = None
         if traced.timed:
@@ -536,6 +581,7 @@ class Engine:
         shards: tuple[int, ...] | None = None,
         weights: tuple[int, ...] | None = None,
         measured: bool = False,
+        caps: Caps | None = None,
     ) -> Traced:
         """The graph of a step's traced `body` ("call", "per_shard", "totals") for this
         call's key, taking a row offset or not, its shards guarded or not (`Step.guarded`),
@@ -544,14 +590,16 @@ class Engine:
         With ``weights="auto"`` and devices to weigh, a `measured` graph times its
         shards and takes the plan's weights (fed); an unmeasured one holds
         `weights` (the integer weights of every device) as constants, as static
-        weights' graph does, one graph per plan.
+        weights' graph does, one graph per plan. `caps`, each device's most rows, are
+        constants of either (one graph per caps: they change only where a shard ran out
+        of memory).
         """
         self.refresh()
         measured = measured and self._weighs(shards)
         feed = Feed(offset=offset, weights=measured)
         exact = self._exact_rows(call, body, measured)
         held = self._constants(shards, weights, measured)
-        key = (call.key, body, feed, guarded, exact, shards, measured, held)
+        key = (call.key, body, feed, guarded, exact, shards, measured, held, caps)
         traced = self._graphs.get(key)
         if traced is not None:
             return traced
@@ -566,6 +614,7 @@ class Engine:
                     shards=shards,
                     measured=measured,
                     weights=held,
+                    caps=caps,
                 )
                 run = getattr(step, body)
                 count = len(call.tensors)
@@ -604,7 +653,12 @@ class Engine:
         return call.rows if first == call.rows else None
 
     def execute(
-        self, graph: Any, tensors: Any, rows: int | None, weights: tuple[int, ...] | None = None
+        self,
+        graph: Any,
+        tensors: Any,
+        rows: int | None,
+        weights: tuple[int, ...] | None = None,
+        caps: Caps | None = None,
     ) -> Any:
         """Runs a traced graph on these tensors; a failure as `call_error` says.
 
@@ -619,6 +673,7 @@ class Engine:
           tensors: its inputs.
           rows: the batch's rows when known (to name a failing shard's rows).
           weights: the integer weights its plan was fed (None: those in use).
+          caps: the caps its plan was made under (`plan_caps`), or None.
         """
         eager = tf.executing_eagerly()
         # (Inside the user's tf.function, the outer call raises: nothing to wait for.)
@@ -626,7 +681,7 @@ class Engine:
         if eager and cluster.any_down():
             # A call that needs a worker found down fails before it runs, with the
             # error the call that found it raised (`cluster.Connection` says why).
-            lost = self.lost_error(rows, weights)
+            lost = self.lost_error(rows, weights, caps)
             if lost is not None:
                 raise lost
         try:
@@ -636,7 +691,7 @@ class Engine:
             if remote:
                 self._wait(result)
         except tf.errors.OpError as error:
-            wrapped = self.call_error(error, rows, weights)
+            wrapped = self.call_error(error, rows, weights, caps=caps)
             # Clearing waits, without a deadline, for every worker to answer, and a
             # dead one never does (the call hung for good): only when all answer.
             if remote and cluster.all_answer():
@@ -664,36 +719,76 @@ class Engine:
         rows: int | None,
         weights: tuple[int, ...] | None = None,
         *,
+        caps: Caps | None = None,
         element: bool = False,
     ) -> Exception:
         """A failed call's error, as `errors.call_failure` words what the engine knows.
 
         The engine knows the function, its devices, each shard's rows and
-        memory limit, and asks the cluster whether a worker is down.
+        memory limit, and asks the cluster whether a worker is down. With
+        ``weights="auto"``, a shard of known rows that ran out of memory caps
+        its device (`learned`), and the error says so.
 
         Args:
           error: what TensorFlow raised.
           rows: the call's rows when known (None: a batch of a stream).
           weights: the integer weights its plan used (None: those in use).
+          caps: the caps its plan was made under, or None.
           element: the split arguments are a dataset element's fields (a stream).
         """
         hint = cluster.explain_remote_error(error)  # None unless a worker is down
+        learned = self.learned(error, rows, weights, caps) if hint is None else None
         failed = Failed(
             name=self.name,
             devices=self.devices,
-            rows_of=lambda k: self.rows_of(k, rows, weights),
-            memory_hint=self.memory_hint,
+            rows_of=lambda k: self.rows_of(k, rows, weights, caps),
+            memory_hint=lambda k: self.memory_hint(k, learned),
             reductions=tuple(collect.REDUCTIONS),
             vectorized=self.options.per_sample and not self.options.ragged,
             element=element,
             remote=hint,
-            lost=self.lost_shards(rows, "failed", weights) if hint is not None else None,
+            lost=self.lost_shards(rows, "failed", weights, caps) if hint is not None else None,
         )
         return call_failure(error, failed)
 
-    def memory_hint(self, k: int) -> str:
-        """What to do about shard k running out of memory: fewer rows at once, or fewer rows."""
+    def learned(
+        self,
+        error: tf.errors.OpError,
+        rows: int | None,
+        weights: tuple[int, ...] | None,
+        caps: Caps | None,
+    ) -> tuple[int, int, int] | None:
+        """With ``weights="auto"``, a call of known `rows` whose shard k ran out of memory
+        (`error`, a `tf.errors.ResourceExhaustedError` naming the shard) on the rows its
+        plan gave it caps device k (`tfshard._balance.Balance.cap`): ``(k, its rows,
+        its cap)``; else None (nothing learned: another error, a stream's batch, a
+        shard of no rows)."""
+        if self.balance is None or rows is None:
+            return None
+        if not isinstance(error, tf.errors.ResourceExhaustedError):
+            return None
+        k = failing_shard(error.message)
+        if k is None or not 0 <= k < len(self.devices):
+            return None
+        had = plan_rows(int(rows), len(self.devices), weights, caps)[k]
+        if had == 0:
+            return None
+        return k, had, self.balance.cap(k, had)
+
+    def memory_hint(self, k: int, learned: tuple[int, int, int] | None = None) -> str:
+        """What to do about shard k running out of memory: fewer rows at once, or fewer rows;
+        with ``weights="auto"``, the cap it learned (`learned`) and what the next call does."""
         device = self.devices[k]
+        if learned is not None and learned[0] == k:
+            _, had, cap = learned
+            return (
+                f"weights='auto' learned from it: from the next call on, {device} gets at "
+                f"most {cap} rows (it ran out of memory with {had}), the rows over that "
+                "going to the other devices by their weights. This call returned nothing "
+                "and is not run again (a function may have side effects): call it again. "
+                "Or pass max_rows=N to run each shard's function on at most N rows at a "
+                "time (on its device, results as one run's)"
+            )
         limits = self.options.limits(len(self.devices))
         limit = None if limits is None else limits[k]
         at_once = (
@@ -708,22 +803,34 @@ class Engine:
             "next call runs as usual"
         )
 
-    def rows_of(self, k: int, rows: int | None, weights: tuple[int, ...] | None = None) -> str:
+    def rows_of(
+        self,
+        k: int,
+        rows: int | None,
+        weights: tuple[int, ...] | None = None,
+        caps: Caps | None = None,
+    ) -> str:
         """Shard k's rows of a call of `rows` rows (None: a stream's batch), in words,
-        by the integer weights of the call's plan (None: those in use)."""
+        by the integer weights and caps of the call's plan (weights None: those in use)."""
         if rows is None:
             return "its slice of the batch"
-        sizes = self.plan(rows, weights)
+        if weights is None:
+            weights, caps = self.plan_weights(), self.plan_caps()
+        sizes = plan_rows(int(rows), len(self.devices), weights, caps)
         start = sum(sizes[:k])
         return f"rows [{start}:{start + sizes[k]}) of {rows}"
 
     def lost_shards(
-        self, rows: int | None, verb: str, weights: tuple[int, ...] | None = None
+        self,
+        rows: int | None,
+        verb: str,
+        weights: tuple[int, ...] | None = None,
+        caps: Caps | None = None,
     ) -> str | None:
         """The shards, and the output, on workers found down, as one line; None for none."""
         lost = [
             (
-                f"shard {k} on {device} ({self.rows_of(k, rows, weights)})",
+                f"shard {k} on {device} ({self.rows_of(k, rows, weights, caps)})",
                 cluster.down_task(device),
             )
             for k, device in enumerate(self.devices)
@@ -741,10 +848,10 @@ class Engine:
         return f"{self.name}: {' and '.join(what for what, _ in lost)} {verb}: {where} down"
 
     def lost_error(
-        self, rows: int | None, weights: tuple[int, ...] | None = None
+        self, rows: int | None, weights: tuple[int, ...] | None = None, caps: Caps | None = None
     ) -> Exception | None:
         """The error of a call that needs a worker found down, raised before it runs."""
-        lost = self.lost_shards(rows, "did not run", weights)
+        lost = self.lost_shards(rows, "did not run", weights, caps)
         if lost is None:
             return None
         message = f"{lost}\n{cluster.down_hint()}"

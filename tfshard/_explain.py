@@ -106,6 +106,13 @@ def _plan_lines(engine: Engine) -> list[str]:
             )
     elif shown:
         lines.append(f"  weights {shown}")
+    caps = engine.plan_caps()
+    if caps is not None:
+        cells = ", ".join("-" if c is None else str(c) for c in caps)
+        lines.append(
+            f"  caps [{cells}]: at most that many rows on each device (weights='auto' "
+            "learned them where a shard ran out of memory)"
+        )
     limits = engine.options.limits(len(engine.devices))
     if limits is not None:
         cells = ", ".join("-" if m is None else str(m) for m in limits)

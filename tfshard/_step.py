@@ -109,6 +109,9 @@ class Step:
         index (`tfshard.shard_index`, the ``tfshard_shard_k/`` scope, errors).
       listed: how many devices the function has (`per_shard` gives each a
         result), or None: as many as `devices`.
+      caps: each device's most rows (None: no cap), constants of the plan, which
+        then runs on `host` (``weights="auto"`` after a shard ran out of memory:
+        `tfshard._plan`, water-filling), or None: no caps, no ops of them.
     """
 
     fn: Callable[..., Any]
@@ -127,6 +130,7 @@ class Step:
     guarded: bool = True
     shards: tuple[int, ...] | None = None
     listed: int | None = None
+    caps: tuple[int | None, ...] | None = None
 
     @property
     def alone(self) -> bool:
@@ -152,7 +156,7 @@ class Step:
         the batch is, or the host for weights fed at run time (``weights="auto"``)."""
         if self.balanced:
             return self.host
-        return plan_device(self.split_devices, self.weights, self.host)
+        return plan_device(self.split_devices, self.weights, self.host, self.caps)
 
     # ------------------------------------------------------------ the parts
 
@@ -173,7 +177,13 @@ class Step:
             return self._whole(inputs, paths), shared
         plan_weights = self.weights if weights is None else weights
         planned = plan_and_split(
-            inputs, self.split_devices, paths, len(self.devices), plan_weights, self.host
+            inputs,
+            self.split_devices,
+            paths,
+            len(self.devices),
+            plan_weights,
+            self.host,
+            self.caps,
         )
         return planned, shared
 
