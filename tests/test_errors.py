@@ -230,8 +230,8 @@ def test_a_shard_out_of_memory_is_named_with_its_rows_and_the_remedies():
         first, second = case["message"].splitlines()[:2]
         assert first == (
             f"greedy: shard 1 on {CPUS[1]} (rows [3:6) of 9) failed: it ran out of memory. "
-            f"{at_once}, or weights= to give {CPUS[1]} fewer rows (weights='auto' measures "
-            "speeds, not memory). Nothing else changed: the call returned nothing, and the "
+            f"{at_once}, or weights= to give {CPUS[1]} fewer rows (weights='auto' learns "
+            "that from a call). Nothing else changed: the call returned nothing, and the "
             "next call runs as usual"
         )
         assert second == "TensorFlow's error: Graph execution error:"
