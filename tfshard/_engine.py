@@ -797,9 +797,10 @@ class Engine:
             else "Pass max_rows=N to run each shard's function on at most N rows at a time "
             "(on its device, results as one run's; a list gives one limit per device)"
         )
+        learns = "from a call" if self.balance is None else "from a call, not a stream's batch"
         return (
-            f"{at_once}, or weights= to give {device} fewer rows (weights='auto' measures "
-            "speeds, not memory). Nothing else changed: the call returned nothing, and the "
+            f"{at_once}, or weights= to give {device} fewer rows (weights='auto' learns "
+            f"that {learns}). Nothing else changed: the call returned nothing, and the "
             "next call runs as usual"
         )
 
