@@ -209,3 +209,28 @@ def test_every_dtype_comes_back_bit_for_bit(dtype, per_sample):
         assert out["x"].numpy().tobytes() == x.tobytes()
         assert out["first"].numpy().tobytes() == np.ascontiguousarray(x[:, :1]).tobytes()
     assert set(seen) == {dtype}
+
+
+def test_a_plan_under_caps_runs_on_the_host_and_only_once_a_device_is_capped():
+    """weights="auto" with a device capped (`Balance.cap`): the graph plans under the cap
+    (water-filling's selects, on the host CPU), and held none of it before."""
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=["cpu:1", "cpu:2"], weights="auto")
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    uncapped = _op_types(f.get_concrete_function(x).graph)
+    f.balance.cap(1, 4)  # device 1: at most 2 rows
+    graph = f.get_concrete_function(x).graph
+    assert "SelectV2" not in uncapped and _op_types(graph)["SelectV2"] > 0
+
+    def plan_selects(graph):  # the plan's ops are at the top, outside tfshard's scopes
+        return {
+            op.device
+            for op in graph.get_operations()
+            if op.type == "SelectV2" and not op.name.startswith("tfshard_")
+        }
+
+    # On the host (the output's machine's CPU), in the graph between measured calls and
+    # in the measured one.
+    assert plan_selects(graph) == {"/device:CPU:0"}
+    assert plan_selects(f.get_measured_function(x).graph) == {"/device:CPU:0"}
+    assert f.plan(6) == [4, 2]
+    np.testing.assert_array_equal(f(x).numpy(), x * 2.0)

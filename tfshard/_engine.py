@@ -18,7 +18,11 @@ shards, when the balance says the call is due (`Balance.due`), alone among
 the function's calls (`tfshard._balance.Turns`), which takes the weights
 fed, so that a new plan needs no new trace; else the unmeasured one, the graph
 static weights would run: the weights in use are its constants, traced once
-per plan that calls run unmeasured (a settled plan stays settled).
+per plan that calls run unmeasured (a settled plan stays settled). Where a
+shard of a call ran out of memory, the balance caps its device (`call_error`,
+`learned`): both graphs then plan under the caps, constants of each (traced
+again per caps), and a call of more rows than the caps hold raises before it
+runs (`check_caps`).
 """
 
 from __future__ import annotations

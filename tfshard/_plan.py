@@ -30,7 +30,7 @@ so rounding never passes it). The caps are constants of the graph, planned in
 int64 on the host, one round per capped device (`plan_sizes`); a plan without
 caps has none of these ops. Rows beyond what the caps hold together
 (`capacity`) go by the weights, past the caps: a call of so many rows raises
-before it runs (`tfshard._engine.Engine.plan`).
+before it runs (`tfshard._engine.Engine.check_caps`).
 """
 
 from __future__ import annotations
