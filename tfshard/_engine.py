@@ -190,7 +190,7 @@ class Engine:
         if fits is None or rows <= fits:
             return
         weights = (1,) * len(caps) if weights is None else weights
-        held = ", ".join(f"{d} {c}" for d, c, w in zip(self.devices, caps, weights) if w)
+        held = ", ".join(f"{d}: {c}" for d, c, w in zip(self.devices, caps, weights) if w)
         raise ArgumentError(
             f"{self.name}: a call of {rows} rows needs more memory than its devices hold "
             f"at once: weights='auto' learned from shards that ran out of memory that "
