@@ -221,3 +221,74 @@ def test_outside_a_parallelized_function_it_says_where_to_call_it(name):
 
     with pytest.raises(TfshardError, match="inside a function given to tfshard.parallelize"):
         plain(tf.constant(1.0))
+
+
+# ------------------------------------------------------------------ a user's tf.function
+
+# How shards run: in place (2 devices), sharing one trace (3: two off the output device),
+# in chunks, compiled as tfshard's option or as the tf.function's own.
+_RUNS = {
+    "plain": ({}, {}),
+    "max_rows": ({}, {"max_rows": 2}),
+    "jit_compile": ({}, {"jit_compile": True}),
+    "tf_function_jit_compile": ({"jit_compile": True}, {}),
+}
+
+
+@pytest.mark.parametrize("run", _RUNS)
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per_sample", "whole_shard"])
+def test_a_tf_function_sees_each_shards_own_position(per_sample, devices, run):
+    # A tf.function's cache would give every shard the first shard's trace, its position too.
+    decorated, options = _RUNS[run]
+    fn = tf.function(where_sample if per_sample else where_shard, **decorated)
+    f = tfshard.parallelize(fn, devices=CPUS[:devices], per_sample=per_sample, **options)
+    for n in (7, 2):  # uneven shards, then fewer rows than devices
+        got = f(np.zeros([n, 2], np.float32)).numpy().reshape(-1, 2)
+        np.testing.assert_array_equal(got, expected(f.plan(n)))
+
+
+@pytest.mark.parametrize("per_sample", [True, False], ids=["per_sample", "whole_shard"])
+def test_a_tf_function_counts_rows_over_every_batch_of_a_stream(per_sample):
+    fn = tf.function(where_sample if per_sample else where_shard)
+    f = tfshard.parallelize(fn, devices=CPUS[:3], per_sample=per_sample)
+    ds = tf.data.Dataset.from_tensor_slices(np.zeros([12, 2], np.float32)).batch(5)
+    want = np.concatenate([expected(f.plan(m), 5 * i) for i, m in enumerate([5, 5, 2])])
+    np.testing.assert_array_equal(f(ds).numpy().reshape(-1, 2), want)
+
+
+def test_a_tf_function_reading_replicas_knows_each_shards_place():
+    f = tfshard.parallelize(
+        tf.function(lambda s: where_sample(s) * scale), devices=CPUS[:3], per_sample=True
+    )
+    with f.replicas():
+        scale = tf.Variable(tf.constant(1, tf.int64))
+    np.testing.assert_array_equal(f(np.zeros([5])).numpy(), expected(f.plan(5)))
+
+
+class _Where(tf.Module):
+    """A module whose tf.function methods read the position; `__call__` makes its
+    variable on its first call, as a tf.function may."""
+
+    def __init__(self):
+        super().__init__()
+        self.one = None
+
+    @tf.function
+    def __call__(self, block):
+        if self.one is None:
+            self.one = tf.Variable(tf.constant(1, tf.int64))
+        return where_shard(block) * self.one
+
+    @tf.function
+    def where(self, block):
+        return where_shard(block)
+
+
+def test_a_modules_tf_function_methods_see_each_shards_own_position():
+    module = _Where()
+    x = np.zeros([7, 1], np.float32)
+    for fn in (module, module.where):
+        f = tfshard.parallelize(fn, devices=CPUS[:3], per_sample=False)
+        np.testing.assert_array_equal(f(x).numpy(), expected(f.plan(7)))
+    assert len(module.variables) == 1  # made once, read by every shard

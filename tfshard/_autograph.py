@@ -37,13 +37,34 @@ def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:
     if is_keras_layer(fn):
         return fn
     call = inspect.getattr_static(type(fn), "__call__", None)  # a function's: a slot wrapper
-    if isinstance(call, types.FunctionType) and not hasattr(fn, "get_concrete_function"):
+    is_method = isinstance(call, types.FunctionType | tf.types.experimental.PolymorphicFunction)
+    if is_method and not hasattr(fn, "get_concrete_function"):
         return types.MethodType(_converted(call), fn)
     return _converted(fn)
 
 
+def tf_function_of(fn: Any) -> Any:
+    """The `tf.function` that `autographed` calls as its Python function, or None: `fn`
+    itself, a method's function, or the ``__call__`` of an object's class.
+
+    A `tf.function` keys its traces on its arguments alone, not on the graph
+    that calls it: a second shard's call reuses the first shard's trace, with
+    the first shard's position in it as a constant or a captured tensor (a
+    wrong value, or an `InaccessibleTensorError` from another graph).
+    """
+    if is_keras_layer(fn):
+        return None
+    if isinstance(fn, types.MethodType | WeakMethod):
+        fn = fn.__func__
+    elif not isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        fn = inspect.getattr_static(type(fn), "__call__", None)
+    return fn if isinstance(fn, tf.types.experimental.PolymorphicFunction) else None
+
+
 def _converted(fn: Callable[..., Any]) -> Callable[..., Any]:
-    if hasattr(fn, "get_concrete_function"):  # a tf.function, or a ShardedFunction
+    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        fn = fn.python_function  # see `tf_function_of`
+    if hasattr(fn, "get_concrete_function"):  # a ShardedFunction
         return fn
     try:
         return tf.autograph.to_graph(fn)

@@ -707,7 +707,12 @@ def parallelize(
         docstring are copied. Python control flow on tensors is converted with
         autograph as `tf.function` converts it: in a function, a method, and
         the ``__call__`` of a callable object or `tf.Module` (a Keras layer
-        converts its own ``call``; a `tf.function` converts itself). A method
+        converts its own ``call``). A `tf.function` is called as its Python
+        function (``python_function``, converted as the `tf.function` converts
+        it) inside tfshard's one trace, so each shard's call sees its own
+        `shard_index` and `row_index` (its cache would hand every shard the
+        first shard's trace); a variable it makes on its first call is made
+        once, as the `tf.function` makes it. A method
         decorated in a class traces per instance, as with `tf.function`, in a
         cache that does not keep the instance alive; its ``self`` is the
         instance itself, held for the call (``Model().apply(x)`` works, where
