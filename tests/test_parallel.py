@@ -981,6 +981,21 @@ def test_options_are_never_taken_from_the_wrapped_object():
     assert len(compiled) == 2  # one XLA cluster per shard
 
 
+def test_a_tf_function_made_with_jit_compile_has_each_shard_compiled():
+    # tfshard calls its Python function, so it compiles the shards as the tf.function would.
+    inner = tf.function(lambda s: s * 2.0, jit_compile=True)
+    f = tfshard.parallelize(inner, devices=CPUS[:2])
+    assert f(np.arange(4.0, dtype=np.float32)).numpy().tolist() == [0.0, 2.0, 4.0, 6.0]
+    graph = f.get_concrete_function(np.zeros([4], np.float32)).graph
+    compiled = [
+        op
+        for op in graph.get_operations()
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+        and op.get_attr("_XlaMustCompile")
+    ]
+    assert len(compiled) == 2  # one XLA cluster per shard
+
+
 # ------------------------------------------------ whole-shard rows, reduce
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import _plan, collect, pinning
-from tfshard._autograph import keras_of
+from tfshard._autograph import keras_of, tf_function_of
 from tfshard.errors import ArgumentError
 from tfshard.replicas import Replicas
 
@@ -165,11 +165,15 @@ class Options:
         As given when given. For a Keras model, the model's own ``model.jit_compile``
         (what `predict` reads), where XLA can run it on `devices`: built, and every
         shard reading its weights on its own device (XLA cannot read a variable on
-        another device). Anything else: False.
+        another device). For a `tf.function`, its own ``jit_compile``: tfshard
+        calls its Python function (`tfshard._autograph.autographed`), so the
+        shards are compiled as the `tf.function` would have compiled itself.
+        Anything else: False.
         """
         if self.jit_compile is not None:
             return self
-        return dataclasses.replace(self, jit_compile=_model_compiles(fn, devices))
+        compiles = _model_compiles(fn, devices) or _function_compiles(fn)
+        return dataclasses.replace(self, jit_compile=compiles)
 
     def limits(self, count: int) -> tuple[int | None, ...] | None:
         """`max_rows` as one entry per device (None: no limit there), or None for none."""
@@ -178,6 +182,14 @@ class Options:
         if isinstance(self.max_rows, int):
             return (self.max_rows,) * count
         return self.max_rows if any(m is not None for m in self.max_rows) else None
+
+
+def _function_compiles(fn: Any) -> bool:
+    """Whether `fn` is a `tf.function` made with ``jit_compile=True`` (`tf_function_of`)."""
+    function = tf_function_of(fn)
+    # The tf.function's spec says what it was made with (None: not set, no XLA).
+    spec = getattr(function, "function_spec", None)
+    return bool(getattr(spec, "jit_compile", None))
 
 
 def _model_compiles(fn: Any, devices: Sequence[str]) -> bool:

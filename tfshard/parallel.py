@@ -774,8 +774,9 @@ def parallelize(
         jit_compile=...)`` set), read when the function first runs; where a
         shard would read the model's weights from another device (a model not
         replicated, on several devices: XLA cannot), or the model is not built
-        yet, it runs without XLA. Anything else runs without XLA (a
-        `tf.function` made with ``jit_compile=True`` compiles itself).
+        yet, it runs without XLA. A `tf.function` made with ``jit_compile=True``
+        has each shard compiled, as it would compile itself. Anything else runs
+        without XLA.
       allow_duplicate_devices: let two shards share a device (as when a context
         map aliases two names to one card). Otherwise that is an error.
       max_rows: the most rows the function takes at once on a device, for a
