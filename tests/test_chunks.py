@@ -169,3 +169,21 @@ def test_explain_shows_the_limits():
     assert "  max_rows [-, 64]: at most that many rows at once on each device" in f.explain(
         np.zeros([4])
     )
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda b: tf.reduce_sum(b), lambda b: {"y": b, "loss": tf.reduce_sum(b)}],
+    ids=["scalar", "in_a_dict"],
+)
+@pytest.mark.parametrize("max_rows", [2, [None, 2]], ids=["every_device", "one_device"])
+def test_a_scalar_per_shard_in_chunks_gets_the_gathers_error(fn, max_rows):
+    # The reference: the message of the same call without max_rows (the gather's check).
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    whole = tfshard.parallelize(fn, devices=CPUS[:2], per_sample=False)
+    with pytest.raises(ArgumentError, match="scalar per shard") as unchunked:
+        whole(x)
+    chunked = tfshard.parallelize(fn, devices=CPUS[:2], per_sample=False, max_rows=max_rows)
+    with pytest.raises(ArgumentError) as error:
+        chunked(x)
+    assert str(error.value) == str(unchunked.value)

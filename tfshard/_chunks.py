@@ -35,7 +35,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfshard import _sharding, _trees, collect
-from tfshard._shards import by_row
+from tfshard._shards import ShardOutputs, by_row
 from tfshard.position import Position
 
 
@@ -49,6 +49,7 @@ def in_chunks(
     reduce: collect.Reduction | None,
     per_sample: bool,
     device: str,
+    name: str,
 ) -> Any:
     """`run` on `rows_in` in chunks of at most `limit` rows; outputs as one run's.
 
@@ -61,11 +62,19 @@ def in_chunks(
       reduce: the call's reduction, or None to gather.
       per_sample: the function is mapped over rows (its outputs are all per row).
       device: the shard's device, where the loop runs.
+      name: the function's name, for messages.
+
+    Raises:
+      ArgumentError: without a reduction, an output that cannot be gathered
+        (`ShardOutputs.check_gatherable`, the check a call without chunks makes
+        when it gathers): a chunk's rows are concatenated as a shard's are.
     """
     size = tf.constant(limit, tf.int32)
     head = tf.minimum(count, size)
     first = run([t[:head] for t in rows_in], head, position)
     leaves, structure = _trees.flatten(first)
+    if reduce is None:  # a scalar cannot go into the rows' TensorArray: the gather's error
+        ShardOutputs(structure, [leaves]).check_gatherable(name)
     # Which outputs are one value per row (concatenated), which a shard's value.
     rowed_at = [by_row(leaf, per_sample=per_sample, reduce=reduce) for leaf in leaves]
     rowed = [leaf for leaf, r in zip(leaves, rowed_at) if r]

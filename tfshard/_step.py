@@ -351,6 +351,7 @@ class Step:
             reduce=self.options.reduce,
             per_sample=self.options.per_sample,
             device=device,
+            name=self.name,
         )
 
     def collect(self, outputs: ShardOutputs, planned: Planned) -> list[Any]:
