@@ -981,6 +981,32 @@ def test_options_are_never_taken_from_the_wrapped_object():
     assert len(compiled) == 2  # one XLA cluster per shard
 
 
+@tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+def _centred(block):
+    return block - tf.reduce_mean(block, axis=0)
+
+
+class _Centred(tf.Module):
+    @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+    def __call__(self, block):
+        return _centred.python_function(block)
+
+
+@pytest.mark.parametrize("make", [lambda: _centred, _Centred], ids=["function", "module"])
+def test_a_tf_functions_input_signature_still_refuses_what_it_does_not_take(make):
+    # tfshard calls its Python function, which would take one sample (and centre the
+    # sample's own two values): the signature refuses it, as the tf.function does.
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    f = tfshard.parallelize(make(), devices=CPUS[:2])  # per sample
+    with pytest.raises(ArgumentError, match=r"(?s)takes block as .*\(2,\).*per_sample=False"):
+        f(x)
+    g = tfshard.parallelize(make(), devices=CPUS[:2], per_sample=False)
+    want = np.concatenate([x[:3] - x[:3].mean(0), x[3:] - x[3:].mean(0)])  # two shards of 3
+    np.testing.assert_array_equal(g(x).numpy(), want)
+    with pytest.raises(ArgumentError, match=r"takes block .* dtype float64"):
+        g(x.astype(np.float64))
+
+
 def test_a_tf_function_made_with_jit_compile_has_each_shard_compiled():
     # tfshard calls its Python function, so it compiles the shards as the tf.function would.
     inner = tf.function(lambda s: s * 2.0, jit_compile=True)

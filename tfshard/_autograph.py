@@ -26,20 +26,27 @@ def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:
     A function converts; a method (bound, or a `WeakMethod`) converts as its
     function and binds again; a callable object converts its class's
     ``__call__``, bound to it (`tf.autograph.to_graph` takes no objects). A
-    Keras layer is left as it is (Keras converts its own ``call``), and so is a
-    `tf.function` (it converts itself). Anything that does not convert is
+    Keras layer is left as it is (Keras converts its own ``call``).
+
+    A `tf.function` (a function, a method, or a class's ``__call__``) is
+    called as its Python function (``python_function``), converted as the
+    `tf.function` converts it, so tfshard's trace is its one trace and each
+    shard's call sees its own `tfshard.shard_index` and `tfshard.row_index`
+    (see `tf_function_of`). Its arguments are checked against its
+    ``input_signature``, where it has one, as the `tf.function` checks them
+    (a `TypeError` naming the argument). Anything that does not convert is
     called as written.
     """
     if isinstance(fn, types.MethodType):
-        return types.MethodType(_converted(fn.__func__), fn.__self__)
+        return types.MethodType(_converted(fn.__func__, method=True), fn.__self__)
     if isinstance(fn, WeakMethod):
-        return fn.with_func(_converted(fn.__func__))
+        return fn.with_func(_converted(fn.__func__, method=True))
     if is_keras_layer(fn):
         return fn
     call = inspect.getattr_static(type(fn), "__call__", None)  # a function's: a slot wrapper
     is_method = isinstance(call, types.FunctionType | tf.types.experimental.PolymorphicFunction)
     if is_method and not hasattr(fn, "get_concrete_function"):
-        return types.MethodType(_converted(call), fn)
+        return types.MethodType(_converted(call, method=True), fn)
     return _converted(fn)
 
 
@@ -61,15 +68,65 @@ def tf_function_of(fn: Any) -> Any:
     return fn if isinstance(fn, tf.types.experimental.PolymorphicFunction) else None
 
 
-def _converted(fn: Callable[..., Any]) -> Callable[..., Any]:
-    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
-        fn = fn.python_function  # see `tf_function_of`
+def _converted(fn: Callable[..., Any], *, method: bool = False) -> Callable[..., Any]:
+    """`fn` converted; `method`: a function of a class, its instance bound later."""
+    function = fn if isinstance(fn, tf.types.experimental.PolymorphicFunction) else None
+    if function is not None:
+        fn = function.python_function  # see `tf_function_of`
     if hasattr(fn, "get_concrete_function"):  # a ShardedFunction
         return fn
     try:
-        return tf.autograph.to_graph(fn)
+        converted = tf.autograph.to_graph(fn)
     except Exception:  # no source to read, a builtin: call it as written
-        return fn
+        converted = fn
+    if function is None or function.input_signature is None:
+        return converted
+    return _signed(converted, function, method)
+
+
+def _signed(converted: Callable[..., Any], function: Any, method: bool) -> Callable[..., Any]:
+    """`converted`, its arguments first checked against `function`'s ``input_signature``.
+
+    Called in its place, the `tf.function` would refuse arguments its
+    signature does not take (one sample where it takes a batch, another
+    dtype); its Python function would run on them instead. `method`: the
+    first parameter is the instance, which the signature leaves out.
+    """
+    signature = inspect.signature(function.python_function)
+    names = list(signature.parameters)[1 if method else 0 :]
+    specs = function.input_signature
+    name = getattr(function, "__name__", "the tf.function")
+
+    @tf.autograph.experimental.do_not_convert
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(*args, **kwargs).arguments
+        for arg, spec in zip(names, specs):
+            if arg in given:
+                _check_argument(name, arg, spec, given[arg])
+        return converted(*args, **kwargs)
+
+    return functools.wraps(converted)(checked)
+
+
+def _check_argument(name: str, arg: str, spec: Any, value: Any) -> None:
+    """Raises TypeError where a tensor of `value` is not one `spec` takes (`_signed`)."""
+    problem = None
+    try:
+        tf.nest.assert_same_structure(spec, value)
+    except (ValueError, TypeError):
+        problem = "a different structure"
+    else:
+        for s, v in zip(tf.nest.flatten(spec), tf.nest.flatten(value)):
+            tensor = isinstance(v, tf.Tensor | tf.RaggedTensor | tf.SparseTensor)
+            if tensor and isinstance(s, tf.TypeSpec) and not s.is_compatible_with(v):
+                problem = f"shape {v.shape} and dtype {v.dtype.name}"
+                break
+    if problem is not None:
+        raise TypeError(
+            f"{name}'s input_signature takes {arg} as {spec}, but tfshard gives it {arg} "
+            f"of {problem}, which the tf.function refuses, so tfshard does (give it "
+            "arguments its signature takes, or change the signature)"
+        )
 
 
 def keras_of(obj: Any) -> Any:
