@@ -292,3 +292,56 @@ def test_a_modules_tf_function_methods_see_each_shards_own_position():
         f = tfshard.parallelize(fn, devices=CPUS[:3], per_sample=False)
         np.testing.assert_array_equal(f(x).numpy(), expected(f.plan(7)))
     assert len(module.variables) == 1  # made once, read by every shard
+
+
+@tf.function
+def _scaled_by(block, shard):
+    return block * tf.cast(shard, block.dtype)
+
+
+def _calling_a_tf_function_that_reads_its_shard():
+    """A function calling its own tf.function, which reads the shard's index."""
+
+    @tf.function
+    def scaled(block):
+        return block * tf.cast(tfshard.shard_index(), block.dtype)
+
+    return lambda block: scaled(block) + 0.0
+
+
+_STALE = r"(?s)read inside a tf.function .*pass it in as an argument"
+
+
+@pytest.mark.parametrize(
+    "devices, options",
+    [(2, {}), (3, {}), (1, {"max_rows": 2})],
+    ids=["in_place", "shared_trace", "chunks"],
+)
+def test_a_tf_function_read_inside_the_function_names_the_fix(devices, options):
+    # Its cache hands the next shard (or chunk) the first one's trace, with the first
+    # one's position in it. 6 rows: every shard (every chunk but the first) takes 2.
+    x = np.ones([6, 2], np.float32)
+    f = tfshard.parallelize(_calling_a_tf_function_that_reads_its_shard(),
+                            devices=CPUS[:devices], per_sample=False, **options)  # fmt: skip
+    with pytest.raises(TfshardError, match=_STALE):
+        f(x)
+    # The fix it names: the position read outside the tf.function, passed in.
+    g = tfshard.parallelize(lambda b: _scaled_by(b, tfshard.shard_index()),
+                            devices=CPUS[:devices], per_sample=False, **options)  # fmt: skip
+    np.testing.assert_array_equal(g(x).numpy(), expected(g.plan(6))[:, :1] * x)
+
+
+def test_a_tf_function_read_per_sample_inside_the_function_names_the_fix():
+    f = tfshard.parallelize(_calling_a_tf_function_that_reads_its_shard(), devices=CPUS[:2])
+    with pytest.raises(TfshardError, match=_STALE):
+        f(np.ones([6, 2], np.float32))
+
+
+def test_a_tf_function_traced_for_one_parallelized_function_is_refused_by_the_next():
+    # One device alone is right, but the next function's call would reuse its trace.
+    fn = _calling_a_tf_function_that_reads_its_shard()
+    x = np.ones([4, 2], np.float32)
+    alone = tfshard.parallelize(fn, devices=CPUS[:1], per_sample=False)
+    np.testing.assert_array_equal(alone(x).numpy(), 0 * x)
+    with pytest.raises(TfshardError, match=_STALE):
+        tfshard.parallelize(fn, devices=CPUS[1:2], per_sample=False)(x)

@@ -41,6 +41,7 @@ from tfshard._options import Options
 from tfshard._plan import Caps, capacity, host_cpu, plan_rows
 from tfshard._step import Step
 from tfshard.errors import ArgumentError, Failed, call_failure, failing_shard, shard_error
+from tfshard.position import check_no_stale_position
 from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
 
 
@@ -301,7 +302,9 @@ class Engine:
 
     def checked(self, graph: Any) -> Any:
         """A traced graph, once refused if a shard writes a replicated variable or,
-        compiled, reads a variable on another device (XLA cannot)."""
+        compiled, reads a variable on another device (XLA cannot), or if it holds a
+        position of another trace (`position.check_no_stale_position`)."""
+        check_no_stale_position(graph, self.name)
         if self.options.jit_compile:
             check_compiled_reads(graph, self.devices, self.name)
         if self._replicas is not None:

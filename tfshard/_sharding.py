@@ -124,11 +124,12 @@ class Trace:
         (a graph traced for exactly its batch's rows, `Engine._exact_rows`).
         """
 
+        # The position's inputs are named tfshard_position (`errors.POSITION_NAME`).
         def traced(
-            rows_in: Sequence[Any], rows: tf.Tensor, position: Position, token: tf.Tensor
+            rows_in: Sequence[Any], rows: tf.Tensor, tfshard_position: Position, token: tf.Tensor
         ) -> Any:
             del token  # its handle alone keeps a call out of the stateful chain
-            return guarded(rows_in, rows, position)
+            return guarded(rows_in, rows, tfshard_position)
 
         first = shards[0]
         alike = all(
@@ -225,8 +226,10 @@ def _with_token(
 
 
 def _taking_token(guarded: ShardFn) -> TokenShardFn:
-    def run(rows_in: Sequence[Any], rows: tf.Tensor, position: Position, handle: tf.Tensor) -> Any:
+    def run(
+        rows_in: Sequence[Any], rows: tf.Tensor, tfshard_position: Position, handle: tf.Tensor
+    ) -> Any:
         del handle  # see `unordered`
-        return guarded(rows_in, rows, position)
+        return guarded(rows_in, rows, tfshard_position)
 
     return run

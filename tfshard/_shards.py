@@ -20,8 +20,16 @@ import tensorflow as tf
 from tfshard import _arguments, _graph, _kinds, _trees, collect
 from tfshard._autograph import is_keras_layer
 from tfshard._plan import host_assert, row_count, rows
-from tfshard.errors import ROWS_DIFFER, ArgumentError, TfshardError, Traced, trace_error
-from tfshard.position import Lazy, Position, seen
+from tfshard.errors import (
+    ROWS_DIFFER,
+    STALE_POSITION_FIX,
+    ArgumentError,
+    TfshardError,
+    Traced,
+    reads_a_stale_position,
+    trace_error,
+)
+from tfshard.position import Lazy, Position, Reads, seen
 
 
 def shard_of(
@@ -37,7 +45,9 @@ def shard_of(
     """The computation of one shard, and what a shard without rows returns instead.
 
     The function sees where its shard is (`tfshard.position`) while it is
-    traced: `Shard.run` takes the shard's `Position` beside its rows.
+    traced: `Shard.run` takes the shard's `Position` beside its rows. Every call
+    of it must read its own (`tfshard.position.Reads`: a `TfshardError` for a
+    call that a `tf.function`'s cache gave an earlier call's).
 
     Args:
       fn: the user's function (autograph applied).
@@ -49,14 +59,18 @@ def shard_of(
       ragged: stack per-sample outputs as ragged tensors.
     """
 
+    reads = Reads(name)
+
     def call(rows_in: Sequence[Any], position: Position, count: tf.Tensor | None) -> Any:
         args, kwargs = template.rebuild(rows_in, shared)
         try:
-            with seen(position, count):
+            with seen(position, count, reads):
                 outputs = fn(*args, **kwargs)
         except TfshardError:
             raise
         except (ValueError, TypeError) as error:
+            if reads.read and reads_a_stale_position(str(error)):
+                raise TfshardError(f"{name}: {STALE_POSITION_FIX.format(name=name)}") from error
             traced = trace_facts(fn, template, rows_in, name=name, per_sample=per_sample)
             raise trace_error(error, traced) from error
         return to_tensors(outputs, name)
@@ -437,8 +451,8 @@ def sample_trace(call: Callable[..., Any], example: Sequence[Any], ragged: bool)
     """
     specs = tuple(_arguments.row_spec(t) for t in example)
 
-    def one(position: Position, *rows_in: Any) -> Any:
-        return call(rows_in, position, None)
+    def one(tfshard_position: Position, *rows_in: Any) -> Any:  # `errors.POSITION_NAME`
+        return call(rows_in, tfshard_position, None)
 
     probe = tf.function(one, autograph=False).get_concrete_function(Position.specs(), *specs)
     outputs = probe.structured_outputs

@@ -360,6 +360,8 @@ def trace_error(error: Exception, traced: Traced) -> ArgumentError:
 
 def _trace_hint(error: Exception, traced: Traced) -> str:
     name = traced.name
+    if reads_a_stale_position(str(error)):
+        return STALE_POSITION_FIX.format(name=name)
     if creates_variables(str(error)):
         return (
             f"{name} makes a variable each time it is traced: a Keras layer created inside "
@@ -696,6 +698,35 @@ def pfor_stack_failure(message: str) -> bool:
     failed = re.findall(r"\{\{node ([^}]+)\}\}", message) or [message]
     in_pfor = any("/pfor/" in name for name in failed)
     return in_pfor and ("TensorList" in message or "Incompatible shapes" in message)
+
+
+# What to do when a tf.function that the parallelized function calls reads its
+# position (`tfshard.position.Reads`, `reads_a_stale_position`).
+STALE_POSITION_FIX = (
+    "tfshard.shard_index() or tfshard.row_index() is read inside a tf.function that "
+    "{name} calls, in that tf.function's first trace only: its cache gives every later "
+    "shard or chunk that trace, with the first one's position in it. Read the position "
+    "outside the tf.function and pass it in as an argument, call its Python function "
+    "instead (g.python_function(...) for a tf.function g), or parallelize the tf.function "
+    "itself (tfshard calls its Python function)"
+)
+
+
+def reads_a_stale_position(message: str) -> bool:
+    """Whether a trace failed on a shard's position made in another graph: a
+    tf.function's trace, cached, that read it (`STALE_POSITION_FIX`).
+
+    >>> reads_a_stale_position("<tf.Tensor 'tfshard_shard_1/tfshard_position/Const:0' "
+    ...                        "shape=() dtype=int32> is out of scope and cannot be used here")
+    True
+    """
+    return "is out of scope" in message and bool(_POSITION_TENSOR_RE.search(message))
+
+
+# A shard's position tensor: made in place (in its scope, `tfshard._step`), or a
+# trace's input (`tfshard._sharding`, `tfshard._shards.sample_trace`).
+POSITION_NAME = r"(?:[^'\s]*/)?tfshard_position(?:/[^'\s]*|(?:_\d+)?:\d+)"
+_POSITION_TENSOR_RE = re.compile(rf"<tf\.Tensor '{POSITION_NAME}'")
 
 
 def creates_variables(message: str) -> bool:

@@ -21,21 +21,29 @@ where the function reads them (`Lazy`): a function that never asks costs no
 op. The function reads them through a context that tfshard enters around its
 trace of the function (`seen`) and leaves after it: nothing is left behind,
 and outside a parallelized function both raise a `TfshardError`.
+
+A `tf.function` given to `tfshard.parallelize` is traced as its Python function
+(`tfshard._autograph.autographed`), so it reads its shard's position like any
+function. One that the function calls keeps, in its cache, the trace of its
+first call, with that call's position in it: a later call (another shard or
+chunk, another trace) reads nothing, and gets a `TfshardError` naming the fix
+(`Reads`, `check_no_stale_position`), never the first call's position.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tfshard.errors import TfshardError
+from tfshard.errors import POSITION_NAME, STALE_POSITION_FIX, TfshardError
 
-__all__ = ("Position", "row_index", "seen", "shard_index")
+__all__ = ("Position", "Reads", "check_no_stale_position", "row_index", "seen", "shard_index")
 
 
 class Lazy:
@@ -43,11 +51,11 @@ class Lazy:
     never calls `shard_index` or `row_index` gets no op of its position.
 
     `make` builds the tensor (under its own device scope where that matters) in
-    the graph that reads it, once per graph: a read inside a `tf.cond` branch or
-    a loop body makes it there (taking what it needs from the graph around it),
-    and a later read in the graph around makes its own. It is made outside any
-    control dependencies, so a read under `tf.control_dependencies` orders
-    nothing else.
+    the current graph, once per graph: `shard_index` and `row_index` make it in
+    the graph the function is traced in, also for a read inside a `tf.cond`
+    branch, a loop body or a `tf.function`, which capture it from there
+    (`_made_at_home`). It is made outside any control dependencies, so a read
+    under `tf.control_dependencies` orders nothing else.
     """
 
     def __init__(self, make: Callable[[], tf.Tensor]) -> None:
@@ -106,16 +114,69 @@ class Position(NamedTuple):
         return Position(self.index, first + tf.cast(rows, tf.int64))
 
 
+class Reads:
+    """Whether the calls of one function in one trace of a call read their position:
+    the check that each call reads its own.
+
+    A plain function reads it each time it is called. A `tf.function` that the
+    function calls reads it in its first trace only: its cache hands every
+    later call (another shard, a shared trace, the next chunk) that trace,
+    with the first call's position in it, and the later call reads nothing.
+    `seen` raises a `TfshardError` for such a call, naming the fix.
+
+    Args:
+      name: the parallelized function's name, for the message.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.read = False
+
+    def after(self, read: bool) -> None:
+        """Takes note of one call that read its position (`read`) or did not."""
+        if read:
+            self.read = True
+        elif self.read:
+            raise TfshardError(f"{self.name}: {STALE_POSITION_FIX.format(name=self.name)}")
+
+
+def check_no_stale_position(graph: Any, name: str) -> None:
+    """Raises TfshardError where a call's traced graph (a concrete function) captured
+    a shard's position made in another trace.
+
+    A `tf.function` the function calls, traced in an earlier trace of a call
+    (another parallelized function's, another batch size's) holds that trace's
+    position (`_made_at_home`); its cache hands it to this trace, whose call
+    reads nothing and would fail when run, naming a tensor of no use to the user.
+    """
+    for captured in graph.captured_inputs:
+        if tf.is_symbolic_tensor(captured) and _POSITION.fullmatch(captured.name):
+            raise TfshardError(f"{name}: {STALE_POSITION_FIX.format(name=name)}")
+
+
+_POSITION = re.compile(POSITION_NAME)
+
+
+class _Call:
+    """Whether one call of the function read its position (`Reads`)."""
+
+    read = False
+
+
 class _Seen(NamedTuple):
     """What one trace of the user's function sees: its shard, and its rows' first row.
 
     `count` is the number of rows the function takes at once (whole shard), or
     None for one sample, whose global row is `first` itself. Each may be a `Lazy`.
+    `call` notes whether the function read them; `graph` is the graph the
+    function is traced in, where they are made (`_made_at_home`).
     """
 
     index: tf.Tensor | Lazy
     first: tf.Tensor | Lazy | None  # None: a sample whose row was not mapped (`row_index`)
     count: tf.Tensor | Lazy | None
+    call: _Call
+    graph: Any
 
 
 # The traces under way in this thread, innermost last (a parallelized function
@@ -126,19 +187,31 @@ _SEEN: contextvars.ContextVar[tuple[_Seen, ...]] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def seen(position: Position, count: tf.Tensor | Lazy | None) -> Iterator[None]:
+def seen(
+    position: Position, count: tf.Tensor | Lazy | None, reads: Reads | None = None
+) -> Iterator[None]:
     """A context in which the function being traced sees `position`.
 
     Args:
       position: the shard's index and the global row of the first row the
         function takes (for one sample, that sample's row).
       count: the rows the function takes at once (int64), or None for one sample.
+      reads: the record of the function's earlier calls in this trace, told
+        whether this one read its position (`Reads.after`), or None.
+
+    Raises:
+      TfshardError: (on leaving) this call read no position where an earlier
+        one did (`Reads`).
     """
-    token = _SEEN.set((*_SEEN.get(), _Seen(position.index, position.first, count)))
+    call = _Call()
+    graph = tf.compat.v1.get_default_graph()
+    token = _SEEN.set((*_SEEN.get(), _Seen(position.index, position.first, count, call, graph)))
     try:
         yield
     finally:
         _SEEN.reset(token)
+    if reads is not None:
+        reads.after(call.read)
 
 
 def _innermost(name: str) -> _Seen:
@@ -150,7 +223,23 @@ def _innermost(name: str) -> _Seen:
             "given to tfshard.parallelize (for the same value on one device, parallelize "
             "the function with devices=[one device])"
         )
+    found[-1].call.read = True
     return found[-1]
+
+
+@contextlib.contextmanager
+def _made_at_home(seen_now: _Seen) -> Iterator[None]:
+    """Makes a read's tensors in the graph the function is traced in, not in a graph
+    inside it: a `tf.cond` branch or a loop body captures them from there, and a
+    `tf.function`'s trace that read them (cached, handed to another shard or chunk)
+    holds a tensor of this shard's graph, never a constant of its position: another
+    graph cannot use it (an error, `errors.reads_a_stale_position`), and a later call
+    in this graph reads nothing (`Reads`)."""
+    if tf.compat.v1.get_default_graph() is seen_now.graph:
+        yield
+        return
+    with seen_now.graph.as_default(), tf.control_dependencies(None):
+        yield
 
 
 @tf.autograph.experimental.do_not_convert
@@ -167,7 +256,9 @@ def shard_index() -> tf.Tensor:
     Raises:
       TfshardError: called outside a function run by `tfshard.parallelize`.
     """
-    return made(_innermost("shard_index").index)
+    seen_now = _innermost("shard_index")
+    with _made_at_home(seen_now):
+        return made(seen_now.index)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -196,6 +287,7 @@ def row_index() -> tf.Tensor:
             "not in the trace tfshard made first to learn its outputs, so no sample's row "
             "was mapped with it; read it in every trace (not behind a Python condition)"
         )
-    if seen_now.count is None:
-        return made(seen_now.first)
-    return Position(seen_now.index, seen_now.first).rows(seen_now.count)
+    with _made_at_home(seen_now):
+        if seen_now.count is None:
+            return made(seen_now.first)
+        return Position(seen_now.index, seen_now.first).rows(seen_now.count)
