@@ -7,6 +7,7 @@ bed, with an unequal pair made honestly: shard 1 does three times the work per r
 weights are 3:1.
 """
 
+import itertools
 import re
 import threading
 import time
@@ -639,19 +640,17 @@ def test_a_shard_out_of_memory_caps_its_device_and_later_calls_plan_within_it(mo
     assert f.balance.caps() == (None, 4)
     assert f.plan(16) == [12, 4] and f.plan(6) == [3, 3] and f.plan(9) == [5, 4]
     assert "caps [-, 4]" in f.explain(x)
-    # Later calls, measured (every call until the plan settles, then sparsely) and not:
-    # each correct, and device 1 never given more than its cap.
-    kinds = []
-    due = f.balance.due
-    monkeypatch.setattr(f.balance, "due", lambda: (kinds.append(due()), kinds[-1])[1])
+    # Later calls, measured (the split's shards timed, weights fed) and not (the weights
+    # in use the graph's constants), in turn: each correct, device 1 never over its cap.
+    kinds = itertools.cycle(["split", None, None])
+    monkeypatch.setattr(f.balance, "due", lambda: next(kinds))
     seen.clear()
-    for i in range(60):
+    for i in range(30):
         rows = (16, 9, 40, 3, 0, 7)[i % 6]
         out = f(x if rows == 16 else np.resize(x, [rows, 3]))
         numerics.assert_close(out.numpy(), np.resize(x, [rows, 3]) * 2.0 + 1.0)
-    assert {None, "split"} <= set(kinds), kinds  # both graphs ran
     assert max(n for k, n in seen if k == 1) == 4
-    assert f.balance.caps() == (None, 4)
+    assert f.balance.caps() == (None, 4) and f.balance.measured > 0
 
 
 def test_a_cap_only_goes_down(monkeypatch):
