@@ -382,6 +382,10 @@ class Balance:
                 return tuple(int(k == self._weighed) for k in range(self._count))
             return self._in_use[1]
 
+    def in_use(self) -> tuple[tuple[int, ...], tuple[int | None, ...] | None]:
+        """What an unmeasured call plans by now, read at once: `integer` and `caps`."""
+        return self._in_use[1], self._caps
+
     def caps(self) -> tuple[int | None, ...] | None:
         """Each device's most rows in a call (None: no cap), as learned by `cap`, or None
         while no device has one."""

@@ -486,9 +486,6 @@ class Engine:
         if balance is None or balance.one_left:
             # One device left: no call is measured, so none waits for a turn.
             return self._run_graph(call, body, offset, None)
-        if not tf.executing_eagerly():
-            # Inside a user's tf.function there is nothing to read: never measured.
-            return self._run_graph(call, body, offset, None)
         kind = balance.due()
         if kind is None:
             depth = self._turns.unmeasured()
@@ -497,6 +494,10 @@ class Engine:
                     return self._run_graph(call, body, offset, None)
                 finally:
                     self._turns.done(depth)
+        elif not tf.executing_eagerly():
+            # Inside a user's tf.function there is nothing to read: never measured (the
+            # call due to be is one that is not, traced once).
+            return self._run_graph(call, body, offset, None)
         elif kind == "alone" and (body != "call" or call.rows is None):
             kind = "split"  # a whole call's rows are needed to weigh it against the split
         with self._turns.call(kind is not None) as measured:
@@ -509,8 +510,13 @@ class Engine:
         timed, or the fastest device alone) or, None, the unmeasured graph of the plan in
         use; what a measured call took goes to the balance."""
         # Read once: the graph, its feeds and errors agree.
-        weights = self.plan_weights() if kind is None else self.balance.plan_for(kind)
-        caps = None if self.balance is None else self.balance.caps()
+        balance = self.balance
+        if balance is None:
+            weights, caps = self.options.weights, None
+        elif kind is None:
+            weights, caps = balance.in_use()
+        else:
+            weights, caps = balance.plan_for(kind), balance.caps()
         if caps is not None and call.rows is not None:
             self.check_caps(call.rows, weights, caps)
         held = self._held(call.rows, weights, caps)
