@@ -439,7 +439,9 @@ class Balance:
         that is not), the two in turn; the interval then doubles with each
         measured call, up to `SPARSEST`, and is `EVERY` again after a
         measurement that changes the plan or leans towards a change
-        (`_count_one`).
+        (`_count_one`). The calls up to the next measured one are counted down
+        without the lock (`_quiet`): under threads a count may be lost, one call
+        more unmeasured.
         """
         if self.one_left:
             return None  # every other device useless: one device, nothing to measure
