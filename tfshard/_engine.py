@@ -739,7 +739,9 @@ class Engine:
         The engine knows the function, its devices, each shard's rows and
         memory limit, and asks the cluster whether a worker is down. With
         ``weights="auto"``, a shard of known rows that ran out of memory caps
-        its device (`learned`), and the error says so.
+        its device (`learned`), and the error says so; the call is not run
+        again (a function may have side effects): the next call plans within
+        the cap.
 
         Args:
           error: what TensorFlow raised.
