@@ -1022,6 +1022,44 @@ def test_a_tf_function_made_with_jit_compile_has_each_shard_compiled():
     assert len(compiled) == 2  # one XLA cluster per shard
 
 
+_BLOCK = tf.TensorSpec([None, 2], tf.float32)
+
+
+@tf.function(input_signature=[_BLOCK, tf.TensorSpec([], tf.float32)])
+def _scaled(block, k):
+    return block * k, tf.fill(tf.shape(block)[:1], k) / 2
+
+
+@pytest.mark.parametrize("k", [3, 3.0], ids=["int", "float"])
+def test_an_input_signature_converts_python_values_as_the_tf_function_does(k):
+    # The reference: the tf.function itself on each shard's rows (two shards of 3), which
+    # turns k into a float32 tensor; its Python function on k as given would not.
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    f = tfshard.parallelize(_scaled, devices=CPUS[:2], per_sample=False)
+    got = f(x, k)
+    parts = [_scaled(tf.constant(x[:3]), k), _scaled(tf.constant(x[3:]), k)]
+    for i in range(2):
+        want = np.concatenate([p[i].numpy() for p in parts])
+        assert got[i].dtype == want.dtype == np.float32
+        np.testing.assert_array_equal(got[i].numpy(), want)
+    with pytest.raises(ArgumentError, match=r"takes k as .*float32.* not a float32 tensor"):
+        f(x, "three")
+
+
+@tf.function(input_signature=[_BLOCK, _BLOCK])
+def _added(*blocks):
+    return blocks[0] + blocks[1]
+
+
+def test_an_input_signature_pairs_its_specs_with_star_args():
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    f = tfshard.parallelize(_added, devices=CPUS[:2], per_sample=False)
+    want = np.concatenate([_added(x[:3], 2 * x[:3]), _added(x[3:], 2 * x[3:])])
+    np.testing.assert_array_equal(f(x, 2 * x).numpy(), want)
+    with pytest.raises(ArgumentError, match=r"takes blocks\[1\] as .* dtype float64"):
+        f(x, x.astype(np.float64))
+
+
 # ------------------------------------------------ whole-shard rows, reduce
 
 

@@ -32,10 +32,11 @@ def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:
     called as its Python function (``python_function``), converted as the
     `tf.function` converts it, so tfshard's trace is its one trace and each
     shard's call sees its own `tfshard.shard_index` and `tfshard.row_index`
-    (see `tf_function_of`). Its arguments are checked against its
-    ``input_signature``, where it has one, as the `tf.function` checks them
-    (a `TypeError` naming the argument). Anything that does not convert is
-    called as written.
+    (see `tf_function_of`). Where it has an ``input_signature``, its
+    arguments are converted and checked as the `tf.function` converts and
+    checks them (a Python number becomes a tensor of the spec's dtype; what the
+    signature does not take is a `TypeError` naming the argument). Anything
+    that does not convert is called as written.
     """
     if isinstance(fn, types.MethodType):
         return types.MethodType(_converted(fn.__func__, method=True), fn.__self__)
@@ -85,48 +86,87 @@ def _converted(fn: Callable[..., Any], *, method: bool = False) -> Callable[...,
 
 
 def _signed(converted: Callable[..., Any], function: Any, method: bool) -> Callable[..., Any]:
-    """`converted`, its arguments first checked against `function`'s ``input_signature``.
+    """`converted`, its arguments first made what `function`'s ``input_signature`` makes them.
 
-    Called in its place, the `tf.function` would refuse arguments its
-    signature does not take (one sample where it takes a batch, another
-    dtype); its Python function would run on them instead. `method`: the
-    first parameter is the instance, which the signature leaves out.
+    Called in its place, the `tf.function` would convert each value a
+    `tf.TensorSpec` of its signature covers to a tensor of the spec's dtype (a
+    Python ``3`` becomes a float32 tensor for a float32 spec), and refuse
+    arguments its signature does not take (one sample where it takes a batch,
+    another dtype); `converted` gets the same tensors, or the same refusal.
+    Specs pair with the positional arguments in order (``*args`` included), as
+    the `tf.function` pairs them. `method`: the first argument is the
+    instance, which the signature leaves out.
     """
     signature = inspect.signature(function.python_function)
-    names = list(signature.parameters)[1 if method else 0 :]
     specs = function.input_signature
     name = getattr(function, "__name__", "the tf.function")
+    skip = 1 if method else 0
 
     @tf.autograph.experimental.do_not_convert
     def checked(*args: Any, **kwargs: Any) -> Any:
-        given = signature.bind(*args, **kwargs).arguments
-        for arg, spec in zip(names, specs):
-            if arg in given:
-                _check_argument(name, arg, spec, given[arg])
-        return converted(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        positional = list(bound.args)
+        labels = _positional_labels(signature, len(positional))
+        for i, spec in enumerate(specs, start=skip):
+            if i >= len(positional):
+                break
+            positional[i] = _as_signed(name, labels[i], spec, positional[i])
+        return converted(*positional, **bound.kwargs)
 
     return functools.wraps(converted)(checked)
 
 
-def _check_argument(name: str, arg: str, spec: Any, value: Any) -> None:
-    """Raises TypeError where a tensor of `value` is not one `spec` takes (`_signed`)."""
-    problem = None
+def _positional_labels(signature: inspect.Signature, count: int) -> list[str]:
+    """The names of `count` positional arguments bound to `signature`: a parameter's
+    name, ``args[k]`` for the k-th value of ``*args``."""
+    labels = []
+    for parameter in signature.parameters.values():
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            labels += [f"{parameter.name}[{k}]" for k in range(count - len(labels))]
+        elif parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            labels.append(parameter.name)
+    return labels[:count]
+
+
+def _as_signed(name: str, arg: str, spec: Any, value: Any) -> Any:
+    """`value` as `spec` takes it: each value a `tf.TensorSpec` covers converted to a
+    tensor of its dtype (``tf.convert_to_tensor(v, spec.dtype)``, as the
+    `tf.function` converts it), checked against its spec (`_signed`).
+
+    Raises:
+      TypeError: naming `arg`, where the `tf.function` would refuse the value.
+    """
+
+    def cast(s: Any, v: Any) -> Any:
+        if isinstance(s, tf.TensorSpec) and not isinstance(v, tf.Tensor):
+            try:
+                v = tf.convert_to_tensor(v, s.dtype)
+            except (TypeError, ValueError):
+                raise _Refused(f"a value that is not a {s.dtype.name} tensor: {v!r}") from None
+        tensor = isinstance(v, tf.Tensor | tf.RaggedTensor | tf.SparseTensor)
+        if tensor and isinstance(s, tf.TypeSpec) and not s.is_compatible_with(v):
+            raise _Refused(f"shape {v.shape} and dtype {v.dtype.name}")
+        return v
+
     try:
-        tf.nest.assert_same_structure(spec, value)
-    except (ValueError, TypeError):
-        problem = "a different structure"
-    else:
-        for s, v in zip(tf.nest.flatten(spec), tf.nest.flatten(value)):
-            tensor = isinstance(v, tf.Tensor | tf.RaggedTensor | tf.SparseTensor)
-            if tensor and isinstance(s, tf.TypeSpec) and not s.is_compatible_with(v):
-                problem = f"shape {v.shape} and dtype {v.dtype.name}"
-                break
-    if problem is not None:
+        if not tf.nest.is_nested(spec):  # one spec: a list or a number converts whole
+            return cast(spec, value)
+        try:
+            tf.nest.assert_same_structure(spec, value, check_types=False)
+        except (ValueError, TypeError):
+            raise _Refused("a different structure") from None
+        leaves = [cast(s, v) for s, v in zip(tf.nest.flatten(spec), tf.nest.flatten(value))]
+        return tf.nest.pack_sequence_as(value, leaves)
+    except _Refused as refused:
         raise TypeError(
             f"{name}'s input_signature takes {arg} as {spec}, but tfshard gives it {arg} "
-            f"of {problem}, which the tf.function refuses, so tfshard does (give it "
+            f"of {refused}, which the tf.function refuses, so tfshard does (give it "
             "arguments its signature takes, or change the signature)"
-        )
+        ) from None
+
+
+class _Refused(Exception):
+    """A value an ``input_signature`` does not take (`_as_signed`), and why."""
 
 
 def keras_of(obj: Any) -> Any:
