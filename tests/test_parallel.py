@@ -1022,6 +1022,29 @@ def test_a_tf_function_made_with_jit_compile_has_each_shard_compiled():
     assert len(compiled) == 2  # one XLA cluster per shard
 
 
+@tf.function(jit_compile=True)
+def _first_few(sample):
+    return tf.range(tf.cast(sample[0], tf.int32) % 3)  # a row of 0 to 2 values
+
+
+def test_a_tf_functions_jit_compile_gives_way_to_ragged_rows():
+    # XLA compiles the function, not tf.map_fn's list of rows around it: ragged=True runs
+    # without XLA, as the tf.function itself runs on each sample (the reference).
+    x = np.arange(14, dtype=np.float32).reshape(7, 2)
+    f = tfshard.parallelize(_first_few, devices=CPUS[:3], ragged=True)
+    assert f(x).to_list() == [_first_few(row).numpy().tolist() for row in x]
+
+
+def test_a_tf_functions_jit_compile_of_strings_names_them():
+    as_text = tf.function(tf.strings.as_string, jit_compile=True)
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="AsString"):
+        as_text(x)  # the reference: XLA refuses the tf.function itself
+    f = tfshard.parallelize(as_text, devices=CPUS[:2], per_sample=False)
+    with pytest.raises(ShardError, match=r"no kernel for op \w+ on string tensors"):
+        f(x)
+
+
 _BLOCK = tf.TensorSpec([None, 2], tf.float32)
 
 

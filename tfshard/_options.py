@@ -167,12 +167,14 @@ class Options:
         shard reading its weights on its own device (XLA cannot read a variable on
         another device). For a `tf.function`, its own ``jit_compile``: tfshard
         calls its Python function (`tfshard._autograph.autographed`), so the
-        shards are compiled as the `tf.function` would have compiled itself.
+        shards are compiled as the `tf.function` would have compiled itself,
+        where XLA can compile tfshard's code around it (not with ``ragged=True``,
+        whose `tf.map_fn` stacks rows in a list XLA has no kernel for).
         Anything else: False.
         """
         if self.jit_compile is not None:
             return self
-        compiles = _model_compiles(fn, devices) or _function_compiles(fn)
+        compiles = _model_compiles(fn, devices) or (_function_compiles(fn) and not self.ragged)
         return dataclasses.replace(self, jit_compile=compiles)
 
     def limits(self, count: int) -> tuple[int | None, ...] | None:
@@ -187,7 +189,10 @@ class Options:
 def _function_compiles(fn: Any) -> bool:
     """Whether `fn` is a `tf.function` made with ``jit_compile=True`` (`tf_function_of`)."""
     function = tf_function_of(fn)
-    # The tf.function's spec says what it was made with (None: not set, no XLA).
+    # TF has no public way to read a tf.function's jit_compile short of tracing it
+    # on arguments: this reads `function_spec.jit_compile`, an undocumented attribute
+    # of TF 2.21's PolymorphicFunction (None: not set, no XLA). test_parallel's
+    # test_a_tf_function_made_with_jit_compile_has_each_shard_compiled fails if it goes.
     spec = getattr(function, "function_spec", None)
     return bool(getattr(spec, "jit_compile", None))
 

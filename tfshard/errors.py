@@ -58,6 +58,9 @@ _XLA_FAILURE_RE = re.compile(
 _XLA_UNSUPPORTED_RE = re.compile(
     r"compile graph \S+ on (?P<device>\w+): (?P<op>[A-Za-z0-9_>.]+) \(No registered"
 )
+# An op XLA has a kernel for, but not for these attributes: a tfshard `cond` whose
+# branches output strings is named for the cond, not for the op making them.
+_XLA_ATTRIBUTES_RE = re.compile(r"attributes didn't match\)\s*Requested Attributes: (?P<attrs>.*)")
 _FAILING_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}")
 # Where TF's text of a root error ends and its stacks, calls and counts begin.
 _CAUSE_END_RE = re.compile(
@@ -664,6 +667,9 @@ def xla_failure(message: str) -> str | None:
     what = "XLA could not compile the function (jit_compile=True)"
     if unsupported:
         what += f": {unsupported['device']} has no kernel for op {unsupported['op']}"
+        attributes = _XLA_ATTRIBUTES_RE.search(block)
+        if attributes and "DT_STRING" in attributes["attrs"]:
+            what += " on string tensors (XLA has no string type: an op in the function makes them)"
     if node:
         what += f" at node {node[1]}"
     what += "; pass jit_compile=False to run it without XLA"
