@@ -775,7 +775,8 @@ def parallelize(
         shard would read the model's weights from another device (a model not
         replicated, on several devices: XLA cannot), or the model is not built
         yet, it runs without XLA. A `tf.function` made with ``jit_compile=True``
-        has each shard compiled, as it would compile itself. Anything else runs
+        has each shard compiled, as it would compile itself (not with
+        ``ragged=True``: XLA cannot compile its stacking). Anything else runs
         without XLA.
       allow_duplicate_devices: let two shards share a device (as when a context
         map aliases two names to one card). Otherwise that is an error.
