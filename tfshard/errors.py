@@ -584,6 +584,34 @@ def failing_shard(message: str) -> int | None:
     return None
 
 
+# Whose memory ran out: TF's allocator names its device; a Python function's MemoryError
+# (tf.py_function) is the host process's.
+_OOM_DEVICE_RE = re.compile(r"OOM when allocating [^\n]*? on (/\S+) by allocator")
+_PYTHON_OOM_RE = re.compile(r"(?:^|RESOURCE_EXHAUSTED:\s+)MemoryError\b", re.MULTILINE)
+HOST_MEMORY = "host"
+
+
+def memory_owner(message: str) -> str | None:
+    """Whose memory a TF out-of-memory error's first root error says ran out: the device
+    TF's allocator names (``OOM when allocating ... on D by allocator``), `HOST_MEMORY`
+    for a MemoryError that a Python function raised (``tf.py_function``: the host
+    process's memory, whatever device its op is on), or None where it names neither.
+
+    >>> memory_owner("OOM when allocating tensor with shape[9] and type float on "
+    ...              "/job:localhost/replica:0/task:0/device:GPU:1 by allocator GPU_1_bfc")
+    '/job:localhost/replica:0/task:0/device:GPU:1'
+    >>> memory_owner("  (0) RESOURCE_EXHAUSTED:  MemoryError: 8 rows"), memory_owner("OOM")
+    ('host', None)
+    """
+    for block in _root_errors(message):
+        found = _OOM_DEVICE_RE.search(block)
+        if found is not None:
+            return found.group(1)
+        if _PYTHON_OOM_RE.search(block):
+            return HOST_MEMORY
+    return None
+
+
 def shard_in(name: str) -> int | None:
     """The shard whose scope (`SHARD_SCOPE`) a node's name lies in, or None.
 
