@@ -299,12 +299,12 @@ def _scaled_by(block, shard):
     return block * tf.cast(shard, block.dtype)
 
 
-def _calling_a_tf_function_that_reads_its_shard():
-    """A function calling its own tf.function, which reads the shard's index."""
+def _calling_a_tf_function_that_reads_its_shard(read=tfshard.shard_index):
+    """A function calling its own tf.function, which reads the shard's index (or `read`)."""
 
     @tf.function
     def scaled(block):
-        return block * tf.cast(tfshard.shard_index(), block.dtype)
+        return block * tf.cast(read(), block.dtype)[..., None]
 
     return lambda block: scaled(block) + 0.0
 
@@ -343,5 +343,16 @@ def test_a_tf_function_traced_for_one_parallelized_function_is_refused_by_the_ne
     x = np.ones([4, 2], np.float32)
     alone = tfshard.parallelize(fn, devices=CPUS[:1], per_sample=False)
     np.testing.assert_array_equal(alone(x).numpy(), 0 * x)
+    with pytest.raises(TfshardError, match=_STALE):
+        tfshard.parallelize(fn, devices=CPUS[1:2], per_sample=False)(x)
+
+
+def test_a_tf_functions_cached_row_index_is_refused_by_the_next_function():
+    # Whole shard, row_index() is an op on the position's tensor: it is refused as the
+    # position itself is (a raw TypeError naming the op, before).
+    fn = _calling_a_tf_function_that_reads_its_shard(tfshard.row_index)
+    x = np.ones([4, 2], np.float32)
+    alone = tfshard.parallelize(fn, devices=CPUS[:1], per_sample=False)
+    np.testing.assert_array_equal(alone(x).numpy(), np.arange(4)[:, None] * x)
     with pytest.raises(TfshardError, match=_STALE):
         tfshard.parallelize(fn, devices=CPUS[1:2], per_sample=False)(x)

@@ -757,9 +757,11 @@ def reads_a_stale_position(message: str) -> bool:
     return "is out of scope" in message and bool(_POSITION_TENSOR_RE.search(message))
 
 
-# A shard's position tensor: made in place (in its scope, `tfshard._step`), or a
-# trace's input (`tfshard._sharding`, `tfshard._shards.sample_trace`).
-POSITION_NAME = r"(?:[^'\s]*/)?tfshard_position(?:/[^'\s]*|(?:_\d+)?:\d+)"
+# A shard's position tensor, or one made from it where the function reads it: made
+# in place (in its scope, `tfshard._step`; a read's, `tfshard.position`), or a
+# trace's input (`tfshard._sharding`, `tfshard._shards.sample_trace`). A scope or
+# input used again in one graph gets a suffix: tfshard_position_1.
+POSITION_NAME = r"(?:[^'\s]*/)?tfshard_position(?:_\d+)?(?:/[^'\s]*|:\d+)"
 _POSITION_TENSOR_RE = re.compile(rf"<tf\.Tensor '{POSITION_NAME}'")
 
 

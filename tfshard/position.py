@@ -155,6 +155,9 @@ def check_no_stale_position(graph: Any, name: str) -> None:
 
 
 _POSITION = re.compile(POSITION_NAME)
+# The name scope of what a read makes (`_made_at_home`), as `tfshard._step` names
+# the position it makes.
+POSITION_SCOPE = "tfshard_position"
 
 
 class _Call:
@@ -234,11 +237,13 @@ def _made_at_home(seen_now: _Seen) -> Iterator[None]:
     `tf.function`'s trace that read them (cached, handed to another shard or chunk)
     holds a tensor of this shard's graph, never a constant of its position: another
     graph cannot use it (an error, `errors.reads_a_stale_position`), and a later call
-    in this graph reads nothing (`Reads`)."""
+    in this graph reads nothing (`Reads`). What it makes is named in the position's
+    scope (`errors.POSITION_NAME`), which `check_no_stale_position` recognises."""
     if tf.compat.v1.get_default_graph() is seen_now.graph:
-        yield
+        with tf.name_scope(POSITION_SCOPE):
+            yield
         return
-    with seen_now.graph.as_default(), tf.control_dependencies(None):
+    with seen_now.graph.as_default(), tf.control_dependencies(None), tf.name_scope(POSITION_SCOPE):
         yield
 
 
