@@ -356,3 +356,17 @@ def test_a_tf_functions_cached_row_index_is_refused_by_the_next_function():
     np.testing.assert_array_equal(alone(x).numpy(), np.arange(4)[:, None] * x)
     with pytest.raises(TfshardError, match=_STALE):
         tfshard.parallelize(fn, devices=CPUS[1:2], per_sample=False)(x)
+
+
+def test_a_parallelized_function_inside_a_shard_may_close_over_its_position():
+    # The inner function's graph holds the outer shard's index: a tensor of the trace
+    # under way, not a stale one. Each outer shard's rows carry its own index.
+    def outer(block):
+        index = tfshard.shard_index()
+        inner = tfshard.parallelize(lambda b: b[:, 0] * 0 + tf.cast(index, tf.float32),
+                                    devices=CPUS[2:4], per_sample=False)  # fmt: skip
+        return inner(block)
+
+    f = tfshard.parallelize(outer, devices=CPUS[:2], per_sample=False)
+    x = np.ones([6, 2], np.float32)
+    np.testing.assert_array_equal(f(x).numpy(), expected(f.plan(6))[:, 0])

@@ -148,9 +148,15 @@ def check_no_stale_position(graph: Any, name: str) -> None:
     (another parallelized function's, another batch size's) holds that trace's
     position (`_made_at_home`); its cache hands it to this trace, whose call
     reads nothing and would fail when run, naming a tensor of no use to the user.
+    A tensor of a trace still under way (the graph this call is traced in, or a
+    shard's trace around it) is the caller's own: a parallelized function called
+    inside a shard may close over that shard's position.
     """
+    under_way = [tf.compat.v1.get_default_graph(), *(s.graph for s in _SEEN.get())]
     for captured in graph.captured_inputs:
-        if tf.is_symbolic_tensor(captured) and _POSITION.fullmatch(captured.name):
+        if not tf.is_symbolic_tensor(captured) or not _POSITION.fullmatch(captured.name):
+            continue
+        if not any(captured.graph is g for g in under_way):
             raise TfshardError(f"{name}: {STALE_POSITION_FIX.format(name=name)}")
 
 
