@@ -370,3 +370,25 @@ def test_a_parallelized_function_inside_a_shard_may_close_over_its_position():
     f = tfshard.parallelize(outer, devices=CPUS[:2], per_sample=False)
     x = np.ones([6, 2], np.float32)
     np.testing.assert_array_equal(f(x).numpy(), expected(f.plan(6))[:, 0])
+
+
+class _Scoped(tf.Module):
+    @tf.Module.with_name_scope
+    @tf.function
+    def above(self, block):  # the decorator calls the tf.function itself
+        return where_shard(block)
+
+    @tf.function
+    @tf.Module.with_name_scope
+    def below(self, block):
+        return where_shard(block)
+
+
+def test_a_decorator_above_a_tf_function_is_named_in_the_fix():
+    module = _Scoped(name="scoped")  # a name scope may not start with "_"
+    x = np.zeros([7, 1], np.float32)
+    f = tfshard.parallelize(module.above, devices=CPUS[:3], per_sample=False)
+    with pytest.raises(TfshardError, match=r"with_name_scope, calls the tf.function: put it below"):
+        f(x)
+    g = tfshard.parallelize(module.below, devices=CPUS[:3], per_sample=False)  # the fix
+    np.testing.assert_array_equal(g(x).numpy(), expected(g.plan(7)))

@@ -742,7 +742,9 @@ STALE_POSITION_FIX = (
     "shard or chunk that trace, with the first one's position in it. Read the position "
     "outside the tf.function and pass it in as an argument, call its Python function "
     "instead (g.python_function(...) for a tf.function g), or parallelize the tf.function "
-    "itself (tfshard calls its Python function)"
+    "itself, with no decorator above it (tfshard calls its Python function; a decorator "
+    "above it, such as tf.Module.with_name_scope, calls the tf.function: put it below "
+    "@tf.function)"
 )
 
 
