@@ -1045,6 +1045,24 @@ def test_a_tf_functions_jit_compile_of_strings_names_them():
         f(x)
 
 
+@tf.function(autograph=False)
+def _flipped_unless_positive(sample):
+    if tf.reduce_sum(sample) > 0:  # a tensor as a Python bool: autograph=False refuses it
+        return sample
+    return -sample
+
+
+def test_a_tf_function_made_with_autograph_false_runs_converted():
+    # TF has no public way to read autograph=False: tfshard converts its Python function
+    # (its docstring says so), as a tf.function made with autograph=True would run it.
+    x = np.array([[1.0, 2.0], [-5.0, 1.0], [3.0, 3.0], [-1.0, -1.0]], np.float32)
+    with pytest.raises(TypeError, match="as a Python `bool`"):
+        _flipped_unless_positive(x[0])  # the tf.function itself
+    converted = tf.function(_flipped_unless_positive.python_function)  # the reference
+    f = tfshard.parallelize(_flipped_unless_positive, devices=CPUS[:2])
+    np.testing.assert_array_equal(f(x).numpy(), [converted(row).numpy() for row in x])
+
+
 _BLOCK = tf.TensorSpec([None, 2], tf.float32)
 
 

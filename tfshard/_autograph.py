@@ -29,14 +29,17 @@ def autographed(fn: Callable[..., Any]) -> Callable[..., Any]:
     Keras layer is left as it is (Keras converts its own ``call``).
 
     A `tf.function` (a function, a method, or a class's ``__call__``) is
-    called as its Python function (``python_function``), converted as the
-    `tf.function` converts it, so tfshard's trace is its one trace and each
-    shard's call sees its own `tfshard.shard_index` and `tfshard.row_index`
-    (see `tf_function_of`). Where it has an ``input_signature``, its
-    arguments are converted and checked as the `tf.function` converts and
-    checks them (a Python number becomes a tensor of the spec's dtype; what the
-    signature does not take is a `TypeError` naming the argument). Anything
-    that does not convert is called as written.
+    called as its Python function (``python_function``), converted with
+    autograph, so tfshard's trace is its one trace and each shard's call sees
+    its own `tfshard.shard_index` and `tfshard.row_index` (see
+    `tf_function_of`). It is converted whatever its own ``autograph=``:
+    TensorFlow has no public way to read it, so one made with
+    ``autograph=False`` runs converted too (Python control flow on a tensor
+    runs as TF ops, where the `tf.function` would refuse it). Where it has an
+    ``input_signature``, its arguments are converted and checked as the
+    `tf.function` converts and checks them (a Python number becomes a tensor
+    of the spec's dtype; what the signature does not take is a `TypeError`
+    naming the argument). Anything that does not convert is called as written.
     """
     if isinstance(fn, types.MethodType):
         return types.MethodType(_converted(fn.__func__, method=True), fn.__self__)
