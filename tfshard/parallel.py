@@ -708,8 +708,9 @@ def parallelize(
         autograph as `tf.function` converts it: in a function, a method, and
         the ``__call__`` of a callable object or `tf.Module` (a Keras layer
         converts its own ``call``). A `tf.function` is called as its Python
-        function (``python_function``, converted as the `tf.function` converts
-        it) inside tfshard's one trace, so each shard's call sees its own
+        function (``python_function``, converted with autograph, also where it
+        was made with ``autograph=False``) inside tfshard's one trace, so each
+        shard's call sees its own
         `shard_index` and `row_index` (its cache would hand every shard the
         first shard's trace); a variable it makes on its first call is made
         once, as the `tf.function` makes it. A method
