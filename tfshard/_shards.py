@@ -200,11 +200,22 @@ class ShardOutputs(NamedTuple):
         """Leaf i's path, for messages (``outputs['loss']``)."""
         return _trees.path("outputs", self.structure, i)
 
-    def check_gatherable(self, name: str) -> None:
+    def check_gatherable(self, name: str, *, chunks: bool = False) -> None:
         """Raises ArgumentError for a scalar per shard, or shards' values whose shapes
         past the rows differ where the trace knows them: a gather concatenates rows.
-        `name` is the parallelized function's, for the message."""
+        `name` is the parallelized function's, for the message; `chunks`: these are
+        the outputs of a shard's first chunk (``max_rows``), whose chunks'
+        values are concatenated as a shard's rows are, also for `f.per_shard`."""
         for i, leaf in enumerate(self.flat[0]):
+            if leaf.shape.rank == 0 and chunks:
+                raise ArgumentError(
+                    f"{name}: {self.path(i)} is a scalar per chunk; with max_rows a shard "
+                    "runs in chunks whose values are concatenated along axis 0 (as shards' "
+                    "are, also for f.per_shard), so return a [rows, ...] tensor, pass "
+                    f"reduce={collect.reduction_names()} to combine the chunks' and shards' "
+                    "values, or drop max_rows to take each shard's value as it is with "
+                    "f.per_shard(...)"
+                )
             if leaf.shape.rank == 0:
                 raise ArgumentError(
                     f"{name}: {self.path(i)} is a scalar per shard; with per_sample=False outputs "
