@@ -7,11 +7,12 @@ bed, with an unequal pair made honestly: shard 1 does three times the work per r
 weights are 3:1.
 """
 
-import itertools
+import json
 import re
 import threading
 import time
 
+import children
 import numerics
 import numpy as np
 import pytest
@@ -321,12 +322,12 @@ def test_the_fastest_device_alone_holds_every_row_where_the_split_does_not_pay()
     # The split's whole calls take 40 ms a 100 rows (a slow link: more than its shards);
     # its weights are found first, and settle.
     for _ in range(_balance.SETTLED):
-        assert balance.due() == "split" and balance.plan_for("split") == (2, 1)
+        assert balance.due() == "split" and balance.plan_for("split") == ((2, 1), None)
         balance.observe([67, 33], [0.0134, 0.0132], warm_up=False, call_seconds=0.04)
     assert balance.settled
     # Then the fastest device alone is weighed (every call until it is known), its whole
     # calls 20 ms.
-    assert balance.due() == "alone" and balance.plan_for("alone") == (1, 0)
+    assert balance.due() == "alone" and balance.plan_for("alone") == ((1, 0), None)
     balance.observe_alone(0, 100, 0.5, warm_up=True)  # its graph's first run: not counted
     # Known from 3 calls, and found faster in 3 comparisons in a row.
     for _ in range(2 * _balance.MIN_SAMPLES - 2):
@@ -341,7 +342,7 @@ def test_the_fastest_device_alone_holds_every_row_where_the_split_does_not_pay()
         balance.observe_alone(0, 100, 0.02, warm_up=False)
     due = [balance.due() for _ in range(_balance.EVERY)]
     assert due == [None] * (_balance.EVERY - 1) + ["split"]
-    assert balance.plan_for("split") == (2, 1)
+    assert balance.plan_for("split") == ((2, 1), None)
     # Once the split ends calls sooner (the link got faster: 10 ms; in a quartile of its
     # window, three times in a row), it is the plan again.
     for _ in range(2 * _balance.MIN_SAMPLES - 2):
@@ -624,54 +625,238 @@ def _bounded(seen):
     return affine
 
 
-def test_a_shard_out_of_memory_caps_its_device_and_later_calls_plan_within_it(monkeypatch):
-    monkeypatch.setitem(OUT_OF_MEMORY_ABOVE, "rows", 5)
-    seen = []
-    f = tfshard.parallelize(_bounded(seen), devices=CPUS[:2], per_sample=False, weights="auto")
-    x = np.random.default_rng(12).normal(size=[16, 3]).astype(np.float32)
-    with pytest.raises(tfshard.ShardError) as raised:
-        f(x)
-    error = raised.value
-    assert isinstance(error, tf.errors.ResourceExhaustedError)
-    first = str(error).splitlines()[0]
-    assert first.startswith(f"affine: shard 1 on {CPUS[1]} (rows [8:16) of 16) failed: it ran")
-    assert f"{CPUS[1]} gets at most 4 rows (it ran out of memory with 8)" in first
-    assert "from the next call on" in first and "is not run again" in first
-    assert f.balance.caps() == (None, 4)
-    assert f.plan(16) == [12, 4] and f.plan(6) == [3, 3] and f.plan(9) == [5, 4]
-    assert "caps [-, 4]" in f.explain(x)
-    # Later calls, measured (the split's shards timed, weights fed) and not (the weights
-    # in use the graph's constants), in turn: each correct, device 1 never over its cap.
-    kinds = itertools.cycle(["split", None, None])
-    monkeypatch.setattr(f.balance, "due", lambda: next(kinds))
-    seen.clear()
-    for i in range(30):
-        rows = (16, 9, 40, 3, 0, 7)[i % 6]
-        out = f(x if rows == 16 else np.resize(x, [rows, 3]))
-        numerics.assert_close(out.numpy(), np.resize(x, [rows, 3]) * 2.0 + 1.0)
-    assert max(n for k, n in seen if k == 1) == 4
-    assert f.balance.caps() == (None, 4) and f.balance.measured > 0
+# A real out-of-memory on the shard's own device, run in a process of its own: with
+# oneDNN's CPU allocator (this process's) a refused allocation is retried for seconds
+# before it fails; TensorFlow's plain one (TF_ENABLE_ONEDNN_OPTS=0) fails at once. Shard 1
+# asks its device for 2**46 floats (256 TiB: no allocator grants it) where its rows (a
+# chunk's, under max_rows) pass what `held` says its device holds; a tf.py_function that
+# raises nothing records each shard's rows and answers `held`. One child, every case.
+_REAL_OUT_OF_MEMORY = """
+import contextlib, json, threading, numpy as np, tensorflow as tf, tfshard
+tfshard.virtual_devices(3)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(8)
+DEVICES = ["/device:CPU:1", "/device:CPU:2"]
+seen, held = [], {"rows": 5, "together": None}
+
+def note(rows, k):
+    seen.append((int(k), int(rows)))
+    if int(k) == 1 and held["together"] is not None:
+        # Two calls in flight together: each waits for the other's shard 1, whose rows
+        # take the memory it would have (another call's, not its own shard's).
+        held["together"].wait(timeout=60)
+        return np.int64(0)
+    return np.int64(held["rows"])
+
+def make(host=False, **options):
+    def affine(block):
+        rows = tf.shape(block, out_type=tf.int64)[0]
+        k = tfshard.shard_index()
+        limit = tf.py_function(note, [rows, k], tf.int64)
+        big = tf.constant(2**46, tf.int64)
+        ask = tf.where((k == 1) & (rows > limit), big, tf.constant(1, tf.int64))
+        # host: the op that runs out is placed on CPU:0, not on the shard's device.
+        with tf.device("/device:CPU:0") if host else contextlib.nullcontext():
+            scratch = tf.reduce_sum(tf.zeros(tf.reshape(ask, [1])))
+        return block * 2.0 + 1.0 + scratch
+    return tfshard.parallelize(affine, devices=DEVICES, per_sample=False, weights="auto", **options)
+
+def call(f, x):
+    try:
+        out = f(x)
+    except tfshard.TfshardError as error:
+        return {"error": type(error).__name__, "first": str(error).splitlines()[0],
+                "exhausted": isinstance(error, tf.errors.ResourceExhaustedError)}
+    return {"right": bool(np.array_equal(out.numpy(), x * 2.0 + 1.0))}
+
+x = np.random.default_rng(12).normal(size=[16, 3]).astype(np.float32)
+found = {}
+# An unmeasured call alone: device 1 capped at 8 // 2; later calls, measured and not in
+# turn, each right, device 1 never over its cap.
+f = make()
+f.balance.due = lambda: None
+found["first"] = call(f, x)
+found["caps"], found["plans"] = f.balance.caps(), [f.plan(16), f.plan(6), f.plan(9)]
+found["explained"] = f.explain(x)
+kinds = iter(["split", None, None] * 10)
+f.balance.due = lambda: next(kinds)
+seen.clear()
+found["later"] = [call(f, np.resize(x, [(16, 9, 40, 3, 0, 7)[i % 6], 3])) for i in range(30)]
+found["most"] = max(n for k, n in seen if k == 1)
+found["measured"] = f.balance.measured
+# Its memory shrinks (another job): a measured call of 4 rows on it runs out too.
+held["rows"] = 3
+f.balance.due = lambda: "split"
+found["down"] = call(f, x)
+f.balance.due = lambda: None
+found["down_caps"] = f.balance.caps()
+seen.clear()
+found["down_after"] = call(f, x)
+found["down_seen"] = [n for k, n in seen if k == 1]
+# max_rows=4: the shard runs chunks of 4 rows, and one of them runs out.
+held["rows"] = 3
+f = make(max_rows=4)
+f.balance.due = lambda: None
+found["chunks"] = call(f, x)
+found["chunks_caps"] = f.balance.caps()
+seen.clear()
+found["chunks_after"] = call(f, x)
+found["chunks_seen"] = [n for k, n in seen if k == 1]
+# The op that runs out is on the host's CPU, not the shard's device: no cap.
+held["rows"] = 5
+f = make(host=True)
+f.balance.due = lambda: None
+found["host"] = call(f, x)
+found["host_caps"] = f.balance.caps()
+# The only device left runs out: a call of as many rows no longer fits.
+f = make()
+for _ in range(3):
+    f.balance.observe([4, 4], [0.4, 0.004], warm_up=False)
+found["one_left"] = f.balance.one_left
+found["left"] = call(f, x[:10])
+found["left_caps"] = f.balance.caps()
+found["left_again"] = call(f, x[:10])
+found["left_fits"] = call(f, x[:5])
+# Two calls in flight together, each out of memory for the other's rows: no cap.
+held["rows"] = 8
+f = make()
+f.balance.due = lambda: None
+call(f, x)  # traced and warm, alone: fits
+held["together"] = threading.Barrier(2)
+results = []
+threads = [threading.Thread(target=lambda: results.append(call(f, x))) for _ in range(2)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+held["together"] = None
+found["together"] = results
+found["together_caps"] = f.balance.caps()
+found["together_after"] = call(f, x)
+print(json.dumps(found))
+"""
 
 
-def test_a_cap_only_goes_down(monkeypatch):
+@pytest.fixture(scope="module")
+def out_of_memory():
+    """What `_REAL_OUT_OF_MEMORY`'s child found."""
+    done = children.python(
+        _REAL_OUT_OF_MEMORY,
+        timeout=300,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        CUDA_VISIBLE_DEVICES="",
+        TF_ENABLE_ONEDNN_OPTS="0",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_shard_out_of_its_devices_memory_caps_it_and_later_calls_plan_within_it(
+    out_of_memory,
+):
+    found = out_of_memory
+    first = found["first"]
+    assert first["error"] == "ShardResourceExhaustedError" and first["exhausted"]
+    assert first["first"].startswith(
+        f"affine: shard 1 on {CPUS[2]} (rows [8:16) of 16) failed: it ran out of memory. "
+    )
+    assert f"{CPUS[2]} gets at most 4 rows (it ran out of memory with 8)" in first["first"]
+    assert "from the next call on (not a stream's batches)" in first["first"]
+    assert "is not run again" in first["first"] and "call it again" in first["first"]
+    assert found["caps"] == [None, 4] and found["plans"] == [[12, 4], [3, 3], [5, 4]]
+    assert "caps [-, 4]" in found["explained"]
+    assert found["later"] == [{"right": True}] * 30
+    assert found["most"] == 4 and found["measured"] > 0
+
+
+def test_a_cap_only_goes_down(out_of_memory):
+    found = out_of_memory
+    assert found["down"]["exhausted"] and "at most 2 rows" in found["down"]["first"]
+    assert found["down_caps"] == [None, 2]
+    assert found["down_after"] == {"right": True} and found["down_seen"] == [2]
+    balance = Balance(2)
+    assert balance.cap(1, 8) == 4 and balance.cap(1, 20) == 4 and balance.cap(1, 5) == 2
+    assert balance.cap(0, 1) == 0 and balance.caps() == (0, 2)
+
+
+def test_under_max_rows_a_cap_halves_the_rows_of_the_chunk_that_ran_out(out_of_memory):
+    """A shard of 8 rows in chunks of 4 ran out on a chunk: the rows at once were 4, so the
+    cap is 2 (not 4, which would run the same chunk again); the remedy is a smaller
+    max_rows, not max_rows."""
+    found = out_of_memory
+    message = found["chunks"]["first"]
+    assert found["chunks"]["exhausted"] and found["chunks_caps"] == [None, 2]
+    assert f"{CPUS[2]} gets at most 2 rows (it ran out of memory with 4 rows at once)" in message
+    assert (
+        f"as it ran in chunks of at most 4 rows, make it with a smaller max_rows= for {CPUS[2]}"
+        in message
+    )
+    assert "pass max_rows=N" not in message
+    assert found["chunks_after"] == {"right": True} and found["chunks_seen"] == [2]
+
+
+def test_memory_that_is_not_the_devices_own_caps_nothing(out_of_memory):
+    """An op of shard 1 placed on the host's CPU ran out there; and two calls in flight
+    together ran out for each other's rows: the plain remedies, no cap, and the next call
+    alone runs as before."""
+    found = out_of_memory
+    for case, caps in (("host", "host_caps"), ("together", "together_caps")):
+        failed = found[case] if case == "host" else found[case][0]
+        assert failed["exhausted"] and "learned" not in failed["first"], failed
+        assert "Pass max_rows=N to run each shard's function" in failed["first"]
+        assert found[caps] is None
+    assert [r["exhausted"] for r in found["together"]] == [True, True]
+    assert found["together_after"] == {"right": True}
+
+
+def test_a_call_that_no_longer_fits_once_capped_says_so(out_of_memory):
+    """The only device left (the other useless) ran out with 10 rows: capped at 5, a call
+    of 10 rows cannot run again, and the error says what can."""
+    found = out_of_memory
+    assert found["one_left"] and found["left_caps"] == [None, 5]
+    message = found["left"]["first"]
+    assert "a call of 10 rows no longer fits its devices: calls of at most 5 rows" in message
+    assert "Split the batch, or make the function with max_rows=N" in message
+    assert "call it again" not in message
+    assert found["left_again"]["error"] == "ArgumentError"
+    assert found["left_fits"] == {"right": True}
+
+
+def test_a_pythons_memory_error_in_a_shard_is_the_hosts_and_caps_nothing(monkeypatch):
+    """A tf.py_function's MemoryError (TensorFlow raises ResourceExhaustedError) is the
+    host process's memory, whatever device the shard is on: the plain remedies."""
     monkeypatch.setitem(OUT_OF_MEMORY_ABOVE, "rows", 5)
     seen = []
     f = tfshard.parallelize(_bounded(seen), devices=CPUS[:2], per_sample=False, weights="auto")
     x = np.ones([16, 3], np.float32)
-    with pytest.raises(tf.errors.ResourceExhaustedError):
+    with pytest.raises(tfshard.ShardError) as raised:
         f(x)
-    assert f.balance.caps() == (None, 4)
-    # Its memory shrinks (another job): 4 rows do not fit either, then 2 do.
-    monkeypatch.setitem(OUT_OF_MEMORY_ABOVE, "rows", 3)
-    with pytest.raises(tf.errors.ResourceExhaustedError, match="at most 2 rows"):
-        f(x)
-    assert f.balance.caps() == (None, 2)
-    seen.clear()
-    np.testing.assert_array_equal(f(x).numpy(), x * 3.0)
-    assert [n for k, n in seen if k == 1] == [2]
-    balance = Balance(2)
-    assert balance.cap(1, 8) == 4 and balance.cap(1, 20) == 4 and balance.cap(1, 5) == 2
-    assert balance.cap(0, 1) == 0 and balance.caps() == (0, 2)
+    first = str(raised.value).splitlines()[0]
+    assert isinstance(raised.value, tf.errors.ResourceExhaustedError)
+    assert first.startswith(f"affine: shard 1 on {CPUS[1]} (rows [8:16) of 16) failed: it ran")
+    assert "learned" not in first and "Pass max_rows=N" in first
+    assert f.balance.caps() is None and f.plan(16) == [8, 8]
+
+
+def test_a_device_that_cannot_take_rows_leaves_the_others_balanced():
+    """Devices 0 and 2 are 3:1 per row. Device 1, capped before it was measured (at 0
+    rows, or at 2 rows whose shards are too short to time), is never measured: the others
+    are weighed without it, as they are without a cap, and it keeps its weight beside
+    the fastest's."""
+    free = Balance(3)
+    _measured(free, [10, 10, 10], [0.01, 0.01, 0.03], times=12)
+    assert free.weights == (3.0, 3.0, 1.0)
+    for cap_rows, rows, seconds in (
+        (1, [20, 0, 20], [0.02, 0.0, 0.06]),  # capped at 0: no rows
+        (4, [19, 2, 19], [0.019, 0.00001, 0.057]),  # capped at 2: 10 us, under SHORTEST
+    ):
+        balance = Balance(3)
+        balance.cap(1, cap_rows)
+        _measured(balance, rows, seconds, times=_balance.MIN_SAMPLES)
+        assert balance.weights == (3.0, 3.0, 1.0), cap_rows
+        assert balance.per_row()[1] is None and balance.integer() == (3, 3, 1)
+    # Two devices, one capped at 0: one device is left, and no call is measured again.
+    pair = Balance(2)
+    pair.cap(1, 1)
+    assert pair.one_left and pair.due() is None
 
 
 def test_rows_over_what_every_device_holds_are_refused_before_the_call(monkeypatch):
@@ -711,7 +896,7 @@ def test_a_device_alone_that_runs_out_of_memory_gives_the_rows_back_to_the_split
         assert balance.due() in ("split", None)
         balance.observe([4, 4], [0.0040, 0.0036], warm_up=False, call_seconds=0.008)
         balance.observe_alone(1, 8, 0.0001, warm_up=False)
-    assert balance.plan_for("alone") == balance.integer() == (1, 1)
+    assert balance.plan_for("alone") == ((1, 1), (None, 4)) and balance.integer() == (1, 1)
 
 
 def test_static_weights_learn_nothing_from_a_shard_out_of_memory(monkeypatch):

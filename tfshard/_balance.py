@@ -38,14 +38,17 @@ it, so its seconds are its own shards', not another call's queued on the
 same device. Nothing runs apart from the user's own calls, at the split they
 use, beside whatever else the machine runs then.
 
-**Memory** (`Balance.cap`). A shard of a call that runs out of memory
-(``tf.errors.ResourceExhaustedError``) on a device given r rows caps that
-device at r // 2 rows (never above a cap it had: caps only go down, for the
-function's life). Every later plan gives a capped device at most its cap, the
-rows over it going to the devices under theirs by their weights
+**Memory** (`Balance.cap`). A shard of a call that runs out of memory on
+its own device (``tf.errors.ResourceExhaustedError``, the call alone among
+the function's calls: `tfshard._engine.Engine.learned` says which count) with
+r rows at once caps that device at r // 2 rows (never above a cap it had: caps
+only go down, for the function's life). Every later call (not a stream's
+batches: a stream neither learns nor uses caps) gives a capped device at most
+its cap, the rows over it going to the devices under theirs by their weights
 (`tfshard._plan`, water-filling); a capped device no longer holds every row
-alone, nor is it weighed alone. Speed still sets the weights: a cap only
-bounds a share.
+alone, nor is it weighed alone, and one capped at 0 is not in a call's graph,
+as one weighted 0. Speed still sets the weights (caps are not part of them):
+a cap only bounds a share.
 
 **Deciding** (`Balance`, pure Python, on the engine):
 
@@ -77,6 +80,10 @@ bounds a share.
   allocated) and is not counted, nor is a shard that took under `SHORTEST`,
   which times the clock more than the device. Until every device has been
   measured `MIN_SAMPLES` times, the split stays as it is (even at first).
+  A device that cannot take rows is left out of that wait and of every
+  decision, and keeps its weight beside the fastest's: one capped at 0, or
+  capped and not yet measured `MIN_SAMPLES` times (a cap too small for a
+  shard to take `SHORTEST` is never measured).
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from tfshard import _plan, _sharding
+from tfshard._plan import Caps
 
 # Measurements per device whose lower quartile is its time per row.
 WINDOW = 9
@@ -214,6 +222,9 @@ class Turns:
         self._mutex = threading.Lock()
         self._changed = threading.Condition(self._mutex)
         self._running = 0  # unmeasured calls in flight
+        # Calls begun while another was in flight: a call that began with none in flight
+        # ran alone for as long as this count is what it was then (`alone`).
+        self._crowded = 0
         self._alone = False  # a measured call is in flight
         self._waiting = False  # a measured call waits for the others to end
         self._inside = threading.local()  # this thread's calls in flight
@@ -233,13 +244,25 @@ class Turns:
         with self._mutex:
             if self._alone or self._waiting:
                 return None
-            self._running += 1
+            running = self._running
+            if running:
+                self._crowded += 1
+            self._running = running + 1
+            since = -1 if running else self._crowded
         try:
             inside.depth = depth + 1
+            inside.since = since
         except BaseException:  # interrupted between taking the turn and using it
             self.done(depth)
             raise
         return depth
+
+    def alone(self) -> bool:
+        """Whether this thread's call in flight has had no other call of the function in
+        flight beside it so far (a measured call, or one begun with none in flight and
+        none begun since); False outside a call's turn."""
+        inside = self._inside
+        return getattr(inside, "depth", 0) > 0 and getattr(inside, "since", -1) == self._crowded
 
     def done(self, depth: int) -> None:
         """Ends an `unmeasured` turn; `depth`: what `unmeasured` returned."""
@@ -249,11 +272,14 @@ class Turns:
             if self._waiting and self._running == 0:  # only a measured call waits on it
                 self._changed.notify_all()
 
-    def _enter(self, measure: bool, nested: bool) -> bool:
+    def _enter(self, measure: bool, nested: bool) -> tuple[bool, int]:
+        """Takes a turn: whether it is measured, and `_crowded` as it began (-1: another
+        call was in flight)."""
         with self._mutex:
             if nested:
+                self._crowded += 1  # beside the call it was made from
                 self._running += 1
-                return False
+                return False, -1
             if measure and not (self._alone or self._waiting):
                 self._waiting = True
                 try:  # Ctrl-C while it waits must not leave every later call waiting
@@ -263,14 +289,17 @@ class Turns:
                     self._changed.notify_all()
                 if alone:
                     self._alone = True
-                    return True
+                    return True, self._crowded
                 self._changed.notify_all()
             if self._alone or self._waiting:
                 self._changed.wait_for(
                     lambda: not (self._alone or self._waiting), LONGEST_WAIT_S
                 )
+            beside = self._running > 0 or self._alone  # (a wait that gave up)
+            if beside:
+                self._crowded += 1
             self._running += 1
-            return False
+            return False, -1 if beside else self._crowded
 
     def _leave(self, measured: bool) -> None:
         with self._mutex:
@@ -294,9 +323,10 @@ class _Turn:
     def __enter__(self) -> bool:
         turns = self._turns
         self._depth = getattr(turns._inside, "depth", 0)
-        self._measured = turns._enter(self._measure, self._depth > 0)
+        self._measured, since = turns._enter(self._measure, self._depth > 0)
         try:
             turns._inside.depth = self._depth + 1
+            turns._inside.since = since
         except BaseException:  # interrupted between taking the turn and using it
             turns._leave(self._measured)
             raise
@@ -317,8 +347,8 @@ class Balance:
       count: the number of devices.
 
     Attributes:
-      one_left: every device but one is useless (weighted 0): no call is measured
-        again, so none needs a turn (`Turns`); once True, True for good.
+      one_left: every device but one is useless (weighted 0) or capped at 0: no call
+        is measured again, so none needs a turn (`Turns`); once True, True for good.
       measured: measurements counted so far.
       changes: times the plan changed.
     """
@@ -351,12 +381,13 @@ class Balance:
         self._trials = 0  # calls measured since the plan settled, to weigh alone and split
         # What a call reads, kept as it is after each measurement (`_count_one`, the only
         # place the plan changes): a call between measurements computes nothing of it.
-        # `weights` and `integer` together, so that a reader sees one plan's both.
-        self._in_use: tuple[tuple[float, ...] | None, tuple[int, ...]] = (
-            None, _integer(None, count)
+        # `weights`, and `integer` with `caps` (`in_use`), together, so that a reader sees
+        # one plan's all.
+        self._in_use: tuple[tuple[float, ...] | None, tuple[tuple[int, ...], Caps | None]] = (
+            None, (_integer(None, count), None)
         )
         self._weighed: int | None = None  # `_candidate`
-        self._caps: tuple[int | None, ...] | None = None  # `cap`
+        self._caps: Caps | None = None  # `cap`
         self.one_left = count <= 1
 
     @property
@@ -369,34 +400,36 @@ class Balance:
 
     def integer(self) -> tuple[int, ...]:
         """The weights in use as the plan takes them (`_plan.integer_weights`); even: all 1."""
-        return self._in_use[1]
+        return self._in_use[1][0]
 
-    def plan_for(self, kind: str) -> tuple[int, ...]:
-        """The integer weights a measured call of this `kind` (`due`) plans by: the
-        split's ("split", also while the fastest device holds every row), or the
-        fastest device alone ("alone"; those in use until one is weighed)."""
+    def plan_for(self, kind: str) -> tuple[tuple[int, ...], Caps | None]:
+        """The integer weights a measured call of this `kind` (`due`) plans by, and the
+        caps, read at once: the split's weights ("split", also while the fastest device
+        holds every row), or the fastest device alone's ("alone"; those in use until one
+        is weighed)."""
         with self._lock:
             if kind == "split":
-                return _integer(self._split, self._count)
+                return _integer(self._split, self._count), self._caps
             if kind == "alone" and self._weighed is not None:
-                return tuple(int(k == self._weighed) for k in range(self._count))
+                return tuple(int(k == self._weighed) for k in range(self._count)), self._caps
             return self._in_use[1]
 
-    def in_use(self) -> tuple[tuple[int, ...], tuple[int | None, ...] | None]:
+    def in_use(self) -> tuple[tuple[int, ...], Caps | None]:
         """What an unmeasured call plans by now, read at once: `integer` and `caps`."""
-        return self._in_use[1], self._caps
+        return self._in_use[1]
 
-    def caps(self) -> tuple[int | None, ...] | None:
+    def caps(self) -> Caps | None:
         """Each device's most rows in a call (None: no cap), as learned by `cap`, or None
         while no device has one."""
-        return self._caps
+        return self._in_use[1][1]
 
     def cap(self, device: int, rows: int) -> int:
-        """Learns that `device` ran out of memory on a shard of `rows` rows; returns its cap.
+        """Learns that `device` ran out of memory with `rows` rows at once; returns its cap.
 
         From now on the plan gives it at most ``rows // 2`` rows, or the cap it
         had if that is fewer (caps only go down). Where it held every row alone,
-        the split is the plan again; it is not weighed alone from then on.
+        the split is the plan again; it is not weighed alone from then on. A
+        device capped at 0 takes no rows again, as one found useless.
         """
         with self._lock:
             caps = list(self._caps or (None,) * self._count)
@@ -408,8 +441,11 @@ class Balance:
                 self.changes += 1
                 self._steady = self._trials = 0
                 self._interval, self._since, self._quiet = EVERY, 0, 0
-                self._in_use = (self._split, _integer(self._split, self._count))
+                self._in_use = (self._split, (_integer(self._split, self._count), self._caps))
+            else:
+                self._in_use = (self._in_use[0], (self._in_use[1][0], self._caps))
             self._weighed = self._candidate()
+            self.one_left = self._one_left()
             return caps[device]
 
     def per_row(self) -> list[float | None]:
@@ -538,7 +574,7 @@ class Balance:
         if now != before:
             self.changes += 1
             self._steady = self._trials = 0
-            self._in_use = (now, _integer(now, self._count))
+            self._in_use = (now, (_integer(now, self._count), self._caps))
         else:
             self._steady += 1
         if now != before or self._split != split or self._leaning:
@@ -546,7 +582,26 @@ class Balance:
             self._interval, self._since, self._quiet = EVERY, 0, 0
         self._weighed = self._candidate()
         # A device found useless stays so (`_decide`): once one device is left, for good.
-        self.one_left = sum(1 for w in (self._split or (1.0,) * self._count) if w > 0) <= 1
+        self.one_left = self._one_left()
+
+    def _one_left(self) -> bool:
+        """At most one device can take rows: the others weighted 0 by the split, or capped
+        at 0 (neither comes back)."""
+        caps = self._caps or (None,) * self._count
+        weights = self._split or (1.0,) * self._count
+        return sum(1 for w, c in zip(weights, caps) if w > 0 and c != 0) <= 1
+
+    def _left_out(self) -> set[int]:
+        """The devices that cannot take rows to be measured by: capped at 0, or capped and
+        measured fewer than `MIN_SAMPLES` times (a cap too small for a shard that takes
+        `SHORTEST` keeps it so)."""
+        if self._caps is None:
+            return set()
+        return {
+            k
+            for k, c in enumerate(self._caps)
+            if c == 0 or (c is not None and len(self._per_row[k]) < MIN_SAMPLES)
+        }
 
     def _candidate(self) -> int | None:
         """The device alone that calls weigh against the split: the one holding every row,
@@ -558,28 +613,40 @@ class Balance:
         return found
 
     def _fastest(self) -> int | None:
-        """The device of least time per row among those kept, or None: not every device
-        measured `MIN_SAMPLES` times yet."""
-        if any(len(s) < MIN_SAMPLES for s in self._per_row):
+        """The device of least time per row among those kept and not left out
+        (`_left_out`), or None: not every such device measured `MIN_SAMPLES` times yet."""
+        out = self._left_out()
+        decided = [k for k in range(self._count) if k not in out]
+        if any(len(self._per_row[k]) < MIN_SAMPLES for k in decided):
             return None
         now = self._split or (1.0,) * self._count
-        rates = [(_quartile(s), k) for k, (s, w) in enumerate(zip(self._per_row, now)) if w > 0]
-        return min(rates)[1]
+        rates = [(_quartile(self._per_row[k]), k) for k in decided if now[k] > 0]
+        return min(rates)[1] if rates else None
 
     def _decide(self) -> None:
-        if any(len(s) < MIN_SAMPLES for s in self._per_row):
+        out = self._left_out()
+        decided = [k for k in range(self._count) if k not in out]
+        if any(len(self._per_row[k]) < MIN_SAMPLES for k in decided):
             return  # a device measured too few times yet: keep the plan until it is
-        rates = [_quartile(s) for s in self._per_row]
         now = self._split or (1.0,) * self._count
+        rates = {k: _quartile(self._per_row[k]) for k in decided}
         # A device found useless stays so: it is not measured again (not in the call's
         # graph), and the fastest's own noise must not bring it back.
-        kept = [m for m, w in zip(rates, now) if w > 0]
-        fastest = min(kept)
+        kept = [k for k in decided if now[k] > 0]
+        if not kept:
+            return
+        first = min(kept, key=lambda k: rates[k])
+        fastest = rates[first]
         best = [
-            0.0 if w == 0 or m > USELESS * fastest else fastest / m
-            for m, w in zip(rates, now)
+            # A device left out keeps its weight beside the fastest's.
+            now[k] / now[first] if k in out
+            else 0.0 if now[k] == 0 or rates[k] > USELESS * fastest
+            else fastest / rates[k]
+            for k in range(self._count)
         ]
-        kept, moved = _finish(now, rates), _finish(best, rates)
+        times = [rates[k] for k in decided]
+        kept = _finish([now[k] for k in decided], times)
+        moved = _finish([best[k] for k in decided], times)
         # A device found useless leaves the plan whatever it would save: its few rows
         # (under 2 %) are within the noise, and its copies and fixed costs are not.
         useless = [w == 0 for w in best] != [w == 0 for w in now]
