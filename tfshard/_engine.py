@@ -19,10 +19,12 @@ the function's calls (`tfshard._balance.Turns`), which takes the weights
 fed, so that a new plan needs no new trace; else the unmeasured one, the graph
 static weights would run: the weights in use are its constants, traced once
 per plan that calls run unmeasured (a settled plan stays settled). Where a
-shard of a call ran out of memory, the balance caps its device (`call_error`,
-`learned`): both graphs then plan under the caps, constants of each (traced
-again per caps), and a call of more rows than the caps hold raises before it
-runs (`check_caps`).
+shard of a call ran out of its own device's memory, the balance caps that
+device (`call_error`, `learned`): both graphs of every later call (not a
+stream's batches, which neither learn nor use caps) then plan under the caps,
+constants of each (traced again per caps; a device capped at 0 is left out
+of them, as one weighted 0), and a call of more rows than the caps hold
+raises before it runs (`check_caps`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ from tfshard._autograph import autographed
 from tfshard._options import Options
 from tfshard._plan import Caps, capacity, host_cpu, plan_rows
 from tfshard._step import Step
-from tfshard.errors import ArgumentError, Failed, call_failure, failing_shard, shard_error
+from tfshard.errors import (
+    HOST_MEMORY,
+    ArgumentError,
+    Failed,
+    call_failure,
+    failing_shard,
+    memory_owner,
+    shard_error,
+)
 from tfshard.position import check_no_stale_position
 from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
 
@@ -173,6 +183,12 @@ class Engine:
         shards that ran out of memory: `tfshard._balance.Balance.cap`), or None: no caps."""
         return None if self.balance is None else self.balance.caps()
 
+    def in_use(self) -> tuple[tuple[int, ...] | None, Caps | None]:
+        """`plan_weights` and `plan_caps`, read at once (one plan's both)."""
+        if self.balance is not None:
+            return self.balance.in_use()
+        return self.options.weights, None
+
     def plan(
         self, n: int, weights: tuple[int, ...] | None = None, caps: Caps | None = None
     ) -> list[int]:
@@ -180,7 +196,7 @@ class Engine:
         by these integer weights and caps (weights None: those in use, and the caps in
         use, which `n` rows must fit: else the `ArgumentError` a call of them raises)."""
         if weights is None:
-            weights, caps = self.plan_weights(), self.plan_caps()
+            weights, caps = self.in_use()
             self.check_caps(int(n), weights, caps)
         return plan_rows(int(n), len(self.devices), weights, caps)
 
@@ -202,9 +218,18 @@ class Engine:
 
     # ------------------------------------------------------------ steps
 
-    def holding(self, weights: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        """The devices a call's graph holds, by index: those `weights` give rows (None:
-        every device). A device weighted 0 gets no ops, guard or copies in the graph."""
+    def holding(
+        self, weights: tuple[int, ...] | None, caps: Caps | None = None
+    ) -> tuple[int, ...] | None:
+        """The devices a call's graph holds, by index: those `weights` give rows and
+        `caps` do not hold to 0 (None: every device). A device weighted 0, or capped at
+        0, gets no ops, guard or copies in the graph (where every device is capped at 0,
+        the weights alone say: no call of rows gets past `check_caps`)."""
+        if caps is not None and 0 in caps:
+            w = (1,) * len(caps) if weights is None else weights
+            kept = tuple(k for k, (x, c) in enumerate(zip(w, caps)) if x > 0 and c != 0)
+            if kept:
+                return None if len(kept) == len(caps) else kept
         if weights is None or all(weights):
             return None
         return tuple(k for k, w in enumerate(weights) if w > 0)
@@ -321,10 +346,10 @@ class Engine:
         also while one device holds every row); None where no call is measured (not
         ``weights="auto"``, or every other device useless)."""
         if measured and self.balance is not None:
-            weights = self.balance.plan_for("split")
+            weights, caps = self.balance.plan_for("split")
         else:
-            weights = self.plan_weights()
-        held = self._held(call.rows, weights, self.plan_caps())
+            weights, caps = self.in_use()
+        held = self._held(call.rows, weights, caps)
         if measured and not self._weighs(held["shards"]):
             return None
         return self._traced(call, "call", offset=False, measured=measured, **held).graph
@@ -335,7 +360,7 @@ class Engine:
         """The devices a call of `rows` rows holds (`holding`), whether it is guarded, and
         the integer `weights` and `caps` it plans by (those in use, read once by the
         caller)."""
-        shards = self.holding(weights)
+        shards = self.holding(weights, caps)
         guarded = self._may_be_empty(rows, weights, shards, caps)
         return {"shards": shards, "guarded": guarded, "weights": weights, "caps": caps}
 
@@ -374,9 +399,10 @@ class Engine:
         """The integer weights of every device that a graph holding `shards` plans by as
         constants: `weights` where ``weights="auto"`` weighs them unmeasured and the kept
         devices' differ, else None (measured: fed; not weighed, or alike: the options')."""
-        if self._weighs(shards) and not measured and len(set(filter(None, weights))) > 1:
-            return weights
-        return None
+        if not self._weighs(shards) or measured:
+            return None
+        kept = weights if shards is None else [weights[k] for k in shards]
+        return weights if len(set(filter(None, kept))) > 1 else None
 
     def feeds(
         self,
@@ -441,7 +467,7 @@ class Engine:
         (`_per_shard_here`), so each result stays where its shard made it.
         """
         if tf.executing_eagerly():
-            results = self._run_graph(call, "per_shard", None, None)
+            results = self._run(call, "per_shard", None, measure=False)
         else:
             results = self._per_shard_here(call)
         # A no-op for a result already on its shard's device.
@@ -455,7 +481,7 @@ class Engine:
         an output per row. A function that may break a promise of its devices
         (`checked`) is traced once more by itself, to be checked.
         """
-        held = self._held(call.rows, self.plan_weights(), self.plan_caps())
+        held = self._held(call.rows, *self.in_use())
         step = self.step(
             call,
             beside_transfers=True,
@@ -479,14 +505,18 @@ class Engine:
             tensors.append(t)
         return step.per_shard(tensors)
 
-    def _run(self, call: _arguments.Call, body: str, offset: int | None) -> Any:
+    def _run(
+        self, call: _arguments.Call, body: str, offset: int | None, measure: bool = True
+    ) -> Any:
         """Runs a step's traced `body` on this call; with ``weights="auto"``, measured when
-        the balance says it is due (`Balance.due`), alone among this function's calls."""
+        the balance says it is due (`Balance.due`; `measure` False: never), alone among this
+        function's calls. Every call of ``weights="auto"`` takes a turn (`Turns`): a shard
+        out of memory caps its device only where its call ran alone (`learned`)."""
         balance = self.balance
-        if balance is None or balance.one_left:
-            # One device left: no call is measured, so none waits for a turn.
+        if balance is None:
             return self._run_graph(call, body, offset, None)
-        kind = balance.due()
+        # One device left (or per_shard): not measured, a turn taken at once (`unmeasured`).
+        kind = None if balance.one_left or not measure else balance.due()
         if kind is None:
             depth = self._turns.unmeasured()
             if depth is not None:  # no measured call in flight: no wait
@@ -516,7 +546,7 @@ class Engine:
         elif kind is None:
             weights, caps = balance.in_use()
         else:
-            weights, caps = balance.plan_for(kind), balance.caps()
+            weights, caps = balance.plan_for(kind)
         if caps is not None and call.rows is not None:
             self.check_caps(call.rows, weights, caps)
         held = self._held(call.rows, weights, caps)
@@ -756,7 +786,7 @@ class Engine:
             name=self.name,
             devices=self.devices,
             rows_of=lambda k: self.rows_of(k, rows, weights, caps),
-            memory_hint=lambda k: self.memory_hint(k, learned),
+            memory_hint=lambda k: self.memory_hint(k, learned, rows),
             reductions=tuple(collect.REDUCTIONS),
             vectorized=self.options.per_sample and not self.options.ragged,
             element=element,
@@ -772,11 +802,15 @@ class Engine:
         weights: tuple[int, ...] | None,
         caps: Caps | None,
     ) -> tuple[int, int, int] | None:
-        """With ``weights="auto"``, a call of known `rows` whose shard k ran out of memory
-        (`error`, a `tf.errors.ResourceExhaustedError` naming the shard) on the rows its
-        plan gave it caps device k (`tfshard._balance.Balance.cap`): ``(k, its rows,
-        its cap)``; else None (nothing learned: another error, a stream's batch, a
-        shard of no rows)."""
+        """With ``weights="auto"``, a call of known `rows` whose shard k ran out of its own
+        device's memory caps device k (`tfshard._balance.Balance.cap`) by the rows it ran
+        at once: those its plan gave it, or its chunk's (``max_rows``) where fewer.
+        Returns ``(k, those rows, its cap)``; else None, nothing learned: another error,
+        a stream's batch, a shard of no rows, memory that was not the device's own (TF's
+        allocator names another device, or a Python function's MemoryError: the host's,
+        `tfshard.errors.memory_owner`), or a call that did not run alone (another call
+        of the function in flight beside it: `tfshard._balance.Turns.alone`), whose
+        memory may have been taken by the others."""
         if self.balance is None or rows is None:
             return None
         if not isinstance(error, tf.errors.ResourceExhaustedError):
@@ -784,27 +818,57 @@ class Engine:
         k = failing_shard(error.message)
         if k is None or not 0 <= k < len(self.devices):
             return None
+        owner = memory_owner(error.message)
+        if owner == HOST_MEMORY or (owner is not None and not _same_device(owner, self.devices[k])):
+            return None
+        if not self._turns.alone():
+            return None
         had = plan_rows(int(rows), len(self.devices), weights, caps)[k]
+        limits = self.options.limits(len(self.devices))
+        if limits is not None and limits[k] is not None:
+            had = min(had, limits[k])  # it ran in chunks: the rows at once are a chunk's
         if had == 0:
             return None
         return k, had, self.balance.cap(k, had)
 
-    def memory_hint(self, k: int, learned: tuple[int, int, int] | None = None) -> str:
+    def memory_hint(
+        self, k: int, learned: tuple[int, int, int] | None = None, rows: int | None = None
+    ) -> str:
         """What to do about shard k running out of memory: fewer rows at once, or fewer rows;
-        with ``weights="auto"``, the cap it learned (`learned`) and what the next call does."""
+        with ``weights="auto"``, the cap it learned (`learned`) and what the next call
+        does: a call of as many `rows` as this one, where the caps no longer hold them,
+        cannot run."""
         device = self.devices[k]
-        if learned is not None and learned[0] == k:
-            _, had, cap = learned
-            return (
-                f"weights='auto' learned from it: from the next call on, {device} gets at "
-                f"most {cap} rows (it ran out of memory with {had}), the rows over that "
-                "going to the other devices by their weights. This call returned nothing "
-                "and is not run again (a function may have side effects): call it again. "
-                "Or pass max_rows=N to run each shard's function on at most N rows at a "
-                "time (on its device, results as one run's)"
-            )
         limits = self.options.limits(len(self.devices))
         limit = None if limits is None else limits[k]
+        if learned is not None and learned[0] == k:
+            _, had, cap = learned
+            at_once = f"with {had} rows at once" if limit is not None else f"with {had}"
+            said = (
+                f"weights='auto' learned from it: from the next call on (not a stream's "
+                f"batches), {device} gets at most {cap} rows (it ran out of memory "
+                f"{at_once}), the rows over that going to the other devices by their "
+                "weights. This call returned nothing and is not run again (a function may "
+                "have side effects)"
+            )
+            fits = capacity(*self.in_use())
+            if rows is not None and fits is not None and rows > fits:
+                return (
+                    f"{said}, and a call of {rows} rows no longer fits its devices: calls of "
+                    f"at most {fits} rows from now on. Split the batch, or make the "
+                    "function with max_rows=N to run each shard's function on at most N "
+                    "rows at a time (a new function: its caps start anew)"
+                )
+            if limit is not None:
+                return (
+                    f"{said}: call it again. Or, as it ran in chunks of at most {limit} "
+                    f"rows, make it with a smaller max_rows= for {device} (a new function: "
+                    "its caps start anew)"
+                )
+            return (
+                f"{said}: call it again. Or pass max_rows=N to run each shard's function "
+                "on at most N rows at a time (on its device, results as one run's)"
+            )
         at_once = (
             f"It ran in chunks of at most {limit} rows: pass a smaller max_rows= for {device}"
             if limit is not None
@@ -830,7 +894,7 @@ class Engine:
         if rows is None:
             return "its slice of the batch"
         if weights is None:
-            weights, caps = self.plan_weights(), self.plan_caps()
+            weights, caps = self.in_use()
         sizes = plan_rows(int(rows), len(self.devices), weights, caps)
         start = sum(sizes[:k])
         return f"rows [{start}:{start + sizes[k]}) of {rows}"
@@ -871,6 +935,14 @@ class Engine:
             return None
         message = f"{lost}\n{cluster.down_hint()}"
         return shard_error(tf.errors.UnavailableError(None, None, message), message)
+
+
+def _same_device(named: str, device: str) -> bool:
+    """Whether a device TF names in full is `device` (a canonical name, which may leave
+    out its job, replica and task: then any)."""
+    a, b = tf.DeviceSpec.from_string(named), tf.DeviceSpec.from_string(device)
+    fields = ("job", "replica", "task", "device_type", "device_index")
+    return all(getattr(b, f) is None or getattr(a, f) == getattr(b, f) for f in fields)
 
 
 def _spread(values: list[Any], shards: tuple[int, ...], count: int) -> list[Any]:

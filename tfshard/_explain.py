@@ -38,7 +38,8 @@ def table(engine: Engine, call: Call, sizes: list[int], name: str, fn: Any) -> s
     rows_width = max(len("rows"), *(len(r) for r in rows_cells))
     size_width = max(len("size"), *(len(str(n)) for n in sizes))
     remote = [pinning.is_remote(d) for d in devices]
-    holding = engine.holding(engine.plan_weights())
+    weights, caps = engine.in_use()
+    holding = engine.holding(weights, caps)
     held = range(len(devices)) if holding is None else holding
     lines.append(
         f"  {'shard':<5}  {'device':<{width}}  {'rows':<{rows_width}}  "
@@ -64,22 +65,26 @@ def table(engine: Engine, call: Call, sizes: list[int], name: str, fn: Any) -> s
             "each its rows and every broadcast argument, and its result comes back to "
             f"{output}"
         )
-    lines.extend(_held_lines(devices, held))
+    lines.extend(_held_lines(devices, held, caps))
     lines.extend(_weights(engine, call, name, fn))
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _held_lines(devices: tuple[str, ...], held: Any) -> list[str]:
-    """What the call's graph leaves out: a device the weights give no rows; and where one
-    device is left, that it runs the function as a plain trace."""
-    left_out = [d for k, d in enumerate(devices) if k not in held]
-    if not left_out:
+def _held_lines(devices: tuple[str, ...], held: Any, caps: Any) -> list[str]:
+    """What the call's graph leaves out: a device the weights give no rows, or that a cap
+    holds to 0; and where one device is left, that it runs the function as a plain trace."""
+    capped = [d for k, d in enumerate(devices) if k not in held and caps and caps[k] == 0]
+    weighted = [d for k, d in enumerate(devices) if k not in held and d not in capped]
+    if not capped and not weighted:
         return []
-    are = "is" if len(left_out) == 1 else "are"
-    lines = [
-        f"  {', '.join(left_out)} {are} weighted 0: not in the call's graph (no ops, no "
-        "copies; traced again when weights leave a device out)"
-    ]
+    lines = []
+    for left_out, why in ((weighted, "weighted 0"), (capped, "capped at 0 rows")):
+        if left_out:
+            are = "is" if len(left_out) == 1 else "are"
+            lines.append(
+                f"  {', '.join(left_out)} {are} {why}: not in the call's graph (no ops, no "
+                "copies; traced again when weights or caps leave a device out)"
+            )
     if len(held) == 1:
         lines.append(
             f"  {devices[held[0]]} holds every row: the function runs there as a plain "
@@ -106,7 +111,7 @@ def _plan_lines(engine: Engine) -> list[str]:
             )
     elif shown:
         lines.append(f"  weights {shown}")
-    caps = engine.plan_caps()
+    caps = engine.in_use()[1]
     if caps is not None:
         cells = ", ".join("-" if c is None else str(c) for c in caps)
         lines.append(
