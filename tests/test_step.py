@@ -234,3 +234,24 @@ def test_a_plan_under_caps_runs_on_the_host_and_only_once_a_device_is_capped():
     assert plan_selects(f.get_measured_function(x).graph) == {"/device:CPU:0"}
     assert f.plan(6) == [4, 2]
     np.testing.assert_array_equal(f(x).numpy(), x * 2.0)
+
+
+def test_a_device_capped_at_0_is_not_in_the_calls_graph():
+    """weights="auto" with a device capped at 0 (`Balance.cap` of a shard of 1 row): no op
+    of the call's graph, measured or not, is on it, as with a device weighted 0; explain
+    says so, and the call gives its rows to the others."""
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=["cpu:1", "cpu:2", "cpu:3"], weights="auto")
+    x = np.arange(24, dtype=np.float32).reshape(12, 2)
+    f.balance.cap(1, 1)
+    assert f.balance.caps() == (None, 0, None) and f.plan(12) == [6, 0, 6]
+
+    def devices(graph):
+        definition = graph.as_graph_def()
+        nodes = [*definition.node, *(n for g in definition.library.function for n in g.node_def)]
+        return {node.device for node in nodes}
+
+    for graph in (f.get_concrete_function(x).graph, f.get_measured_function(x).graph):
+        used = devices(graph)
+        assert CPUS[1] in used and CPUS[3] in used and CPUS[2] not in used
+    assert f"{CPUS[2]} is capped at 0 rows: not in the call's graph" in f.explain(x)
+    np.testing.assert_array_equal(f(x).numpy(), x * 2.0)
