@@ -43,7 +43,8 @@ its own device (``tf.errors.ResourceExhaustedError``, the call alone among
 the function's calls: `tfshard._engine.Engine.learned` says which count) with
 r rows at once caps that device at r // 2 rows (never above a cap it had: caps
 only go down, for the function's life). Every later call (not a stream's
-batches: a stream neither learns nor uses caps) gives a capped device at most
+batches: a stream neither learns nor uses caps; nor a graph traced before,
+which holds the caps of its trace) gives a capped device at most
 its cap, the rows over it going to the devices under theirs by their weights
 (`tfshard._plan`, water-filling); a capped device no longer holds every row
 alone, nor is it weighed alone, and one capped at 0 is not in a call's graph,
