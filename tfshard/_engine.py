@@ -172,19 +172,11 @@ class Engine:
             return self.balance.weights
         return self.options.given_weights
 
-    def plan_weights(self) -> tuple[int, ...] | None:
-        """The integer weights a plan uses now (`_plan.integer_weights`), or None for even."""
-        if self.balance is not None:
-            return self.balance.integer()
-        return self.options.weights
-
-    def plan_caps(self) -> Caps | None:
-        """Each device's most rows a plan gives it now (``weights="auto"``, learned from
-        shards that ran out of memory: `tfshard._balance.Balance.cap`), or None: no caps."""
-        return None if self.balance is None else self.balance.caps()
-
     def in_use(self) -> tuple[tuple[int, ...] | None, Caps | None]:
-        """`plan_weights` and `plan_caps`, read at once (one plan's both)."""
+        """What a plan uses now, read at once (one plan's both): the integer weights
+        (`_plan.integer_weights`; None for even), and each device's most rows
+        (``weights="auto"``, learned from shards that ran out of memory:
+        `tfshard._balance.Balance.cap`; None: no caps)."""
         if self.balance is not None:
             return self.balance.in_use()
         return self.options.weights, None
@@ -259,7 +251,7 @@ class Engine:
             and plans by weights fed at run time (a stream's is measured).
           weights: the integer weights of every device, as the plan's constants (an
             unmeasured call of ``weights="auto"``), or None: the options' weights.
-          caps: each device's most rows (`plan_caps`), the plan's constants, or None.
+          caps: each device's most rows (`in_use`), the plan's constants, or None.
         """
         self.refresh()
         key = (call.key, beside_transfers, guarded, shards, measured, weights, caps)
@@ -715,7 +707,7 @@ class Engine:
           tensors: its inputs.
           rows: the batch's rows when known (to name a failing shard's rows).
           weights: the integer weights its plan was fed (None: those in use).
-          caps: the caps its plan was made under (`plan_caps`), or None.
+          caps: the caps its plan was made under (`in_use`), or None.
         """
         eager = tf.executing_eagerly()
         # (Inside the user's tf.function, the outer call raises: nothing to wait for.)
