@@ -802,6 +802,7 @@ def test_memory_that_is_not_the_devices_own_caps_nothing(out_of_memory):
         failed = found[case] if case == "host" else found[case][0]
         assert failed["exhausted"] and "learned" not in failed["first"], failed
         assert "Pass max_rows=N to run each shard's function" in failed["first"]
+        assert "learns that from a call that ran alone out of the device's own" in failed["first"]
         assert found[caps] is None
     assert [r["exhausted"] for r in found["together"]] == [True, True]
     assert found["together_after"] == {"right": True}

@@ -867,7 +867,13 @@ class Engine:
             else "Pass max_rows=N to run each shard's function on at most N rows at a time "
             "(on its device, results as one run's; a list gives one limit per device)"
         )
-        learns = "from a call" if self.balance is None else "from a call, not a stream's batch"
+        learns = (
+            "from a call"
+            if self.balance is None
+            # What it did not learn from: another device's memory, or calls side by side.
+            else "from a call that ran alone out of the device's own memory, not a "
+            "stream's batch"
+        )
         return (
             f"{at_once}, or weights= to give {device} fewer rows (weights='auto' learns "
             f"that {learns}). Nothing else changed: the call returned nothing, and the "
