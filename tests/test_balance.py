@@ -878,6 +878,13 @@ def test_rows_over_what_every_device_holds_are_refused_before_the_call(monkeypat
     assert seen == []  # nothing ran
     np.testing.assert_array_equal(f(x[:7]).numpy(), x[:7] * 3.0)
     assert sorted(seen) == [(0, 4), (1, 3)]
+    # Made with max_rows, the remedy is a smaller one.
+    g = tfshard.parallelize(
+        _bounded(seen), devices=CPUS[:2], per_sample=False, weights="auto", max_rows=4
+    )
+    g.balance.cap(0, 8)
+    with pytest.raises(tfshard.ArgumentError, match="or make it with a smaller max_rows="):
+        g.plan(8)
 
 
 def test_a_device_alone_that_runs_out_of_memory_gives_the_rows_back_to_the_split():

@@ -200,12 +200,16 @@ class Engine:
             return
         weights = (1,) * len(caps) if weights is None else weights
         held = ", ".join(f"{d}: {c}" for d, c, w in zip(self.devices, caps, weights) if w)
+        if self.options.limits(len(self.devices)) is None:
+            smaller = "max_rows=N to run each shard's function on at most N rows at a time"
+        else:
+            smaller = "a smaller max_rows= (its shards run in chunks of at most max_rows rows)"
         raise ArgumentError(
             f"{self.name}: a call of {rows} rows needs more memory than its devices hold "
             f"at once: weights='auto' learned from shards that ran out of memory that "
             f"they hold at most {fits} rows together ({held}). Call it with at most "
-            f"{fits} rows at a time, or make it with max_rows=N to run each shard's "
-            "function on at most N rows at a time (a new function: its caps start anew)"
+            f"{fits} rows at a time, or make it with {smaller} (a new function: its caps "
+            "start anew)"
         )
 
     # ------------------------------------------------------------ steps
