@@ -883,6 +883,7 @@ def test_rows_over_what_every_device_holds_are_refused_before_the_call(monkeypat
         _bounded(seen), devices=CPUS[:2], per_sample=False, weights="auto", max_rows=4
     )
     g.balance.cap(0, 8)
+    g.balance.cap(1, 6)
     with pytest.raises(tfshard.ArgumentError, match="or make it with a smaller max_rows="):
         g.plan(8)
 
