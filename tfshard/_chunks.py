@@ -74,7 +74,7 @@ def in_chunks(
     first = run([t[:head] for t in rows_in], head, position)
     leaves, structure = _trees.flatten(first)
     if reduce is None:  # a scalar cannot go into the rows' TensorArray: the gather's error
-        ShardOutputs(structure, [leaves]).check_gatherable(name)
+        ShardOutputs(structure, [leaves]).check_gatherable(name, chunks=True)
     # Which outputs are one value per row (concatenated), which a shard's value.
     rowed_at = [by_row(leaf, per_sample=per_sample, reduce=reduce) for leaf in leaves]
     rowed = [leaf for leaf, r in zip(leaves, rowed_at) if r]
