@@ -134,7 +134,10 @@ class ShardedFunction:
     def plan(self, n: int) -> list[int]:
         """The shard sizes for a batch of `n` rows, one per device, summing to `n`.
 
-        With ``weights="auto"``, the plan of the weights in use now (`weights`).
+        With ``weights="auto"``, the plan of the weights in use now (`weights`),
+        within the caps learned from shards that ran out of memory
+        (``balance.caps()``): an `ArgumentError` where `n` is more rows than they
+        hold together, as a call of `n` rows raises.
 
         >>> f = tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1", "cpu:2"])
         >>> f.plan(8)
