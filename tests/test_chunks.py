@@ -177,13 +177,25 @@ def test_explain_shows_the_limits():
     ids=["scalar", "in_a_dict"],
 )
 @pytest.mark.parametrize("max_rows", [2, [None, 2]], ids=["every_device", "one_device"])
-def test_a_scalar_per_shard_in_chunks_gets_the_gathers_error(fn, max_rows):
-    # The reference: the message of the same call without max_rows (the gather's check).
+def test_a_scalar_per_shard_in_chunks_names_max_rows_and_reduce(fn, max_rows):
+    # The reference: the gather's message of the same call without max_rows, which names
+    # the output; with chunks it says they are concatenated, and f.per_shard is no fix.
     x = np.arange(12, dtype=np.float32).reshape(6, 2)
     whole = tfshard.parallelize(fn, devices=CPUS[:2], per_sample=False)
     with pytest.raises(ArgumentError, match="scalar per shard") as unchunked:
         whole(x)
+    output = str(unchunked.value).split(" is a scalar per shard")[0]
     chunked = tfshard.parallelize(fn, devices=CPUS[:2], per_sample=False, max_rows=max_rows)
-    with pytest.raises(ArgumentError) as error:
-        chunked(x)
-    assert str(error.value) == str(unchunked.value)
+    for call in (chunked, chunked.per_shard):
+        with pytest.raises(ArgumentError) as error:
+            call(x)
+        message = str(error.value)
+        assert message.startswith(f"{output} is a scalar per chunk; with max_rows ")
+        assert "reduce=" in message and "drop max_rows" in message
+
+
+def test_a_scalar_per_shard_in_chunks_is_reduced_as_the_message_says():
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    f = tfshard.parallelize(tf.reduce_sum, devices=CPUS[:2], per_sample=False, max_rows=2,
+                            reduce="sum")  # fmt: skip
+    np.testing.assert_array_equal(f(x).numpy(), x.sum())  # exact: small integers
