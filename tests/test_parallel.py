@@ -967,18 +967,20 @@ def test_callable_objects_get_autograph_as_in_tf_function(make, per_sample):
     assert f(x).numpy().tolist() == expected.tolist()
 
 
+def _xla_clusters(f, x):
+    """The calls compiled with XLA in the graph `f` runs for `x`."""
+    graph = f.get_concrete_function(x).graph
+    return sum(
+        op.type in ("PartitionedCall", "StatefulPartitionedCall") and op.get_attr("_XlaMustCompile")
+        for op in graph.get_operations()
+    )
+
+
 def test_options_are_never_taken_from_the_wrapped_object():
     inner = tf.function(lambda s: s * 2.0, jit_compile=False)
     f = tfshard.parallelize(inner, devices=CPUS[:2], jit_compile=True)
     assert f(np.arange(4.0, dtype=np.float32)).numpy().tolist() == [0.0, 2.0, 4.0, 6.0]
-    graph = f.get_concrete_function(np.zeros([4], np.float32)).graph
-    compiled = [
-        op
-        for op in graph.get_operations()
-        if op.type in ("PartitionedCall", "StatefulPartitionedCall")
-        and op.get_attr("_XlaMustCompile")
-    ]
-    assert len(compiled) == 2  # one XLA cluster per shard
+    assert _xla_clusters(f, np.zeros([4], np.float32)) == 2  # one per shard
 
 
 @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)])
@@ -1012,14 +1014,7 @@ def test_a_tf_function_made_with_jit_compile_has_each_shard_compiled():
     inner = tf.function(lambda s: s * 2.0, jit_compile=True)
     f = tfshard.parallelize(inner, devices=CPUS[:2])
     assert f(np.arange(4.0, dtype=np.float32)).numpy().tolist() == [0.0, 2.0, 4.0, 6.0]
-    graph = f.get_concrete_function(np.zeros([4], np.float32)).graph
-    compiled = [
-        op
-        for op in graph.get_operations()
-        if op.type in ("PartitionedCall", "StatefulPartitionedCall")
-        and op.get_attr("_XlaMustCompile")
-    ]
-    assert len(compiled) == 2  # one XLA cluster per shard
+    assert _xla_clusters(f, np.zeros([4], np.float32)) == 2  # one per shard
 
 
 @tf.function(jit_compile=True)
