@@ -144,15 +144,21 @@ def test_a_device_left_alone_is_left_alone_for_good():
     assert [balance.due() for _ in range(30)] == [None] * 30
 
 
-def test_a_device_alone_found_useless_gives_its_rows_to_the_split():
-    # Device 1 alone ends calls far sooner than the split: it holds every row. Then it
-    # slows 100x (another job on it): once the split's measurements weigh it 0, the rows
-    # go to the other device, not to it for good with nothing measured again.
+def _device_1_alone_ahead() -> Balance:
+    """Two devices whose device 1 alone ends calls far sooner than the split."""
     balance = Balance(2)
     _measured(balance, [4, 4], [0.0040, 0.0036], times=3)
     for _ in range(12):
         balance.observe_alone(1, 8, 0.0001, warm_up=False)
         balance.observe([4, 4], [0.0040, 0.0036], warm_up=False, call_seconds=0.008)
+    return balance
+
+
+def test_a_device_alone_found_useless_gives_its_rows_to_the_split():
+    # Device 1 alone ends calls far sooner than the split: it holds every row. Then it
+    # slows 100x (another job on it): once the split's measurements weigh it 0, the rows
+    # go to the other device, not to it for good with nothing measured again.
+    balance = _device_1_alone_ahead()
     assert balance.weights == (0.0, 1.0) and not balance.one_left
     _measured(balance, [4, 4], [0.0040, 0.40], times=_balance.WINDOW)
     assert balance.weights == (1.0, 0.0) and balance.one_left
@@ -889,11 +895,7 @@ def test_rows_over_what_every_device_holds_are_refused_before_the_call(monkeypat
 
 
 def test_a_device_alone_that_runs_out_of_memory_gives_the_rows_back_to_the_split():
-    balance = Balance(2)
-    _measured(balance, [4, 4], [0.0040, 0.0036], times=3)
-    for _ in range(12):
-        balance.observe_alone(1, 8, 0.0001, warm_up=False)
-        balance.observe([4, 4], [0.0040, 0.0036], warm_up=False, call_seconds=0.008)
+    balance = _device_1_alone_ahead()
     assert balance.weights == (0.0, 1.0)
     changes = balance.changes
     assert balance.cap(1, 8) == 4
