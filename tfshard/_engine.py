@@ -514,11 +514,13 @@ class Engine:
         # One device left (or per_shard): not measured, a turn taken at once (`unmeasured`).
         kind = None if balance.one_left or not measure else balance.due()
         if kind is None:
-            depth = self._turns.unmeasured()
-            if depth is not None:  # no measured call in flight: no wait
-                try:
+            depth = None
+            try:  # the turn taken inside: an interrupt right after it still ends it
+                depth = self._turns.unmeasured()
+                if depth is not None:  # no measured call in flight: no wait
                     return self._run_graph(call, body, offset, None)
-                finally:
+            finally:
+                if depth is not None:
                     self._turns.done(depth)
         elif not tf.executing_eagerly():
             # Inside a user's tf.function there is nothing to read: never measured (the
