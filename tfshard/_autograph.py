@@ -184,9 +184,6 @@ def keras_of(obj: Any) -> Any:
     return None
 
 
-@tf.autograph.experimental.do_not_convert  # plain Python that builds ops, in a tf.function too
-
-
 def is_keras_layer(fn: Any) -> bool:
     """Whether `fn` is a Keras layer or model (which takes batches, and converts itself)."""
     return keras_of(fn) is not None
