@@ -507,6 +507,8 @@ class OnDisk(NamedTuple):
       batches: the batches committed.
       next_row: the dataset's row the batch being computed starts at.
       next_batch: that batch's index in the dataset.
+      as_it_was: whether the path is as it was before the write (a new write
+        that made nothing yet; a write it replaces is still whole).
     """
 
     path: str
@@ -514,9 +516,14 @@ class OnDisk(NamedTuple):
     batches: int
     next_row: int
     next_batch: int
+    as_it_was: bool = False
 
     def resume(self, call: str, joint: str = "; ") -> str:
-        """What is on disk, and that calling `call` again resumes after it."""
+        """What is on disk, and that calling `call` again resumes after it (or writes it,
+        where nothing was written)."""
+        if self.as_it_was:
+            nothing = f"nothing was written ({self.path!r} is as it was before this call)"
+            return f"{nothing}{joint}call {call} again to write it"
         on_disk = f"{self.rows} rows ({self.batches} batches) are on disk in {self.path!r}"
         return f"{on_disk}{joint}call {call} again to resume after them"
 
