@@ -31,7 +31,8 @@ pytestmark = pytest.mark.usefixtures("built_on_the_cpu_bed")
 
 def _home(variable) -> str:
     """Where a (Keras) variable lives, as a local name (/device:CPU:0)."""
-    spec = tf.DeviceSpec.from_string(variable.value.device)
+    held = variable if isinstance(variable, tf.Variable) else variable.value
+    spec = tf.DeviceSpec.from_string(held.device)
     return tf.DeviceSpec(device_type=spec.device_type, device_index=spec.device_index).to_string()
 
 
@@ -56,8 +57,8 @@ def _sizes(model: keras.Model) -> int:
     return sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in model.get_weights())
 
 
-def _reads(f, x):
-    return variable_reads(f.get_concrete_function(x), f.devices)
+def _reads(f, *args):
+    return variable_reads(f.get_concrete_function(*args), f.devices)
 
 
 def test_without_replicas_other_shards_read_the_weights_from_their_home_device():
@@ -655,3 +656,157 @@ def test_the_first_training_step_traces_each_shard_once(make_optimizer):
     assert len(optimizer.variables) == len(one_optimizer.variables)
     for got, want in zip(model.get_weights(), reference.get_weights()):
         numerics.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- variables made at the first call
+
+
+def _unbuilt_mlp(seed: int) -> keras.Model:
+    """An MLP without an Input: Keras builds it at its first call (same seed, same weights)."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)])
+
+
+def test_a_keras_model_first_built_by_a_call_inside_replicas_trains_as_mirrored_strategy():
+    """Its variables are made at the first call, inside the shard's trace: they get a copy
+    per device there, as MirroredStrategy.run makes them (a raw UnliftableError before)."""
+    rng = np.random.default_rng(20)
+    batches = [  # 7 rows on 3 devices: shards of 3, 2, 2
+        (rng.normal(size=(7, 4)).astype(np.float32), rng.normal(size=(7, 2)).astype(np.float32))
+        for _ in range(3)
+    ]
+
+    @tfshard.parallelize(devices=DEVICES, per_sample=False, reduce="mean")
+    def step_values(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    losses = []
+    with step_values.replicas():
+        model = _unbuilt_mlp(21)
+        optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+        for x, y in batches[:2]:  # the first call builds the model, in the scope
+            loss, grads = step_values(x, y)
+            apply_gradients(optimizer, zip(grads, model.trainable_variables))
+            losses.append(loss.numpy())
+    x, y = batches[2]  # later calls need not be in the scope
+    loss, grads = step_values(x, y)
+    apply_gradients(optimizer, zip(grads, model.trainable_variables))
+    losses.append(loss.numpy())
+
+    replicas = Replicas.find(DEVICES)
+    assert len(model.weights) == 4 and all(replicas.holds(w) for w in model.weights)
+    for weight in model.weights:  # a copy per device, equal after every step
+        copies = replicas.strategy.experimental_local_results(weight.value)
+        assert [_home(c) for c in copies] == DEVICES
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy.numpy(), copies[0].numpy())
+    assert not any(r.remote for shard in _reads(step_values, x, y) for r in shard)
+
+    one, one_optimizer = _unbuilt_mlp(21), keras.optimizers.SGD(0.05, momentum=0.9)
+    strategy = tf.distribute.MirroredStrategy(
+        DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    with strategy.scope():
+        mirrored = _unbuilt_mlp(21)
+        mirrored_optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
+
+    def replica_step(x, y):  # built at the first run, in the replica context
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.reduce_mean(tf.square(mirrored(x) - y), axis=-1)) / 7.0
+        grads = tape.gradient(loss, mirrored.trainable_variables)
+        mirrored_optimizer.apply_gradients(zip(grads, mirrored.trainable_variables))
+        return loss  # this replica's share of the batch mean
+
+    for (x, y), got in zip(batches, losses):
+        with tf.GradientTape() as tape:
+            want = tf.reduce_mean(tf.square(one(x) - y))
+        grads = tape.gradient(want, one.trainable_variables)
+        one_optimizer.apply_gradients(zip(grads, one.trainable_variables))
+        numerics.assert_close(got, want.numpy())
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(7)
+        dx, dy = next(iter(strategy.experimental_distribute_dataset(dataset)))
+        shares = strategy.run(replica_step, args=(dx, dy))
+        numerics.assert_close(got, strategy.reduce("SUM", shares, axis=None).numpy())
+    for got, want, mirror in zip(model.get_weights(), one.get_weights(), mirrored.get_weights()):
+        numerics.assert_close(got, want)
+        numerics.assert_close(got, mirror)
+
+
+class _Lazy(tf.Module):
+    """Makes its variable at its first call, the pattern tf.function supports."""
+
+    def __init__(self, initial):
+        super().__init__()
+        self.initial, self.w = initial, None
+
+    def __call__(self, x):
+        if self.w is None:
+            self.w = tf.Variable(self.initial(), name="w")
+        return tf.matmul(x, self.w)
+
+
+def test_a_module_or_a_function_making_its_variable_at_the_first_call_gets_copies():
+    x = np.random.default_rng(22).normal(size=(7, 4)).astype(np.float32)
+    lazy = _Lazy(lambda: tf.ones([4, 2]))  # a constant computed in the trace
+    made = {}
+
+    def scaled(x):
+        if "scale" not in made:
+            made["scale"] = tf.Variable(3.0)
+        return lazy(x) * made["scale"]
+
+    f = tfshard.parallelize(scaled, devices=DEVICES, per_sample=False)
+    with f.replicas():
+        got = f(x)
+    numerics.assert_close(got.numpy(), x @ np.ones([4, 2], np.float32) * 3)
+    replicas = Replicas.find(DEVICES)
+    for variable in (lazy.w, made["scale"]):
+        assert replicas.holds(variable)
+        assert [_home(c) for c in replicas.strategy.experimental_local_results(variable)] == (
+            DEVICES
+        )
+    assert f.explain(x).endswith("each call reads 0 B of variables from other devices")
+    made["scale"].assign(2.0)  # outside the function: every copy
+    numerics.assert_close(f(x[:2]).numpy(), x[:2] @ np.ones([4, 2], np.float32) * 2)
+
+
+def test_a_variable_made_at_the_first_call_from_a_value_computed_there_is_refused_with_the_fix():
+    x = np.ones([6, 4], np.float32)
+    lazy = _Lazy(lambda: tf.random.normal([4, 2], seed=1))
+    f = tfshard.parallelize(lambda x: lazy(x), devices=DEVICES, per_sample=False)
+    refused = (
+        r"creates the variable 'w' while a shard is traced, from a value computed in the "
+        r"trace .*Pass the initial value as a callable \(tf\.Variable\(lambda: "
+    )
+    with f.replicas(), pytest.raises(ArgumentError, match=refused):
+        f(x)
+    assert lazy.w is None
+    lazy.initial = lambda: (lambda: tf.random.normal([4, 2], seed=1))  # the fix: a callable
+    with f.replicas():
+        got = f(x)
+    copies = Replicas.find(DEVICES).strategy.experimental_local_results(lazy.w)
+    for copy in copies[1:]:
+        np.testing.assert_array_equal(copy.numpy(), copies[0].numpy())
+    numerics.assert_close(got.numpy(), x @ copies[0].numpy())
+
+
+def test_a_model_made_in_replicas_but_first_built_outside_has_plain_variables_and_says_so():
+    """README: built by a call outside the scope, its variables get no copies; an optimizer
+    made in the scope is refused with the fix (build it inside)."""
+    x, y = np.ones([6, 4], np.float32), np.ones([6, 2], np.float32)
+
+    @tfshard.parallelize(devices=DEVICES_2, per_sample=False, reduce="mean")
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        return tape.gradient(loss, model.trainable_variables)
+
+    with gradients.replicas():
+        model = _unbuilt_mlp(23)
+        optimizer = keras.optimizers.SGD(0.1)
+    grads = gradients(x, y)
+    assert not any(Replicas.find(DEVICES_2).holds(w) for w in model.weights)
+    with pytest.raises(ArgumentError, match=r"first built by a call outside it .*model\.build"):
+        apply_gradients(optimizer, zip(grads, model.trainable_variables))

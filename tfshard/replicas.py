@@ -27,6 +27,11 @@ Weights change in one place for all copies: assignments outside the function
 (`set_weights`, `load_weights`, `assign`, `apply_gradients`) write every copy.
 Inside the function a shard cannot write them (each copy would take only its
 own shard's update): that raises an `ArgumentError` naming the remedy.
+
+A variable the function creates at a call made inside the scope (a Keras model
+built at its first call, ``if self.v is None: self.v = tf.Variable(...)``) gets
+its copies there, as under `MirroredStrategy.run`; created at a call outside
+the scope, it is a plain variable.
 """
 
 from __future__ import annotations
@@ -137,6 +142,10 @@ class Replicas:
     def scope(self, *, retrace: bool = True) -> Iterator[None]:
         """Variables created inside get one copy per device (`MirroredStrategy.scope`).
 
+        So do the variables a parallelized function on these devices creates
+        at a call made inside (a Keras model built at its first call), as
+        `MirroredStrategy.run` makes them (`_made_in_a_shard`).
+
         Args:
           retrace: whether the functions on these devices retrace at their next
             call, to read the new variables. False only for variables no
@@ -145,10 +154,17 @@ class Replicas:
         """
 
         def record(next_creator: Any, **kwargs: Any) -> Any:
-            variable = next_creator(**kwargs)
+            if getattr(_making, "here", False):
+                return next_creator(**kwargs)  # `_made_in_a_shard`'s own: it records it
+            context = tf.distribute.get_replica_context()
+            in_a_shard = isinstance(context, _ShardContext) and tf.inside_function()
+            if in_a_shard:
+                variable = context.across_replicas(lambda: self._made_in_a_shard(kwargs))
+            else:
+                variable = next_creator(**kwargs)
             for made in (variable, *self.strategy.experimental_local_results(variable)):
                 self._made[id(made)] = made
-            if retrace:
+            if retrace and not in_a_shard:
                 # The new variable may take the place of one a function captured
                 # (a rebuilt model): the functions retrace to read it.
                 with Replicas._lock:
@@ -157,6 +173,37 @@ class Replicas:
 
         with self.strategy.scope(), tf.variable_creator_scope(record):
             yield
+
+    def _made_in_a_shard(self, kwargs: dict[str, Any]) -> Any:
+        """A variable the function creates while a shard is traced, made with its copies.
+
+        A variable made at the function's first call (a Keras model built
+        there, ``if self.v is None: self.v = tf.Variable(...)``) is made as
+        `MirroredStrategy.run` makes it: once, with a copy per device, each
+        holding the same initial value. The copies are made outside the trace
+        (`tf.init_scope`), eagerly, in the cross-replica context; the shard
+        then reads its device's copy, as it reads a variable made before the
+        call, and the shards traced after it find the variable made.
+        `tf.function`'s rule still holds: a variable made at every trace is
+        refused at the next one. No function retraces for it: none can have
+        read a variable that did not exist before this trace.
+
+        Raises:
+          ArgumentError: its initial value is computed in the trace and is not
+            a constant (``tf.random.normal(...)``, a function of the input).
+        """
+        initial = kwargs.get("initial_value")
+        if tf.is_tensor(initial) and tf.is_symbolic_tensor(initial):
+            value = tf.get_static_value(initial)  # tf.ones([4, 2]), tf.constant(...)
+            if value is None:
+                raise ArgumentError(_made_from_the_trace(kwargs.get("name"), initial))
+            kwargs = {**kwargs, "initial_value": value}
+        _making.here = True
+        try:
+            with tf.init_scope(), self.strategy.scope():
+                return tf.Variable(**kwargs)
+        finally:
+            _making.here = False
 
     def shard(self, device: str) -> contextlib.AbstractContextManager[Any]:
         """Traces a shard on `device` so that replicated variables read its copy."""
@@ -170,6 +217,23 @@ class Replicas:
 
     def __repr__(self) -> str:
         return f"<tfshard.Replicas on {', '.join(self.devices)}>"
+
+
+# Set while `Replicas._made_in_a_shard` makes a variable: the scopes it is made in
+# record nothing of their own.
+_making = threading.local()
+
+
+def _made_from_the_trace(name: Any, initial: Any) -> str:
+    what = f"the variable {name!r}" if name else "a variable"
+    return (
+        f"replicas: the function creates {what} while a shard is traced, from a value "
+        f"computed in the trace ({initial.op.type} {initial.name}), and its copies must be "
+        "made outside the trace, from a value known there. Pass the initial value as a "
+        "callable (tf.Variable(lambda: tf.random.normal(...))), as Keras layers do, or "
+        "create the variable before the call, inside `with f.replicas():` (build a Keras "
+        "model there: model.build(input_shape), or call it once)"
+    )
 
 
 def _key(devices: Sequence[str]) -> tuple[str, ...]:
@@ -204,6 +268,17 @@ class _ShardContext(tf.distribute.ReplicaContext):
     def __init__(self, strategy: tf.distribute.Strategy, replica: int) -> None:
         super().__init__(strategy, replica_id_in_sync_group=replica)
         self._replica = replica
+
+    def across_replicas(self, fn: Any) -> Any:
+        """``fn()`` in the strategy's cross-replica context, where copies are made.
+
+        ``ReplicaContext.merge_call`` as it runs for a single replica: it
+        synchronises nothing (no other shard takes part), it only leaves the
+        replica context while `fn` runs.
+        """
+        # Not converted by autograph (merge_call converts it otherwise): an error
+        # raised in it reaches the user as raised, without autograph's frames.
+        return super().merge_call(tf.autograph.experimental.do_not_convert(lambda _: fn()))
 
     def merge_call(self, merge_fn: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         raise ArgumentError(
@@ -397,7 +472,9 @@ def _check_optimizer(optimizer: Any, owner: Replicas | None) -> None:
         raise ArgumentError(
             f"apply_gradients: the {name} optimizer was created inside `with f.replicas():` "
             f"(on {', '.join(home.devices)}) but its variables are not replicated; create "
-            "the optimizer where its variables were created, outside that scope"
+            "the optimizer where its variables were created, outside that scope. A Keras "
+            "model made inside the scope but first built by a call outside it has plain "
+            "variables: build it inside (model.build(input_shape), or its first call)"
         )
     raise ArgumentError(
         f"apply_gradients: the variables are replicated (on {', '.join(owner.devices)}) "
