@@ -395,6 +395,7 @@ def _all_layers(model: Any) -> list[Any]:
     return layers
 
 
+@tf.autograph.experimental.do_not_convert  # plain Python that builds ops, in a tf.function too
 def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
     """``optimizer.apply_gradients(grads_and_vars)``, for replicated variables too.
 
