@@ -427,10 +427,18 @@ def _resume_and_compare(path, reference_path, dataset):
     return manifest
 
 
+def test_a_write_killed_before_its_first_batch_left_nothing_and_writes_anew(children, reference):
+    code, out, err, path, _ = children["before_first_batch"]
+    assert code == -signal.SIGKILL, (out, err[-3000:])
+    assert not path.exists()  # nothing is made before the first batch's outputs are in hand
+    f, rows = _counted()
+    assert f.write(write_job.dataset(), path).computed_rows == write_job.ROWS == sum(rows)
+    assert _files(path) == _files(reference / "job")
+
+
 @pytest.mark.parametrize(
     ("scenario", "committed"),
     [
-        ("before_first_batch", 0),
         ("mid_compute", 2),
         ("mid_data", 2),
         ("mid_header", 2),
@@ -898,3 +906,173 @@ def test_a_resume_of_a_dataset_that_has_fewer_batches_now_is_refused(tmp_path):
     with pytest.raises(ArgumentError, match=r"holds 3 batches, but the dataset has fewer now"):
         f.write(ds.take(2), tmp_path / "w")
     assert f.write(ds, tmp_path / "w").computed_rows == 70
+
+
+# ------------------------- nothing on disk before the first batch is written (issue 39)
+
+
+FAILURES = ("trace", "shape", "string", "run")
+
+
+def _job(fails=None):
+    """The function `job` of this section, as written, or failing before its first batch is
+    written: raising while traced ("trace"), a shape error in its trace ("shape"), an output
+    no file holds ("string"), or an assertion that fails in its first batch's run ("run").
+    One name, so that every one of them is checked against a write of the one as written."""
+
+    def job(x):
+        if fails == "trace":
+            raise ValueError("job fails while traced")
+        if fails == "shape":
+            x = tf.matmul(x, tf.ones([5, 5]))  # x is [N, 3]
+        if fails == "run":
+            tf.debugging.assert_less(x, tf.reduce_min(x), message="job fails when it runs")
+        y = x * 2.0 + 1.0
+        y = tf.strings.as_string(y) if fails == "string" else y
+        return {"y": y, "row": tfshard.row_index()}
+
+    return tfshard.parallelize(job, per_sample=False, devices=CPUS[:2])
+
+
+def _first_batch_data():
+    x = rng_data(20, 3)
+    return x, tf.data.Dataset.from_tensor_slices(x).batch(4)  # 5 batches
+
+
+def _refused_before_its_first_batch(fails, write):
+    """`write()` of `_job(fails)`: the error it raises, checked to be one of tfshard's
+    that says what failed."""
+    with pytest.raises(tfshard.TfshardError) as caught:
+        write(_job(fails))
+    message = str(caught.value)
+    said = {
+        "trace": "ValueError: job fails while traced",
+        "shape": "Dimensions must be equal, but are 3 and 5",
+        "string": "output['y'] is a tf.string tensor; write stores numbers and bools",
+        "run": "job fails when it runs",
+    }[fails]
+    assert said in message, message
+    if fails in ("trace", "shape", "string"):
+        assert isinstance(caught.value, ArgumentError)
+    return message
+
+
+@pytest.mark.parametrize("fails", FAILURES)
+def test_a_write_that_fails_before_its_first_batch_leaves_a_new_path_missing(tmp_path, fails):
+    x, ds = _first_batch_data()
+    path = tmp_path / "new" / "job"  # its parent is missing too
+    message = _refused_before_its_first_batch(fails, lambda f: f.write(ds, path))
+    assert os.listdir(tmp_path) == []
+    if fails == "run":
+        assert "stopped in batch 0 of the dataset, whose rows start at row 0" in message
+        assert f"nothing was written ({str(path)!r} is as it was before this call)" in message
+    # Fixed, it writes what an uninterrupted write writes, byte for byte.
+    assert _job().write(ds, path).computed_rows == 20
+    _job().write(ds, tmp_path / "uninterrupted")
+    assert _files(path) == _files(tmp_path / "uninterrupted")
+    got = tfshard.load(path)
+    np.testing.assert_array_equal(got["y"], x * 2.0 + 1.0)
+    np.testing.assert_array_equal(got["row"], np.arange(20))
+
+
+@pytest.mark.parametrize("fails", FAILURES)
+def test_a_write_that_fails_before_its_first_batch_leaves_an_unfinished_write_unchanged(
+    tmp_path, fails
+):
+    x, ds = _first_batch_data()
+    path = tmp_path / "job"
+
+    def stop(i, batch):  # the dataset fails at batch 2: batches 0 and 1 are on disk
+        tf.debugging.assert_less(i, tf.constant(2, tf.int64), "stop")
+        return batch
+
+    stopping = tf.data.Dataset.zip((tf.data.Dataset.range(5), ds)).map(stop)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        _job().write(stopping, path)
+    before = _files(path)
+    assert json.loads(before["manifest.json"])["rows"] == 8
+    message = _refused_before_its_first_batch(fails, lambda f: f.write(ds, path))
+    assert _files(path) == before  # byte for byte, and no other file
+    if fails == "run":  # the last committed batch, computed again to check it, failed
+        assert f"8 rows (2 batches) are on disk in {str(path)!r}" in message
+    # Fixed, it resumes to what an uninterrupted write writes, byte for byte.
+    assert _job().write(ds, path).computed_rows == 12
+    _job().write(ds, tmp_path / "uninterrupted")
+    assert _files(path) == _files(tmp_path / "uninterrupted")
+    got = tfshard.load(path)
+    np.testing.assert_array_equal(got["y"], x * 2.0 + 1.0)
+    np.testing.assert_array_equal(got["row"], np.arange(20))
+
+
+@pytest.mark.parametrize("fails", FAILURES)
+def test_an_overwrite_that_fails_before_its_first_batch_leaves_the_old_write_whole(
+    tmp_path, fails
+):
+    x, ds = _first_batch_data()
+    path = tmp_path / "job"
+    tfshard.parallelize(lambda s: -s, devices=CPUS[:2]).write(ds, path)  # another function's
+    before = _files(path)
+    message = _refused_before_its_first_batch(
+        fails, lambda f: f.write(ds, path, overwrite=True)
+    )
+    assert _files(path) == before  # byte for byte, and no other file
+    np.testing.assert_array_equal(tfshard.load(path), -x)
+    if fails == "run":
+        assert f"nothing was written ({str(path)!r} is as it was before this call)" in message
+    # Fixed, it replaces the old write with what an uninterrupted write writes, byte for byte.
+    assert _job().write(ds, path, overwrite=True).computed_rows == 20
+    _job().write(ds, tmp_path / "uninterrupted")
+    assert _files(path) == _files(tmp_path / "uninterrupted")
+    got = tfshard.load(path)
+    np.testing.assert_array_equal(got["y"], x * 2.0 + 1.0)
+    np.testing.assert_array_equal(got["row"], np.arange(20))
+
+
+def test_a_write_to_a_missing_path_that_another_takes_meanwhile_is_refused_at_its_first_batch(
+    tmp_path,
+):
+    # The path is missing when the write opens it; while its first batch is computed,
+    # another write takes it, as a write in another process would: it makes the directory
+    # and holds its lock (or, in the second case, leaves a finished write there).
+    fcntl = pytest.importorskip("fcntl")
+    _, ds = _first_batch_data()
+    _job().write(ds, tmp_path / "finished")
+    finished = _files(tmp_path / "finished")
+
+    def another_write_takes(path, finish):
+        """`_job()` as written, but at its first batch another write takes `path`; and the
+        other write's lock, while it holds it."""
+        held = []
+
+        def take(rows):
+            if not held:
+                os.mkdir(path)
+                held.append(os.open(path, os.O_RDONLY))
+                fcntl.flock(held[0], fcntl.LOCK_EX)
+                if finish:  # it finished, and its lock went with it
+                    for name, data in finished.items():
+                        (path / name).write_bytes(data)
+                    os.close(held[0])
+            return rows
+
+        def job(x):  # the name of the finished write's function
+            seen = tf.py_function(take, [tf.shape(x)[0]], tf.int32)
+            with tf.control_dependencies([seen]):
+                return {"y": x * 2.0 + 1.0, "row": tfshard.row_index()}
+
+        return tfshard.parallelize(job, per_sample=False, devices=CPUS[:2]), held
+
+    running = tmp_path / "running"
+    f, held = another_write_takes(running, finish=False)
+    try:
+        with pytest.raises(WriteError, match="another write is running there"):
+            f.write(ds, running)
+    finally:
+        os.close(held[0])
+    assert os.listdir(running) == []  # the other write's directory, as it left it
+    done = tmp_path / "done"
+    f, _ = another_write_takes(done, finish=True)
+    with pytest.raises(WriteError, match=r"another write began in .* while this one computed"):
+        f.write(ds, done)
+    assert _files(done) == finished
+    assert _job().write(ds, done).computed_rows == 0  # that write, checked: it is finished

@@ -46,7 +46,7 @@ from tfshard._engine import Engine
 from tfshard._intake import Intake, split_element, zeros
 from tfshard._plan import Planned, host_cpu, rows
 from tfshard._step import Step
-from tfshard.errors import ArgumentError, write_stopped
+from tfshard.errors import ArgumentError, WriteError, write_stopped
 
 # This process's CPU: where datasets iterate, and where the loop splits each batch.
 HOST = host_cpu()
@@ -524,14 +524,16 @@ def _write_stopped(
     """The error to raise for a write stopped by `error`, once what was written is committed.
 
     An ArgumentError says what to change (resuming as it is would not help)
-    and is raised as it is; any other is worded by `errors.write_stopped` with
-    where the write stands on disk, which the meter says too.
+    and a WriteError is worded already (another write took the path while the
+    first batch was computed): each is raised as it is; any other is worded by
+    `errors.write_stopped` with where the write stands on disk, which the meter
+    says too.
     """
     with contextlib.suppress(OSError):  # the disk may refuse this too: the last commit stands
         store.commit(due=False)
     if meter:
         meter.stopped(error)
-    if isinstance(error, ArgumentError):
+    if isinstance(error, ArgumentError | WriteError):
         return error
     disk = store.on_disk()
     if meter:

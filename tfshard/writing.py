@@ -7,6 +7,15 @@ up. Opening a store at a path that holds a write checks it against this one
 (`opened`), so calling ``write`` again after the process died resumes after the
 last batch that reached the disk.
 
+Nothing on disk changes before the first batch's outputs are computed and
+checked (`Store.append`): a write that fails before then (the function fails
+to trace or to run, or gives outputs no file holds) leaves the path as it was:
+a missing directory missing, an unfinished write unchanged, and a write that
+``overwrite=True`` replaces whole. The directory is then made (where it
+was missing) and locked, the manifest written, and the old write's files
+removed; a second write to the path is refused at its open (the directory
+existed) or at its first batch (it did not).
+
 The format: `path` is a directory holding
 
 - one ``.npy`` file per part of each output leaf, named by the leaf's path in
@@ -108,10 +117,10 @@ class Written(NamedTuple):
 def opened(
     path: str, batches: tf.data.Dataset, function: str, overwrite: bool, call: str
 ) -> Store:
-    """The store of a write `call` of `function` into `path`, open and locked: the write
-    there checked against `batches` (the dataset's global batches, as the function
-    takes them: their element spec, number and first batch), or a new one
-    (`overwrite`: always).
+    """The store of a write `call` of `function` into `path`, open: the write there checked
+    against `batches` (the dataset's global batches, as the function takes them: their
+    element spec, number and first batch), or a new one (`overwrite`: always). Nothing
+    on disk changes before its first batch (`Store.open`).
 
     Raises:
       ArgumentError: `path` is a file, or holds another function's or dataset's write
@@ -126,6 +135,38 @@ def opened(
         "first_batch": _first_batch_hash(batches),
     }
     return Store.open(path, function, source, overwrite, call)
+
+
+def _new_manifest(function: str, source: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a new write of `function` over the dataset `source` describes."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "complete": False,
+        "rows": 0,
+        "batches": 0,
+        "last_batch_rows": 0,
+        "function": function,
+        "dataset": source,
+        "outputs": None,
+        "leaves": None,
+    }
+
+
+def _unwritable(path: str) -> OSError | None:
+    """Why the directory `path` (or, missing, the nearest existing folder above it, where it
+    would be made) cannot be written, as the OSError writing would raise; None when nothing
+    that can be seen without writing stands in the way."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return OSError(errnos.ENOTDIR, os.strerror(errnos.ENOTDIR), path)
+    if hasattr(os, "statvfs") and os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return OSError(errnos.EROFS, os.strerror(errnos.EROFS), folder)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return OSError(errnos.EACCES, os.strerror(errnos.EACCES), folder)
+    return None
 
 
 def checked_path(path: Any, dataset: Any, call: str) -> str:
@@ -316,7 +357,9 @@ class Store:
       leaves: the output leaves' records (path, kind, parts), once known.
     """
 
-    def __init__(self, path: str, manifest: dict[str, Any], call: str) -> None:
+    def __init__(
+        self, path: str, manifest: dict[str, Any], call: str, replaces: Sequence[str] | None = None
+    ) -> None:
         self.path = path
         self._manifest = manifest
         self._call = call
@@ -331,6 +374,10 @@ class Store:
         self._structure: Hashable = None
         self._last_commit = 0.0
         self._lock = -1  # the directory, open and locked (`_locks`)
+        # A new write (`replaces` given: the files of an old write there, which
+        # overwrite=True replaces) has its manifest in memory only, until its first
+        # batch's outputs are in hand (`_make`); until then `path` is as it was.
+        self._replaces = None if replaces is None else list(replaces)
 
     @property
     def rows(self) -> int:
@@ -348,9 +395,13 @@ class Store:
         return self._committed.last_batch_rows
 
     def on_disk(self) -> OnDisk:
-        """Where the write stands: what is committed, and where the next batch goes."""
+        """Where the write stands: what is committed, where the next batch goes, and whether
+        `path` is still as it was before the write (a new one that made nothing yet)."""
         committed, written = self._committed, self._written
-        return OnDisk(self.path, committed.rows, committed.batches, written.rows, written.batches)
+        as_it_was = self._replaces is not None
+        return OnDisk(
+            self.path, committed.rows, committed.batches, written.rows, written.batches, as_it_was
+        )
 
     @classmethod
     def open(
@@ -358,18 +409,24 @@ class Store:
     ) -> Store:
         """The write at `path`, checked against this one, or a new one (`overwrite`: always).
 
-        The directory is made (an unwritable path fails here, before anything
-        runs) and locked for this process until `close`.
+        Nothing on disk changes here. An existing directory is locked for this
+        process until `close`; a missing one is made and locked by the first
+        batch (`_make`). A path that could not be written fails here, before
+        anything runs.
         """
         if os.path.exists(path) and not os.path.isdir(path):
             raise ArgumentError(f"{call}: {path!r} is a file; write into a directory")
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as error:
-            raise write_error(error, call, "nothing was written") from None
+        if not os.path.isdir(path):
+            problem = _unwritable(path)
+            if problem is not None:
+                raise write_error(problem, call, "nothing was written") from None
+            return cls(path, _new_manifest(function, source), call, replaces=())
         lock = _locks.take(path, call)
         try:
             store = cls._opened(path, function, source, overwrite, call)
+            problem = None if store.complete else _unwritable(path)  # a finished one is read
+            if problem is not None:
+                raise write_error(problem, call, "nothing was written") from None
         except BaseException:
             _locks.release(lock)
             raise
@@ -407,26 +464,7 @@ class Store:
                 f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); write into a "
                 "new or empty directory (a write never removes files it did not write)"
             )
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "complete": False,
-            "rows": 0,
-            "batches": 0,
-            "last_batch_rows": 0,
-            "function": function,
-            "dataset": source,
-            "outputs": None,
-            "leaves": None,
-        }
-        try:
-            _replace(os.path.join(path, MANIFEST), _encoded(manifest))  # a full disk fails here
-        except OSError as error:
-            raise write_error(error, call, "nothing was written") from None
-        for file in old:  # the old write's data, after its manifest
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(path, file))
-        return cls(path, manifest, call)
+        return cls(path, _new_manifest(function, source), call, replaces=old)
 
     def verify(self, result: Any, first_row: int) -> None:
         """Raises unless `result`, a committed batch computed again, equals what is on disk.
@@ -437,7 +475,7 @@ class Store:
         batch ends, or a random function are refused before anything is appended.
         """
         values, structure = _trees.flatten(result, "output")
-        parts = [_parts(value) for value in values]
+        parts = self._parts(values, structure)
         self._same_outputs(values, structure, parts)
         committed = iter(self._committed.parts)
         for leaf, arrays in zip(self.leaves, parts):
@@ -469,7 +507,7 @@ class Store:
         the files and count no batch.
         """
         values, structure = _trees.flatten(result, "output")
-        parts = [_parts(value) for value in values]
+        parts = self._parts(values, structure)
         if self._files is None:
             self._start(values, structure, parts, rows)
         self._check(structure, parts)
@@ -517,6 +555,14 @@ class Store:
             if lock >= 0:
                 _locks.release(lock)
 
+    def _parts(self, values: list[Any], structure: Hashable) -> list[list[np.ndarray]]:
+        """Each output leaf as the NumPy arrays of its parts; ArgumentError, naming the leaf,
+        for a value no file holds."""
+        return [
+            _parts(value, where, self._call)
+            for where, value in zip(_trees.paths("output", structure), values)
+        ]
+
     def _columns(self) -> list[_Column]:
         return [column for columns in self._files or () for column in columns]
 
@@ -545,7 +591,8 @@ class Store:
     def _start(
         self, values: list[Any], structure: Hashable, parts: list[list[np.ndarray]], rows: int
     ) -> None:
-        """The files, new or reopened, at the first batch of this run."""
+        """The files, new or reopened, at the first batch of this run, once its outputs are
+        checked: the first change this write makes on disk."""
         if self.leaves is not None:  # a write resumed: the same outputs, or refused
             self._same_outputs(values, structure, parts)
             self._files = [
@@ -553,12 +600,16 @@ class Store:
             ]
         else:
             records = _records(values, structure, parts)
+            outputs = _encode(structure)  # refuses keys no file can be named by
+            self._make()
             self._structure = structure
-            self._files = [
-                [_Column.create(self.path, part) for part in record["parts"]] for record in records
-            ]
+            self._files = []
+            for record in records:  # each file closed by `close`, however this ends
+                self._files.append([])
+                for part in record["parts"]:
+                    self._files[-1].append(_Column.create(self.path, part))
             self.leaves = records
-            self._manifest["outputs"] = _encode(structure)
+            self._manifest["outputs"] = outputs
             zeros = tuple(0 for _ in self._columns())
             self._committed = self._committed._replace(parts=zeros)
             self._written = self._written._replace(parts=zeros)
@@ -567,6 +618,27 @@ class Store:
             for columns, leaf in zip(self._files, self.leaves):
                 # The part with one entry per row (a ragged leaf's values have no known length).
                 columns[_KINDS[leaf["kind"]].ROWS_PART].reserve(expected * rows)
+
+    def _make(self) -> None:
+        """A new write on disk, with no batch yet: its directory (made and locked here if it
+        was missing at `open`), its manifest, then the old write's files removed (those
+        `overwrite=True` replaces, which stay whole until now)."""
+        if self._replaces is None:  # the manifest is on disk already (a write of no batch)
+            return
+        if self._lock < 0:
+            os.makedirs(self.path, exist_ok=True)
+            self._lock = _locks.take(self.path, self._call)
+            if os.listdir(self.path):
+                raise WriteError(
+                    f"{self._call}: another write began in {self.path!r} while this one "
+                    f"computed its first batch; call {self._call} again to check and resume "
+                    "that write, or write to another path"
+                )
+        _replace(os.path.join(self.path, MANIFEST), _encoded(self._manifest))
+        old, self._replaces = self._replaces, None
+        for file in old:  # the old write's data, after its manifest
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.path, file))
 
     def _same_outputs(
         self, values: list[Any], structure: Hashable, parts: list[list[np.ndarray]]
@@ -1058,18 +1130,18 @@ def _first_batch_hash(batches: tf.data.Dataset) -> str | None:
 # ------------------------------------------------------- outputs and their files
 
 
-def _parts(value: Any) -> list[np.ndarray]:
-    """A batch's output leaf as the NumPy arrays of its parts (`_kinds`)."""
+def _parts(value: Any, where: str, call: str) -> list[np.ndarray]:
+    """A batch's output leaf `where` as the NumPy arrays of its parts (`_kinds`)."""
     if _kinds.of(value) is _kinds.Sparse or not isinstance(value, tf.Tensor | tf.RaggedTensor):
         raise ArgumentError(
-            f"an output is a {type(value).__name__}; write stores dense and ragged tensors "
-            "(tf.sparse.to_dense it in the function)"
+            f"{call}: {where} is a {type(value).__name__}; write stores dense and ragged "
+            "tensors (tf.sparse.to_dense it in the function)"
         )
     arrays = [part.numpy() for part in _kinds.of(value).parts(value)]
     if arrays[0].dtype == object:
         raise ArgumentError(
-            "an output is a tf.string tensor; write stores numbers and bools (map strings "
-            "to ids in the function, or stream them with iterate)"
+            f"{call}: {where} is a tf.string tensor; write stores numbers and bools (map "
+            "strings to ids in the function, or stream them with iterate)"
         )
     return arrays
 
