@@ -411,12 +411,16 @@ class ShardedFunction:
         checks the dataset's element spec, number of batches and first batch,
         the files against the manifest, and computes the last committed batch
         again and compares it with the disk before appending (a finished
-        write: its first batch, then it returns) (`tfshard.writing`).
+        write: its first batch, then it returns) (`tfshard.writing`). Nothing
+        on disk changes before the first batch's outputs are computed and
+        checked: a function that fails to trace or run, or returns outputs no
+        file holds, leaves `path` as it was (a write there whole, also with
+        ``overwrite=True``).
 
         Args:
           dataset: batches, or single samples with `batch_size`; finite.
-          path: the directory to write (made if missing; a new or empty one,
-            or one this method wrote).
+          path: the directory to write (made at the first batch if missing; a
+            new or empty one, or one this method wrote).
           *args: further arguments, passed with every batch, as for `iterate`.
           batch_size: as for `iterate`.
           batched: as for `iterate`.
