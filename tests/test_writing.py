@@ -911,13 +911,14 @@ def test_a_resume_of_a_dataset_that_has_fewer_batches_now_is_refused(tmp_path):
 # ------------------------- nothing on disk before the first batch is written (issue 39)
 
 
-FAILURES = ("trace", "shape", "string", "run")
+FAILURES = ("trace", "shape", "string", "key", "run")
 
 
 def _job(fails=None):
     """The function `job` of this section, as written, or failing before its first batch is
     written: raising while traced ("trace"), a shape error in its trace ("shape"), an output
-    no file holds ("string"), or an assertion that fails in its first batch's run ("run").
+    no file holds ("string"), outputs no file can be named by ("key": a dict's float keys),
+    or an assertion that fails in its first batch's run ("run").
     One name, so that every one of them is checked against a write of the one as written."""
 
     def job(x):
@@ -929,6 +930,8 @@ def _job(fails=None):
             tf.debugging.assert_less(x, tf.reduce_min(x), message="job fails when it runs")
         y = x * 2.0 + 1.0
         y = tf.strings.as_string(y) if fails == "string" else y
+        if fails == "key":
+            return {0.5: y, 1.5: tfshard.row_index()}
         return {"y": y, "row": tfshard.row_index()}
 
     return tfshard.parallelize(job, per_sample=False, devices=CPUS[:2])
@@ -949,10 +952,11 @@ def _refused_before_its_first_batch(fails, write):
         "trace": "ValueError: job fails while traced",
         "shape": "Dimensions must be equal, but are 3 and 5",
         "string": "output['y'] is a tf.string tensor; write stores numbers and bools",
+        "key": "an output dict has a key 0.5 of type float; write names files by keys",
         "run": "job fails when it runs",
     }[fails]
     assert said in message, message
-    if fails in ("trace", "shape", "string"):
+    if fails != "run":
         assert isinstance(caught.value, ArgumentError)
     return message
 

@@ -189,7 +189,8 @@ class Runner:
     ) -> writing.Written:
         """The dataset's outputs into the store at `path`, one call per batch, resumed where
         it stopped; see `ShardedFunction.write`. `asked`: tfshard's keywords
-        (`_intake.Asked`). Everything is checked before anything is made on disk."""
+        (`_intake.Asked`). Everything is checked before anything is made on disk, the first
+        batch's outputs included: the store changes nothing before them (`writing.Store`)."""
         engine = self.engine
         name = engine.name
         path = writing.checked_path(path, dataset, f"{name}.write")

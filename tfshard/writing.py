@@ -600,7 +600,7 @@ class Store:
             ]
         else:
             records = _records(values, structure, parts)
-            outputs = _encode(structure)  # refuses keys no file can be named by
+            outputs = _encode(structure, self._call)  # refuses keys no file is named by
             self._make()
             self._structure = structure
             self._files = []
@@ -1073,7 +1073,7 @@ def _check_outputs(
 ) -> None:
     """Raises ArgumentError when a resumed write's outputs differ from those written."""
     fix = "pass overwrite=True to replace it, or write to another path"
-    if _encode(structure) != outputs:
+    if _encode(structure, call) != outputs:
         old = [leaf["path"] for leaf in leaves]
         new = [record["path"] for record in records]
         raise ArgumentError(
@@ -1198,10 +1198,11 @@ def _stems(structure: Hashable) -> list[str]:
     return [".".join(map(clean, names)) or "output" for names in named]
 
 
-def _encode(structure: Hashable) -> Any:
+def _encode(structure: Hashable, call: str) -> Any:
     """The outputs' structure as JSON: ``{"leaf": i}``, ``{"dict": [[key, ...], ...]}``,
     ``{"tuple": [...]}``, ``{"list": [...]}``, ``{"namedtuple": name, "fields": [...],
-    "items": [...]}``; a mapping's keys are str or int, attrs classes become dicts."""
+    "items": [...]}``; a mapping's keys are str or int (ArgumentError for others, naming
+    `call`), attrs classes become dicts."""
     counter = iter(range(1 << 62))
 
     def node(key: Hashable, children: list[Any]) -> Any:
@@ -1213,8 +1214,8 @@ def _encode(structure: Hashable) -> Any:
         for name in key.keys:
             if isinstance(name, bool) or not isinstance(name, str | int):
                 raise ArgumentError(
-                    f"an output dict has a key {name!r} of type {type(name).__name__}; "
-                    "write names files by keys, so use str (or int) keys"
+                    f"{call}: an output dict has a key {name!r} of type "
+                    f"{type(name).__name__}; write names files by keys, so use str (or int) keys"
                 )
         by_key = dict(zip(key.keys, children))
         order = getattr(key, "written", key.keys)  # a dict as written; attrs by field
