@@ -558,10 +558,14 @@ class Store:
     def _parts(self, values: list[Any], structure: Hashable) -> list[list[np.ndarray]]:
         """Each output leaf as the NumPy arrays of its parts; ArgumentError, naming the leaf,
         for a value no file holds."""
-        return [
-            _parts(value, where, self._call)
-            for where, value in zip(_trees.paths("output", structure), values)
-        ]
+        parts: list[list[np.ndarray]] = []
+        for value in values:
+            try:
+                parts.append(_parts(value))
+            except ArgumentError as error:
+                where = _trees.paths("output", structure)[len(parts)]
+                raise ArgumentError(f"{self._call}: {where} {error}") from None
+        return parts
 
     def _columns(self) -> list[_Column]:
         return [column for columns in self._files or () for column in columns]
@@ -1130,18 +1134,19 @@ def _first_batch_hash(batches: tf.data.Dataset) -> str | None:
 # ------------------------------------------------------- outputs and their files
 
 
-def _parts(value: Any, where: str, call: str) -> list[np.ndarray]:
-    """A batch's output leaf `where` as the NumPy arrays of its parts (`_kinds`)."""
+def _parts(value: Any) -> list[np.ndarray]:
+    """A batch's output leaf as the NumPy arrays of its parts (`_kinds`); ArgumentError
+    for one no file holds, saying what it is (`Store._parts` says which leaf)."""
     if _kinds.of(value) is _kinds.Sparse or not isinstance(value, tf.Tensor | tf.RaggedTensor):
         raise ArgumentError(
-            f"{call}: {where} is a {type(value).__name__}; write stores dense and ragged "
-            "tensors (tf.sparse.to_dense it in the function)"
+            f"is a {type(value).__name__}; write stores dense and ragged tensors "
+            "(tf.sparse.to_dense it in the function)"
         )
     arrays = [part.numpy() for part in _kinds.of(value).parts(value)]
     if arrays[0].dtype == object:
         raise ArgumentError(
-            f"{call}: {where} is a tf.string tensor; write stores numbers and bools (map "
-            "strings to ids in the function, or stream them with iterate)"
+            "is a tf.string tensor; write stores numbers and bools (map strings to ids in "
+            "the function, or stream them with iterate)"
         )
     return arrays
 
