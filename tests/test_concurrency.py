@@ -253,6 +253,127 @@ def test_a_call_made_inside_a_call_on_its_thread_is_not_measured():
         assert alone
 
 
+def _on_a_tensorflow_thread(body):
+    """Runs `body()` from a `tf.py_function` in a `tf.function`: on a thread of TensorFlow's
+    runtime, which Python did not start, as a function called from its own shards runs.
+    Returns what it returned, and whether it ran on another thread than this one."""
+    seen = []
+
+    def run():
+        seen.append((body(), threading.get_ident() != caller))
+        return 0
+
+    caller = threading.get_ident()
+    tf.function(lambda: tf.py_function(run, [], tf.int32))()
+    return seen[0]
+
+
+def _turn_taken_at_once(turns):
+    """A call's turn, from a thread TensorFlow started: whether it was measured and alone
+    (it must not wait: a wait here would wait for the call this test holds)."""
+    with turns.call(measure=True) as measured:
+        return measured, turns.alone()
+
+
+def test_a_call_on_a_tensorflow_thread_runs_beside_a_measured_call_it_is_inside():
+    # A shard's tf.py_function calling the function: a wait for the measured call in
+    # flight would wait for the call it is made from (until LONGEST_WAIT_S gave up).
+    turns = _balance.Turns()
+    with turns.call(measure=True) as measured:
+        assert measured and turns.alone()
+        inner, elsewhere = _on_a_tensorflow_thread(lambda: _turn_taken_at_once(turns))
+        assert elsewhere and inner == (False, False)  # unmeasured, beside the measured call
+        assert not turns.alone()  # whose seconds now hold the inner call's: not counted
+    assert turns.gave_up == 0
+    with turns.call(measure=True) as measured:
+        assert measured and turns.alone()  # the next one runs alone again
+
+
+def test_a_call_on_a_tensorflow_thread_with_none_in_flight_is_measured():
+    # (a tf.data function that calls the function, say: its calls are measured too)
+    turns = _balance.Turns()
+    (measured, alone), elsewhere = _on_a_tensorflow_thread(lambda: _turn_taken_at_once(turns))
+    assert elsewhere and measured and alone and turns.gave_up == 0
+
+
+def test_a_measured_call_waiting_for_one_whose_shard_calls_the_function_is_not_stuck():
+    # An unmeasured call in flight (this thread's), a measured one waiting for it to end
+    # (another thread's), and the unmeasured call's shard calling the function on a
+    # thread TensorFlow started: that call runs at once, so both waits end.
+    turns = _balance.Turns()
+    waited = []
+
+    def measured_call():
+        with turns.call(measure=True) as measured:
+            waited.append((measured, turns.alone()))
+
+    waiter = threading.Thread(target=measured_call, daemon=True)
+    with turns.call(measure=False):
+        waiter.start()
+        # Until the measured call waits: `unmeasured` takes no turn while one does.
+        while (depth := turns.unmeasured()) is not None and waiter.is_alive():
+            turns.done(depth)
+            time.sleep(0)
+        assert depth is None, "the measured call never waited"
+        inner, elsewhere = _on_a_tensorflow_thread(lambda: _turn_taken_at_once(turns))
+        assert elsewhere and inner == (False, False)
+    waiter.join(120)  # bounds a hang only: it waits for this thread's turn to end
+    assert not waiter.is_alive() and waited == [(True, True)] and turns.gave_up == 0
+
+
+# A shard of more than one row whose first value is negative calls the function on its
+# first row from a tf.py_function, on a thread TensorFlow runs it on (f of one row calls
+# nothing): f(x) is 2x, with the nested call's result in it. Odd calls nest, even ones do
+# not, so some measured calls run beside nested ones and others alone.
+_NESTED_CALLS = """
+import json
+import numpy as np
+import tensorflow as tf
+import tfshard
+
+tfshard.virtual_devices(2)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+nested = []
+
+def head(block):
+    if block.shape[0] > 1 and block[0, 0] < 0:
+        nested.append(len(block))
+        return f(block[:1])
+    return block[:1] * 2.0
+
+def twice(block):
+    inner = tf.ensure_shape(tf.py_function(head, [block], tf.float32), [None, 4])
+    return block * 2.0 + (inner - block[:1] * 2.0)
+
+f = tfshard.parallelize(
+    twice, devices=["/device:CPU:0", "/device:CPU:1"], per_sample=False, weights="auto"
+)
+rng = np.random.default_rng(39)
+wrong = []
+for i in range(60):
+    x = np.abs(rng.normal(size=[16, 4])).astype(np.float32) * (-1.0 if i % 2 else 1.0)
+    if not np.array_equal(f(x).numpy(), x * 2):
+        wrong.append(i)
+b = f.balance
+print(json.dumps({"wrong": wrong, "nested": len(nested), "measured": b.measured,
+                  "dropped": b.dropped, "gave_up": b.turns.gave_up}))
+"""
+
+
+def test_a_function_that_calls_itself_from_its_shards_never_waits_for_itself():
+    """weights="auto": a call of f from a tf.py_function in f's shards ran on a thread that
+    did not know it was inside f, and waited for the measured call it was inside, which
+    waited for it: 30 s (`LONGEST_WAIT_S`) every measured call. In a child, so that a wait
+    that never ends fails this test, not the suite."""
+    run = children.python(_NESTED_CALLS, timeout=120, TF_CPP_MIN_LOG_LEVEL="3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["wrong"] == [] and seen["gave_up"] == 0, seen
+    assert seen["nested"] >= 30, seen  # every odd call nested at least once
+    # The measured calls a nested call ran beside are dropped; the others are counted.
+    assert seen["dropped"] >= 1 and seen["measured"] >= 1, seen
+
+
 # Device k does one thing at a time (a lock) and waits PER_ROW_S[k] a row: a fixed 1:3
 # cost per row, which another call's shard on the same device would add to a measured
 # call's seconds if they ran together.

@@ -35,8 +35,12 @@ loop one measurement.)
 A measured call of a function runs alone among its calls (`Turns`): it
 waits for the calls in flight to end, and calls from other threads wait for
 it, so its seconds are its own shards', not another call's queued on the
-same device. Nothing runs apart from the user's own calls, at the split they
-use, beside whatever else the machine runs then.
+same device. A call made on a thread that TensorFlow started (the function
+called from a `tf.py_function`, a `tf.numpy_function` or a tf.data function,
+such as one inside the shards of the call it would wait for) waits for
+nothing: it runs beside the calls in flight, and a measured call it ran
+beside is not counted (`Turns.alone`). Nothing runs apart from the user's own
+calls, at the split they use, beside whatever else the machine runs then.
 
 **Memory** (`Balance.cap`). A shard of a call that runs out of memory on
 its own device (``tf.errors.ResourceExhaustedError``, the call alone among
@@ -123,8 +127,10 @@ MIN_SAMPLES = 3
 # timestamps' resolution is a microsecond, a thread's wake-up ten): not counted.
 SHORTEST = 20e-6
 # A measured call waits at most this long for the calls in flight to end (`Turns`), and
-# a call for a measured one: only a call that never ends (one made from inside another's
-# shard) waits so long, and the call then runs unmeasured.
+# a call for a measured one: only a call that never ends waits so long (one made from
+# inside another's shard on a thread Python started, such as a pool's that a shard's
+# `tf.py_function` waits for; one on TensorFlow's own threads never waits), and the call
+# then runs unmeasured (`Turns.gave_up` counts them).
 LONGEST_WAIT_S = 30.0
 
 
@@ -202,6 +208,19 @@ def _finished(outputs: Any, device: str) -> list[tf.Tensor]:
     return touched
 
 
+def _started_outside_python() -> bool:
+    """Whether this thread was started outside Python's `threading`: by TensorFlow's runtime,
+    to run a `tf.py_function`, a `tf.numpy_function` or a tf.data function.
+
+    Python gives such a thread what its documentation calls a dummy thread
+    object (`threading.current_thread`). No public name tells one from a thread
+    that `threading.Thread` started (both are `threading.Thread`s, alive, with
+    an ident; a dummy is daemonic, as a started thread may be), so this reads
+    its class, `threading._DummyThread`, the one CPython has always given them.
+    """
+    return isinstance(threading.current_thread(), threading._DummyThread)
+
+
 class Turns:
     """Calls of one function in flight together, a measured one alone.
 
@@ -210,11 +229,23 @@ class Turns:
     that come meanwhile wait until it has ended, so its shards' seconds are
     its own (another call's shards on the same device would otherwise run
     inside its timestamps). One measured call at a time: a call due while
-    another measures runs unmeasured, after it; a call made from inside a call
-    of this function on the same thread runs unmeasured and waits for nothing. A wait that passes
-    `LONGEST_WAIT_S` (a call made from inside another's shard, which that
-    call waits for) gives up: the call then runs unmeasured, or beside the
-    measured one.
+    another measures runs unmeasured, after it.
+
+    Two kinds of call wait for nothing, since the call they would wait for may
+    be waiting for them: one made from inside a call of this function on the
+    same thread, and one made on a thread Python did not start (TensorFlow's,
+    running a `tf.py_function`, a `tf.numpy_function` or a tf.data function:
+    the function called from its own shards). Either runs at once, beside the
+    calls in flight, unmeasured (one on TensorFlow's thread is measured where
+    no call is in flight), and a measured call it runs beside is no longer
+    `alone`: the engine does not count its measurement. A wait that passes
+    `LONGEST_WAIT_S` (a call made from inside another's shard on a thread
+    Python started, which that call waits for) gives up: the call then runs
+    unmeasured, or beside the measured one, which is not `alone` either.
+
+    Attributes:
+      gave_up: waits that passed `LONGEST_WAIT_S` and gave up, so far (read it,
+        do not set it).
     """
 
     def __init__(self) -> None:
@@ -229,6 +260,7 @@ class Turns:
         self._alone = False  # a measured call is in flight
         self._waiting = False  # a measured call waits for the others to end
         self._inside = threading.local()  # this thread's calls in flight
+        self.gave_up = 0
 
     def call(self, measure: bool) -> _Turn:
         """A call's turn, a context manager: entered, whether the call is measured
@@ -239,7 +271,7 @@ class Turns:
         """An unmeasured call's turn, taken at once where no measured call is in flight
         or waits (the path of most calls, cheaper than `call`): this thread's depth
         of calls before it, to hand to `done` when the call ends; None where one is
-        (take ``call(False)`` instead, which waits for it)."""
+        (take ``call(False)`` instead, which waits for it, or not: `Turns`)."""
         inside = self._inside
         depth = getattr(inside, "depth", 0)
         with self._mutex:
@@ -276,27 +308,36 @@ class Turns:
     def _enter(self, measure: bool, nested: bool) -> tuple[bool, int]:
         """Takes a turn: whether it is measured, and `_crowded` as it began (-1: another
         call was in flight)."""
+        waits = not (nested or _started_outside_python())
         with self._mutex:
             if nested:
                 self._crowded += 1  # beside the call it was made from
                 self._running += 1
                 return False, -1
             if measure and not (self._alone or self._waiting):
-                self._waiting = True
-                try:  # Ctrl-C while it waits must not leave every later call waiting
-                    alone = self._changed.wait_for(lambda: self._running == 0, LONGEST_WAIT_S)
-                finally:
-                    self._waiting = False
+                if waits:
+                    self._waiting = True
+                    try:  # Ctrl-C while it waits must not leave every later call waiting
+                        alone = self._changed.wait_for(
+                            lambda: self._running == 0, LONGEST_WAIT_S
+                        )
+                    finally:
+                        self._waiting = False
+                        self._changed.notify_all()
+                    if alone:
+                        self._alone = True
+                        return True, self._crowded
+                    self.gave_up += 1
                     self._changed.notify_all()
-                if alone:
+                elif self._running == 0:  # nothing to wait for
                     self._alone = True
                     return True, self._crowded
-                self._changed.notify_all()
-            if self._alone or self._waiting:
-                self._changed.wait_for(
-                    lambda: not (self._alone or self._waiting), LONGEST_WAIT_S
-                )
-            beside = self._running > 0 or self._alone  # (a wait that gave up)
+            measuring = self._alone or self._waiting
+            if measuring and waits and not self._changed.wait_for(
+                lambda: not (self._alone or self._waiting), LONGEST_WAIT_S
+            ):
+                self.gave_up += 1
+            beside = self._running > 0 or self._alone  # (a call that did not wait)
             if beside:
                 self._crowded += 1
             self._running += 1
@@ -351,7 +392,10 @@ class Balance:
       one_left: every device but one is useless (weighted 0) or capped at 0: no call
         is measured again, so none needs a turn (`Turns`); once True, True for good.
       measured: measurements counted so far.
+      dropped: measured calls whose measurement was not counted, another call of
+        the function having run beside them (`drop`).
       changes: times the plan changed.
+      turns: the function's calls in flight (`Turns`), a measured one alone.
     """
 
     def __init__(self, count: int) -> None:
@@ -371,7 +415,9 @@ class Balance:
         self._leaning = 0  # comparisons in a row that would change alone for split or back
         self._rows = 0  # the last measured call's rows
         self.measured = 0
+        self.dropped = 0
         self.changes = 0
+        self.turns = Turns()
         self._steady = 0  # measurements in a row that left the plan as it was
         self._since = 0  # calls since the last one measured, once settled
         self._interval = EVERY  # calls from one measured to the next, once settled
@@ -561,6 +607,14 @@ class Balance:
             self._rows = int(rows)
             self._last = "alone"
             self._count_one(self._choose)
+
+    def drop(self) -> None:
+        """Counts a measured call whose measurement is not counted: it did not run alone
+        (`Turns.alone`: a call on a thread TensorFlow started ran beside it, or a wait
+        gave up), so its seconds may hold another call's. The plan, and when the next
+        call is measured (`due`), stay as they are."""
+        with self._lock:
+            self.dropped += 1
 
     def _count_one(self, decide: Callable[[], None]) -> None:
         before, split = self._in_use[0], self._split

@@ -148,7 +148,6 @@ class Engine:
         self._traces_dropped = 0  # how many times this engine dropped what it traced
         # weights="auto": the measured weights, and the graphs that ran once (warmed up).
         self.balance = _balance.Balance(len(devices)) if options.balanced else None
-        self._turns = _balance.Turns()
         self._fed: dict[tuple[int, ...], tf.Tensor] = {}  # `_fed_weights`
         self._warm: set[int] = set()
 
@@ -513,22 +512,23 @@ class Engine:
             return self._run_graph(call, body, offset, None)
         # One device left (or per_shard): not measured, a turn taken at once (`unmeasured`).
         kind = None if balance.one_left or not measure else balance.due()
+        turns = balance.turns
         if kind is None:
             depth = None
             try:  # the turn taken inside: an interrupt right after it still ends it
-                depth = self._turns.unmeasured()
+                depth = turns.unmeasured()
                 if depth is not None:  # no measured call in flight: no wait
                     return self._run_graph(call, body, offset, None)
             finally:
                 if depth is not None:
-                    self._turns.done(depth)
+                    turns.done(depth)
         elif not tf.executing_eagerly():
             # Inside a user's tf.function there is nothing to read: never measured (the
             # call due to be is one that is not, traced once).
             return self._run_graph(call, body, offset, None)
         elif kind == "alone" and (body != "call" or call.rows is None):
             kind = "split"  # a whole call's rows are needed to weigh it against the split
-        with self._turns.call(kind is not None) as measured:
+        with turns.call(kind is not None) as measured:
             return self._run_graph(call, body, offset, kind if measured else None)
 
     def _run_graph(
@@ -536,7 +536,8 @@ class Engine:
     ) -> Any:
         """Runs `body`'s graph for a measured call of this `kind` (`Balance.due`: the split
         timed, or the fastest device alone) or, None, the unmeasured graph of the plan in
-        use; what a measured call took goes to the balance."""
+        use; what a measured call took goes to the balance, where the call ran alone
+        (`Turns.alone`; else it is dropped, `Balance.drop`)."""
         # Read once: the graph, its feeds and errors agree.
         balance = self.balance
         if balance is None:
@@ -561,6 +562,12 @@ class Engine:
             return result
         self._finished(result)
         took = time.perf_counter() - began
+        if not balance.turns.alone():
+            # A call of the function ran beside it (one made from inside its shards on a
+            # thread TensorFlow started): its seconds may hold that call's. Its graph ran.
+            self._warm.add(id(traced.graph))
+            balance.drop()
+            return result
         if timing is not None:
             self.observe(timing, id(traced.graph), held["shards"], took)
         elif kind == "alone" and held["shards"] is not None and len(held["shards"]) == 1:
@@ -819,7 +826,7 @@ class Engine:
         owner = memory_owner(error.message)
         if owner == HOST_MEMORY or (owner is not None and not _same_device(owner, self.devices[k])):
             return None
-        if not self._turns.alone():
+        if not self.balance.turns.alone():
             return None
         had = plan_rows(int(rows), len(self.devices), weights, caps)[k]
         limits = self.options.limits(len(self.devices))
