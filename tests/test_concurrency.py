@@ -324,7 +324,8 @@ def test_a_measured_call_waiting_for_one_whose_shard_calls_the_function_is_not_s
 # A shard of more than one row whose first value is negative calls the function on its
 # first row from a tf.py_function, on a thread TensorFlow runs it on (f of one row calls
 # nothing): f(x) is 2x, with the nested call's result in it. Odd calls nest, even ones do
-# not, so some measured calls run beside nested ones and others alone.
+# not, so some measured calls run beside nested ones and others alone. Every call of
+# `always` nests: each is measured (its plan never settles) and none is counted.
 _NESTED_CALLS = """
 import json
 import numpy as np
@@ -335,36 +336,43 @@ tfshard.virtual_devices(2)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 nested = []
 
-def head(block):
-    if block.shape[0] > 1 and block[0, 0] < 0:
-        nested.append(len(block))
-        return f(block[:1])
-    return block[:1] * 2.0
+def calling_itself():
+    def head(block):
+        if block.shape[0] > 1 and block[0, 0] < 0:
+            nested.append(len(block))
+            return f(block[:1])
+        return block[:1] * 2.0
 
-def twice(block):
-    inner = tf.ensure_shape(tf.py_function(head, [block], tf.float32), [None, 4])
-    return block * 2.0 + (inner - block[:1] * 2.0)
+    def twice(block):
+        inner = tf.ensure_shape(tf.py_function(head, [block], tf.float32), [None, 4])
+        return block * 2.0 + (inner - block[:1] * 2.0)
 
-f = tfshard.parallelize(
-    twice, devices=["/device:CPU:0", "/device:CPU:1"], per_sample=False, weights="auto"
-)
+    f = tfshard.parallelize(
+        twice, devices=["/device:CPU:0", "/device:CPU:1"], per_sample=False, weights="auto"
+    )
+    return f
+
+def outcome(f, xs):
+    wrong = [i for i, x in enumerate(xs) if not np.array_equal(f(x).numpy(), x * 2)]
+    b = f.balance
+    return {"wrong": wrong, "measured": b.measured, "dropped": b.dropped,
+            "gave_up": b.turns.gave_up, "weights": b.weights}
+
 rng = np.random.default_rng(39)
-wrong = []
-for i in range(60):
-    x = np.abs(rng.normal(size=[16, 4])).astype(np.float32) * (-1.0 if i % 2 else 1.0)
-    if not np.array_equal(f(x).numpy(), x * 2):
-        wrong.append(i)
-b = f.balance
-print(json.dumps({"wrong": wrong, "nested": len(nested), "measured": b.measured,
-                  "dropped": b.dropped, "gave_up": b.turns.gave_up}))
+xs = [np.abs(rng.normal(size=[16, 4])).astype(np.float32) * (-1.0 if i % 2 else 1.0)
+      for i in range(60)]
+seen = outcome(calling_itself(), xs)
+seen["nested"] = len(nested)
+seen["always"] = outcome(calling_itself(), [-np.abs(xs[0])] * 6)
+print(json.dumps(seen))
 """
 
 
 def test_a_function_that_calls_itself_from_its_shards_never_waits_for_itself():
-    """weights="auto": a call of f from a tf.py_function in f's shards ran on a thread that
-    did not know it was inside f, and waited for the measured call it was inside, which
-    waited for it: 30 s (`LONGEST_WAIT_S`) every measured call. In a child, so that a wait
-    that never ends fails this test, not the suite."""
+    """weights="auto": a call of f from a tf.py_function in f's shards, on a thread
+    TensorFlow started, waits for no turn (else it and the measured call it is inside
+    would wait for each other until `LONGEST_WAIT_S`, every measured call). In a child, so
+    that a wait that never ends fails this test, not the suite."""
     run = children.python(_NESTED_CALLS, timeout=120, TF_CPP_MIN_LOG_LEVEL="3")
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
@@ -372,6 +380,8 @@ def test_a_function_that_calls_itself_from_its_shards_never_waits_for_itself():
     assert seen["nested"] >= 30, seen  # every odd call nested at least once
     # The measured calls a nested call ran beside are dropped; the others are counted.
     assert seen["dropped"] >= 1 and seen["measured"] >= 1, seen
+    always = {"wrong": [], "measured": 0, "dropped": 6, "gave_up": 0, "weights": None}
+    assert seen["always"] == always, seen
 
 
 # Device k does one thing at a time (a lock) and waits PER_ROW_S[k] a row: a fixed 1:3
