@@ -765,7 +765,7 @@ def test_a_shard_out_of_its_devices_memory_caps_it_and_later_calls_plan_within_i
         f"affine: shard 1 on {CPUS[2]} (rows [8:16) of 16) failed: it ran out of memory. "
     )
     assert f"{CPUS[2]} gets at most 4 rows (it ran out of memory with 8)" in first["first"]
-    assert "from the next call on (not a stream's batches)" in first["first"]
+    assert "from the next call or stream on" in first["first"]
     assert "is not run again" in first["first"] and "call it again" in first["first"]
     assert found["caps"] == [None, 4] and found["plans"] == [[12, 4], [3, 3], [5, 4]]
     assert "caps [-, 4]" in found["explained"]

@@ -6,7 +6,9 @@ References: the tensor path of the same ShardedFunction, and a single-device
 
 import collections
 import io
+import json
 import threading
+from fractions import Fraction
 
 import children
 import numerics
@@ -455,9 +457,10 @@ def test_a_failing_shard_in_a_stream_names_its_device():
 
     f = tfshard.parallelize(log_minus_5, per_sample=False, devices=CPUS[:2])
     ds = tf.data.Dataset.range(10).map(lambda n: tf.cast(n, tf.float32))
+    # A stream's first call of its loop runs one batch, whose rows Python then knows.
     with pytest.raises(
         tf.errors.InvalidArgumentError,
-        match=r"(?s)shard 0 on /device:CPU:0 \(its slice of the batch\) failed.*log of a negative",
+        match=r"(?s)shard 0 on /device:CPU:0 \(rows \[0:5\) of 10\) failed.*log of a negative",
     ) as raised:
         f(ds, batch_size=10)
     assert isinstance(raised.value, tfshard.TfshardError)
@@ -1166,3 +1169,209 @@ def test_flags_of_a_stream_that_are_not_what_they_say_are_refused(way):
     # The keywords are checked before the dataset (whose scalars have no batch dimension).
     with pytest.raises(ArgumentError, match=r"progress='yes': True for lines on stderr, False"):
         run(tf.data.Dataset.range(6), progress="yes")
+
+
+# ------------------------------------------ weights="auto"'s caps in a stream
+
+
+def _planned_by(n, weights, caps):
+    """Independent reference of a plan of two devices under caps that hold its `n` rows,
+    in exact fractions: device k's share of n by the weights, or its cap where the share
+    passes it (the other device then takes the rest); largest remainder (ties to device
+    0) rounds it."""
+    assert sum(c if c is not None else n for c in caps) >= n  # only where the caps hold n
+    total = sum(weights)
+    shares = [Fraction(n * w, total) for w in weights]
+    for k in (0, 1):
+        if caps[k] is not None and shares[k] > caps[k]:
+            return [caps[0], n - caps[0]] if k == 0 else [n - caps[1], caps[1]]
+    base = [int(s) for s in shares]
+    if sum(base) < n:
+        k = max((0, 1), key=lambda j: (shares[j] - base[j], -j))
+        base[k] += 1
+    return base
+
+
+def _noting_rows(seen):
+    """A whole-shard function of x * 2 whose shards note their rows in `seen`."""
+
+    def note(rows, k):
+        seen.append((int(k), int(rows)))
+        return np.float32(0)
+
+    def twice(block):
+        rows = tf.shape(block, out_type=tf.int64)[0]
+        return block * 2.0 + tf.py_function(note, [rows, tfshard.shard_index()], tf.float32)
+
+    return twice
+
+
+def _per_batch(seen):
+    """`seen`'s rows as one ``[shard 0's, shard 1's]`` per batch, in order."""
+    rows = {0: [n for k, n in seen if k == 0], 1: [n for k, n in seen if k == 1]}
+    return [list(pair) for pair in zip(rows[0], rows[1])]
+
+
+def test_a_streams_batches_are_planned_within_the_caps(one_batch_per_call):
+    """Device 1 capped at 3 (as a shard of 6 rows out of its memory would cap it): each
+    batch of the traced loop and of the Python loop is planned within the cap by the
+    weights in use as it runs (the reference's plan), the last batch uneven; results
+    are NumPy's. Both devices capped (5 and 3): a batch of 9 rows is refused before
+    anything runs, as a call of 9 rows is; batches of 8 fit."""
+    seen = []
+    f = tfshard.parallelize(
+        _noting_rows(seen), per_sample=False, devices=CPUS[1:3], weights="auto"
+    )
+    assert f.balance.cap(1, 6) == 3
+    x = rng.normal(size=[23, 3]).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(8)  # 8, 8, 7
+    in_use = []
+    f.streams.on_call = lambda limit, guarded: in_use.append(f.balance.in_use())
+    for run in (f, lambda d: tf.concat(list(f.iterate(d)), 0)):
+        seen.clear()
+        in_use.clear()
+        out = run(ds)
+        np.testing.assert_array_equal(out.numpy(), x * 2.0)
+        plans = _per_batch(seen)
+        assert [sum(p) for p in plans] == [8, 8, 7] and all(p[1] <= 3 for p in plans)
+        if in_use:  # the traced loop: one batch a call, each call's weights and caps
+            assert [c for _, c in in_use] == [(None, 3)] * 3
+            assert plans == [_planned_by(n, w, c) for n, (w, c) in zip([8, 8, 7], in_use)]
+        else:  # the Python loop's batches are calls: `f.plan` is the plan each ran
+            assert plans == [f.plan(n) for n in (8, 8, 7)]
+    assert len(f.streams.loops) == 1  # the traced loop ran: one, under the caps
+    assert f.balance.cap(0, 10) == 5
+    for run in (f, lambda d: list(f.iterate(d))):
+        seen.clear()
+        with pytest.raises(ArgumentError, match="a batch of 9 rows needs more memory") as error:
+            run(tf.data.Dataset.from_tensor_slices(x).batch(9))
+        assert "at most 8 rows together (/device:CPU:1: 5, /device:CPU:2: 3)" in str(error.value)
+        assert seen == []
+    with pytest.raises(ArgumentError, match="a call of 9 rows needs more memory"):
+        f(x[:9])
+    seen.clear()
+    np.testing.assert_array_equal(f(ds).numpy(), x * 2.0)
+    assert all(p[0] <= 5 and p[1] <= 3 for p in _per_batch(seen))
+
+
+def _feed_ops(f):
+    """The types of the ops of the traced loop's feeds (`tfshard_feed`: the plan, split
+    and copies of each batch), in its call's graph and the functions it calls."""
+    (loop,) = f.streams.loops.values()
+    graph = loop.graph(False).as_graph_def()
+    nodes = [*graph.node, *(n for fn in graph.library.function for n in fn.node_def)]
+    return collections.Counter(n.op for n in nodes if "tfshard_feed" in n.name)
+
+
+def test_a_stream_without_caps_has_no_ops_of_them():
+    """The caps' check and water-filling are ops of a capped stream's loop only: the
+    loop of a stream of weights="auto" with no caps has no Assert nor SelectV2 in its
+    feeds, the same function's loop once a device is capped has both."""
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[1:3], weights="auto")
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([10, 2], np.float32)).batch(4)
+    f(ds)
+    plain = _feed_ops(f)
+    assert plain["Assert"] == 0 and plain["SelectV2"] == 0, plain
+    f.balance.cap(1, 4)
+    np.testing.assert_array_equal(f(ds).numpy(), np.full([10, 2], 2.0, np.float32))
+    capped = _feed_ops(f)
+    assert capped["Assert"] > 0 and capped["SelectV2"] > 0, capped
+
+
+# A real out-of-memory on the shard's own device, in a process of its own, as
+# test_balance's `_REAL_OUT_OF_MEMORY`: shard 1 asks its device for 2**46 floats where
+# its rows pass what `held` says its device holds; a tf.py_function notes each shard's rows.
+_STREAM_OUT_OF_MEMORY = """
+import json, numpy as np, tensorflow as tf, tfshard
+tfshard.virtual_devices(3)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(8)
+seen, held = [], {"rows": 5}
+
+def note(rows, k):
+    seen.append((int(k), int(rows)))
+    return np.int64(held["rows"])
+
+def make():
+    def affine(block):
+        rows = tf.shape(block, out_type=tf.int64)[0]
+        k = tfshard.shard_index()
+        limit = tf.py_function(note, [rows, k], tf.int64)
+        big = tf.constant(2**46, tf.int64)
+        ask = tf.where((k == 1) & (rows > limit), big, tf.constant(1, tf.int64))
+        return block * 2.0 + 1.0 + tf.reduce_sum(tf.zeros(tf.reshape(ask, [1])))
+    devices = ["/device:CPU:1", "/device:CPU:2"]
+    return tfshard.parallelize(affine, devices=devices, per_sample=False, weights="auto")
+
+def run(thunk, want):
+    seen.clear()
+    try:
+        out = thunk()
+    except tfshard.TfshardError as error:
+        return {"error": type(error).__name__, "first": str(error).splitlines()[0],
+                "exhausted": isinstance(error, tf.errors.ResourceExhaustedError)}
+    return {"right": bool(np.array_equal(out.numpy(), want * 2.0 + 1.0)), "seen": seen[:]}
+
+x = np.random.default_rng(12).normal(size=[40, 3]).astype(np.float32)
+ds = tf.data.Dataset.from_tensor_slices(x).batch(16)  # 16, 16, 8
+listed = lambda f: (lambda: tf.concat(list(f.iterate(ds)), 0))
+found = {}
+# The traced loop's first batch runs out on device 1 (8 rows): capped at 4.
+f = make()
+found["stream"], found["stream_caps"] = run(lambda: f(ds), x), f.balance.caps()
+found["stream_again"], found["stream_call"] = run(lambda: f(ds), x), run(lambda: f(x[:16]), x[:16])
+# The Python loop's (f.iterate, f.write) batches are calls: the same.
+g = make()
+found["iterate"], found["iterate_caps"] = run(listed(g), x), g.balance.caps()
+found["iterate_stream"] = run(lambda: g(ds), x)
+# A call learns the cap, and the streams after it plan within it.
+h = make()
+found["call"], found["call_caps"] = run(lambda: h(x[:16]), x[:16]), h.balance.caps()
+found["call_stream"], found["call_iterate"] = run(lambda: h(ds), x), run(listed(h), x)
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def stream_out_of_memory():
+    """What `_STREAM_OUT_OF_MEMORY`'s child found."""
+    done = children.python(
+        _STREAM_OUT_OF_MEMORY,
+        timeout=300,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        CUDA_VISIBLE_DEVICES="",
+        TF_ENABLE_ONEDNN_OPTS="0",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_WITHIN = [[12, 4], [12, 4], [4, 4]]  # 16, 16, 8 rows with device 1 capped at 4
+
+
+@pytest.mark.parametrize("learned_by", ["stream", "iterate"])
+def test_a_streams_batch_out_of_its_devices_memory_caps_it(stream_out_of_memory, learned_by):
+    """The batch of 16 rows gave device 1 8 rows, which ran out of its memory: the
+    stream raises the call's error (device, rows, cap) and device 1 is capped at 4; the
+    next stream (the traced loop) and the next call fit, results NumPy's."""
+    found = stream_out_of_memory
+    failed = found[learned_by]
+    assert failed["error"] == "ShardResourceExhaustedError" and failed["exhausted"]
+    assert failed["first"].startswith(
+        f"affine: shard 1 on {CPUS[2]} (rows [8:16) of 16) failed: it ran out of memory. "
+    )
+    assert f"{CPUS[2]} gets at most 4 rows (it ran out of memory with 8)" in failed["first"]
+    assert "from the next call or stream on" in failed["first"]
+    assert found[f"{learned_by}_caps"] == [None, 4]
+    again = found["stream_again" if learned_by == "stream" else "iterate_stream"]
+    assert again["right"] and _per_batch(again["seen"]) == _WITHIN
+    if learned_by == "stream":
+        call = found["stream_call"]
+        assert call["right"] and _per_batch(call["seen"]) == [[12, 4]]
+
+
+def test_a_cap_learned_by_a_call_holds_in_the_streams_after_it(stream_out_of_memory):
+    found = stream_out_of_memory
+    assert found["call"]["exhausted"] and found["call_caps"] == [None, 4]
+    for case in ("call_stream", "call_iterate"):
+        assert found[case]["right"] and _per_batch(found[case]["seen"]) == _WITHIN, case

@@ -20,11 +20,13 @@ fed, so that a new plan needs no new trace; else the unmeasured one, the graph
 static weights would run: the weights in use are its constants, traced once
 per plan that calls run unmeasured (a settled plan stays settled). Where a
 shard of a call ran out of its own device's memory, the balance caps that
-device (`call_error`, `learned`): both graphs of every later call (not a
-stream's batches, which neither learn nor use caps) then plan under the caps,
-constants of each (traced again per caps; a device capped at 0 is left out
-of them, as one weighted 0), and a call of more rows than the caps hold
-raises before it runs (`check_caps`).
+device (`call_error`, `learned`): both graphs of every later call then plan
+under the caps, constants of each (traced again per caps; a device capped at 0
+is left out of them, as one weighted 0), and a call of more rows than the caps
+hold raises before it runs (`check_caps`). A stream's traced loop plans under
+the caps in use when it starts, as constants of its own graph, and learns from
+a batch that ran alone in its call of the loop (`tfshard.datasets`); the Python
+loop's batches are calls.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from tfshard.errors import (
     call_failure,
     failing_shard,
     memory_owner,
+    over_caps,
     shard_error,
 )
 from tfshard.position import check_no_stale_position
@@ -194,21 +197,34 @@ class Engine:
     def check_caps(self, rows: int, weights: tuple[int, ...] | None, caps: Caps | None) -> None:
         """Raises the `ArgumentError` of a call of more `rows` than the devices that these
         weights give rows hold under their caps together (`tfshard._plan.capacity`)."""
+        error = self.caps_error(rows, weights, caps)
+        if error is not None:
+            raise error
+
+    def caps_error(
+        self, rows: int, weights: tuple[int, ...] | None, caps: Caps | None, batch: bool = False
+    ) -> ArgumentError | None:
+        """`check_caps`'s error, or None where the rows fit; `batch`: the rows are a
+        stream's batch (the remedy is smaller batches)."""
         fits = capacity(weights, caps)
         if fits is None or rows <= fits:
-            return
+            return None
         weights = (1,) * len(caps) if weights is None else weights
         held = ", ".join(f"{d}: {c}" for d, c, w in zip(self.devices, caps, weights) if w)
         if self.options.limits(len(self.devices)) is None:
             smaller = "max_rows=N to run each shard's function on at most N rows at a time"
         else:
             smaller = "a smaller max_rows= (its shards run in chunks of at most max_rows rows)"
-        raise ArgumentError(
-            f"{self.name}: a call of {rows} rows needs more memory than its devices hold "
+        what, fix = (
+            ("a batch", f"Batch the dataset by at most {fits} rows")
+            if batch
+            else ("a call", f"Call it with at most {fits} rows at a time")
+        )
+        return ArgumentError(
+            f"{self.name}: {what} of {rows} rows needs more memory than its devices hold "
             f"at once: weights='auto' learned from shards that ran out of memory that "
-            f"they hold at most {fits} rows together ({held}). Call it with at most "
-            f"{fits} rows at a time, or make it with {smaller} (a new function: its caps "
-            "start anew)"
+            f"they hold at most {fits} rows together ({held}). {fix}, or make it with "
+            f"{smaller} (a new function: its caps start anew)"
         )
 
     # ------------------------------------------------------------ steps
@@ -444,6 +460,15 @@ class Engine:
             self._fed[weights] = fed
         return fed
 
+    def turn(self) -> Any:
+        """A turn among this function's calls (`tfshard._balance.Turns`) for a call of a
+        stream's traced loop, a context manager: a measured call waits for it, and a shard
+        of it out of memory caps its device only where it ran alone (`learned`); without
+        ``weights="auto"``, a null context."""
+        if self.balance is None:
+            return contextlib.nullcontext()
+        return self.balance.turns.call(False)
+
     def call(self, call: _arguments.Call, offset: int | None = None) -> Any:
         """Runs one call; results land on the output device. `offset`: the global row
         of its first row in a stream (`tfshard.row_index` counts it); None: 0."""
@@ -547,7 +572,10 @@ class Engine:
         else:
             weights, caps = balance.plan_for(kind)
         if caps is not None and call.rows is not None:
-            self.check_caps(call.rows, weights, caps)
+            # (A call at an offset is a stream's batch, whose remedy is smaller batches.)
+            error = self.caps_error(call.rows, weights, caps, batch=offset is not None)
+            if error is not None:
+                raise error
         held = self._held(call.rows, weights, caps)
         measured = kind == "split"
         traced = self._traced(call, body, offset=offset is not None, measured=measured, **held)
@@ -776,15 +804,24 @@ class Engine:
         ``weights="auto"``, a shard of known rows that ran out of memory caps
         its device (`learned`), and the error says so; the call is not run
         again (a function may have side effects): the next call plans within
-        the cap.
+        the cap. A stream's batch that the in-graph check of the caps refused
+        (`tfshard._plan.within_caps`) is `check_caps`'s error.
 
         Args:
           error: what TensorFlow raised.
-          rows: the call's rows when known (None: a batch of a stream).
+          rows: the call's rows when known (a stream's batch: where its call of
+            the traced loop ran that one batch; None: not known).
           weights: the integer weights its plan used (None: those in use).
           caps: the caps its plan was made under, or None.
           element: the split arguments are a dataset element's fields (a stream).
         """
+        over = over_caps(error.message) if element else None
+        if over is not None:  # a stream's batch over the caps, found before it ran
+            return self.caps_error(over, weights, caps, batch=True) or ArgumentError(
+                f"{self.name}: a batch of {over} rows needs more memory than its devices "
+                "hold at once (weights='auto' learned caps from shards that ran out of "
+                "memory): batch the dataset by fewer rows"
+            )
         hint = cluster.explain_remote_error(error)  # None unless a worker is down
         learned = self.learned(error, rows, weights, caps) if hint is None else None
         failed = Failed(
@@ -811,7 +848,8 @@ class Engine:
         device's memory caps device k (`tfshard._balance.Balance.cap`) by the rows it ran
         at once: those its plan gave it, or its chunk's (``max_rows``) where fewer.
         Returns ``(k, those rows, its cap)``; else None, nothing learned: another error,
-        a stream's batch, a shard of no rows, memory that was not the device's own (TF's
+        rows not known (a stream's batch in a call of its loop of several), a shard of
+        no rows, memory that was not the device's own (TF's
         allocator names another device, or a Python function's MemoryError: the host's,
         `tfshard.errors.memory_owner`), or a call that did not run alone (another call
         of the function in flight beside it: `tfshard._balance.Turns.alone`), whose
@@ -850,8 +888,8 @@ class Engine:
             _, had, cap = learned
             at_once = f"with {had} rows at once" if limit is not None else f"with {had}"
             said = (
-                f"weights='auto' learned from it: from the next call on (not a stream's "
-                f"batches), {device} gets at most {cap} rows (it ran out of memory "
+                f"weights='auto' learned from it: from the next call or stream on, "
+                f"{device} gets at most {cap} rows (it ran out of memory "
                 f"{at_once}), the rows over that going to the other devices by their "
                 "weights. This call returned nothing and is not run again (a function may "
                 "have side effects)"
@@ -884,8 +922,8 @@ class Engine:
             "from a call"
             if self.balance is None
             # What it did not learn from: another device's memory, or calls side by side.
-            else "from a call that ran alone out of the device's own memory, not a "
-            "stream's batch"
+            else "from a call that ran alone out of the device's own memory, or a "
+            "stream's batch alone in its call of the loop"
         )
         return (
             f"{at_once}, or weights= to give {device} fewer rows (weights='auto' learns "
@@ -900,7 +938,7 @@ class Engine:
         weights: tuple[int, ...] | None = None,
         caps: Caps | None = None,
     ) -> str:
-        """Shard k's rows of a call of `rows` rows (None: a stream's batch), in words,
+        """Shard k's rows of a call of `rows` rows (None: not known, a stream's batch), in words,
         by the integer weights and caps of the call's plan (weights None: those in use)."""
         if rows is None:
             return "its slice of the batch"

@@ -30,7 +30,9 @@ so rounding never passes it). The caps are constants of the graph, planned in
 int64 on the host, one round per capped device (`plan_sizes`); a plan without
 caps has none of these ops. Rows beyond what the caps hold together
 (`capacity`) go by the weights, past the caps: a call of so many rows raises
-before it runs (`tfshard._engine.Engine.check_caps`).
+before it runs (`tfshard._engine.Engine.check_caps`), and so does a stream's
+batch, whose rows Python does not see, by an in-graph check before its split
+(`within_caps`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import _kinds
-from tfshard.errors import INPUTS_DIFFER, ArgumentError
+from tfshard.errors import INPUTS_DIFFER, OVER_CAPS, ArgumentError
 
 # Integer weights are used as they are; other weights are scaled to integers
 # with this total, so a plan is exact integer arithmetic, the same in the graph
@@ -121,6 +123,30 @@ def capacity(weights: tuple[int, ...] | None, caps: Caps | None) -> int | None:
     weights = (1,) * len(caps) if weights is None else weights
     held = [c for w, c in zip(weights, caps) if w > 0]
     return None if None in held else sum(held)
+
+
+def within_caps(
+    n: tf.Tensor, count: int, weights: tuple[int, ...] | tf.Tensor | None, caps: Caps
+) -> tf.Operation:
+    """The in-graph `capacity` check of a batch of `n` rows (an int64 scalar) whose
+    weights are fed (a stream's, ``weights="auto"``): an Assert that the caps of the
+    devices the weights give rows hold them together, where Python cannot see the rows
+    before the batch runs. Its message starts with `OVER_CAPS`, then the rows and the
+    rows the caps hold (`tfshard.errors.over_caps` reads them back)."""
+    if isinstance(weights, tf.Tensor):
+        w = tf.reshape(tf.cast(weights, tf.int64), [count])
+    else:
+        w = tf.constant((1,) * count if weights is None else weights, tf.int64)
+    held = w > 0
+    limit = tf.constant([0 if c is None else c for c in caps], tf.int64)
+    unbounded = tf.reduce_any(held & tf.constant([c is None for c in caps]))
+    fits = tf.reduce_sum(tf.where(held, limit, tf.zeros([count], tf.int64)))
+    return tf.raw_ops.Assert(
+        condition=unbounded | (n <= fits),
+        data=[tf.constant(f"{OVER_CAPS} :end (the batch's rows, then the caps')"),
+              tf.stack([n]), tf.stack([fits])],
+        summarize=1,
+    )
 
 
 def plan_sizes_int32(n: tf.Tensor, count: int, weights: tuple[int, ...] | None) -> tf.Tensor:

@@ -44,9 +44,9 @@ from tfshard._arguments import Arguments, Call, type_spec
 from tfshard._balance import Timing
 from tfshard._engine import Engine
 from tfshard._intake import Intake, split_element, zeros
-from tfshard._plan import Planned, host_cpu, rows
+from tfshard._plan import Planned, capped, host_cpu, rows, within_caps
 from tfshard._step import Step
-from tfshard.errors import ArgumentError, WriteError, write_stopped
+from tfshard.errors import ArgumentError, TfshardError, WriteError, write_stopped
 
 # This process's CPU: where datasets iterate, and where the loop splits each batch.
 HOST = host_cpu()
@@ -353,6 +353,10 @@ class Runner:
             result, total = loop.run(
                 intake.batches, broadcast, meter, interrupted, engine, self.on_call
             )
+        except TfshardError as error:  # a call of the loop failed: `_Loop.run` said why
+            if meter:
+                meter.stopped(error)
+            raise
         except tf.errors.OpError as error:
             if meter:
                 meter.stopped(error)
@@ -395,19 +399,29 @@ class Runner:
         kinds = call.template.element_kinds(len(split_element(relaxed)))
         if call.template.split_count != count or kinds != ["split"] * count:
             return None
-        key = (loop_spec, call.key)
+        # The caps in use as the stream starts (``weights="auto"``, learned from shards
+        # out of memory): constants of its loop, traced again where they changed.
+        caps = engine.in_use()[1]
+        key = (loop_spec, call.key, caps)
         with self._lock:  # concurrent first calls trace one loop
             loop = self.loops.get(key)
             if loop is None:
                 # Bare shards while every device has rows; guarded for a batch that
                 # gives one none (the last, mostly), traced only if one comes. Guarded
-                # from the start where a weight of 0 empties a device in every batch,
-                # and with XLA, whose compiled shard is the guarded one either way.
-                steps = [engine.step(call, beside_transfers=True, guarded=g) for g in (False, True)]
+                # from the start where a weight (or a cap) of 0 empties a device in
+                # every batch, and with XLA, whose compiled shard is the guarded one
+                # either way.
+                steps = [
+                    engine.step(call, beside_transfers=True, guarded=g, caps=caps)
+                    for g in (False, True)
+                ]
                 weights = steps[0].weights
-                bare = not steps[0].options.jit_compile and not (weights and 0 in weights)
+                emptied = (weights and 0 in weights) or (caps and 0 in caps)
+                bare = not steps[0].options.jit_compile and not emptied
                 broadcast_specs = [type_spec(t, split=False) for t in call.tensors[count:]]
                 loop = _Loop(*steps, relaxed, broadcast_specs, engine.checked, bare=bare)
+                for old in [k for k in self.loops if k[:2] == key[:2]]:
+                    del self.loops[old]  # caps only go down: the loop of the old ones goes
                 self.loops[key] = loop
         return loop, call.tensors[count:]
 
@@ -617,7 +631,12 @@ class _Loop:
     batch's first row, which `tfshard.row_index` counts on from) and, with
     ``weights="auto"``, the plan's weights: the loop carries each shard's rows and
     seconds over its batches, which the engine's balance reads after the call (one
-    measurement per call), and the next call plans by what it decided.
+    measurement per call), and the next call plans by what it decided. The caps a
+    ``weights="auto"`` function learned from shards out of memory are constants of its
+    loop (`Runner._loop_of` traces one per caps): each batch is planned within them, and
+    one they cannot hold together stops before its split (`tfshard._plan.within_caps`).
+    Each call takes a turn among the function's calls (`Engine.turn`); a call of one batch
+    that runs out of a device's memory caps that device (`_call_error`).
 
     Attributes:
       leaves: stand-ins of one shard's output leaves (or of the batch's
@@ -775,8 +794,15 @@ class _Loop:
                     lambda: _trees.flatten(batch.get_value())[0],
                     lambda: _trees.flatten(zeros(batch.element_spec))[0],
                 )
+                caps = self._step.caps
+                checks = []
+                if capped(caps):  # a batch the caps cannot hold stops before its split
+                    n = tf.cast(rows(tensors[0]), tf.int64)
+                    planned_by = self._step.weights if weights is None else weights
+                    checks.append(within_caps(n, self._count, planned_by, caps))
                 # [B, ...] -> K x [B_k, ...]
-                planned, _ = self._step.plan([*tensors, *broadcast], weights)
+                with tf.control_dependencies(checks):
+                    planned, _ = self._step.plan([*tensors, *broadcast], weights)
             with tf.device(HOST):
                 # Counted here again: a device alone counts its rows on the device.
                 sizes = (tf.cast(rows(tensors[0]), tf.int64), tf.identity(planned.sizes))
@@ -917,10 +943,14 @@ class _Loop:
             began = time.perf_counter()
             feeds = engine.feeds(total)
             graph = self._call_graph(guarded)
-            with tf.device(self._step.output):
-                current, i, counts, state, rows, seconds = graph(
-                    iterator, current, i, tf.constant(limit), feeds, state, broadcast
-                )
+            with engine.turn():  # so a shard out of memory knows whether it ran alone
+                try:
+                    with tf.device(self._step.output):
+                        current, i, counts, state, rows, seconds = graph(
+                            iterator, current, i, tf.constant(limit), feeds, state, broadcast
+                        )
+                except tf.errors.OpError as error:
+                    raise self._call_error(engine, error, current, limit, feeds) from None
             # The call's one read on the host (int32: in host memory on a GPU).
             n, more, batch_rows = _read_counts(counts)
             if self._step.balanced and n:
@@ -950,3 +980,17 @@ class _Loop:
         else:
             results = self._step.finish(state, total)
         return _trees.build(self._structure, iter(results)), total
+
+    def _call_error(
+        self, engine: Engine, error: tf.errors.OpError, current: Any, limit: int, feeds: list
+    ) -> Exception:
+        """A failed call of the loop's error (`Engine.call_error`), by the weights fed and
+        the loop's caps. A call of one batch (each stream's first; with `CALL_SECONDS` 0,
+        every one) ran `current`'s, whose rows Python reads now, after the failure, so a
+        shard of it out of its device's memory caps that device; in a call of several,
+        which batch failed is not known."""
+        batch_rows = None
+        if limit == 1 and current.has_value():
+            batch_rows = int(rows(_trees.flatten(current.get_value())[0][0]))
+        weights = tuple(int(w) for w in feeds[1].numpy()) if len(feeds) > 1 else None
+        return engine.call_error(error, batch_rows, weights, caps=self._step.caps, element=True)

@@ -31,6 +31,8 @@ SHARD_SCOPE = "tfshard_shard_"
 ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
 # Marks the in-graph check that split arguments have the same rows (inside a tf.function).
 INPUTS_DIFFER = "tfshard: split arguments with different numbers of rows:"
+# Marks the in-graph check that a stream's batch fits the caps of its devices.
+OVER_CAPS = "tfshard: a batch of more rows than the caps of its devices hold:"
 
 # Nodes an error names: the failing one ({{node N}}), then context ([[N]]).
 _ERROR_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}|\[\[([^\]{}\s]+)\]\]")
@@ -792,6 +794,15 @@ def inputs_differ(message: str) -> str:
     if k is None or k >= len(paths):
         return "the split arguments have different numbers of rows"
     return f"{paths[k]} has {got[k]} rows but {paths[0]} has {want[k]}"
+
+
+def over_caps(message: str) -> int | None:
+    """The rows of a stream's batch that the failed in-graph check of the caps
+    (`OVER_CAPS`) found more than its devices hold, or None for another error."""
+    if OVER_CAPS not in message:
+        return None
+    got, _, _ = _assert_vectors(message)
+    return got[0] if got else None
 
 
 def inputs_error(name: str, message: str) -> ArgumentError:
