@@ -46,14 +46,19 @@ calls, at the split they use, beside whatever else the machine runs then.
 its own device (``tf.errors.ResourceExhaustedError``, the call alone among
 the function's calls: `tfshard._engine.Engine.learned` says which count) with
 r rows at once caps that device at r // 2 rows (never above a cap it had: caps
-only go down, for the function's life). Every later call (not a stream's
-batches: a stream neither learns nor uses caps; nor a graph traced before,
-which holds the caps of its trace) gives a capped device at most
+only go down, for the function's life). Every later call (not a graph traced
+before, which holds the caps of its trace) gives a capped device at most
 its cap, the rows over it going to the devices under theirs by their weights
 (`tfshard._plan`, water-filling); a capped device no longer holds every row
 alone, nor is it weighed alone, and one capped at 0 is not in a call's graph,
 as one weighted 0. Speed still sets the weights (caps are not part of them):
-a cap only bounds a share.
+a cap only bounds a share. A stream learns and uses caps too: the Python
+loop's batches are calls; the traced loop plans every batch under the caps in
+use when the stream starts (its device capped at 0 gets no rows, in the
+loop's guarded shards), refuses a batch they cannot hold before it runs, and
+learns from a batch that ran alone in its call of the loop (each stream's
+first batch; a batch of a call of several, not known to Python, teaches
+nothing), its call taking a turn (`Turns`) as a call does.
 
 **Deciding** (`Balance`, pure Python, on the engine):
 
