@@ -1212,9 +1212,10 @@ def _per_batch(seen):
     return [list(pair) for pair in zip(rows[0], rows[1])]
 
 
-def test_a_streams_batches_are_planned_within_the_caps(one_batch_per_call):
+def test_a_streams_batches_are_planned_within_the_caps(one_batch_per_call, tmp_path):
     """Device 1 capped at 3 (as a shard of 6 rows out of its memory would cap it): each
-    batch of the traced loop and of the Python loop is planned within the cap by the
+    batch of the traced loop and of the Python loop (`f.iterate`, `f.write`, and
+    ``f(dataset)`` of unknown per-sample shapes) is planned within the cap by the
     weights in use as it runs (the reference's plan), the last batch uneven; results
     are NumPy's. Both devices capped (5 and 3): a batch of 9 rows is refused before
     anything runs, as a call of 9 rows is; batches of 8 fit."""
@@ -1223,22 +1224,39 @@ def test_a_streams_batches_are_planned_within_the_caps(one_batch_per_call):
         _noting_rows(seen), per_sample=False, devices=CPUS[1:3], weights="auto"
     )
     assert f.balance.cap(1, 6) == 3
+    f.balance.due = lambda: None  # calls unmeasured: the Python loop's weights stay
     x = rng.normal(size=[23, 3]).astype(np.float32)
     ds = tf.data.Dataset.from_tensor_slices(x).batch(8)  # 8, 8, 7
+    unknown = tf.data.Dataset.from_generator(  # per-sample shapes unknown: the Python loop
+        lambda: (x[i : i + 8] for i in range(0, 23, 8)),
+        output_signature=tf.TensorSpec([None, None], tf.float32),
+    )
+
+    def written(d):
+        f.write(d, tmp_path / "out", overwrite=True)
+        return tf.constant(tfshard.load(tmp_path / "out"))
+
     in_use = []
     f.streams.on_call = lambda limit, guarded: in_use.append(f.balance.in_use())
-    for run in (f, lambda d: tf.concat(list(f.iterate(d)), 0)):
+    streams = {
+        "traced": lambda: f(ds),
+        "iterate": lambda: tf.concat(list(f.iterate(ds)), 0),
+        "write": lambda: written(ds),
+        "python_loop": lambda: f(unknown),
+    }
+    for name, run in streams.items():
         seen.clear()
         in_use.clear()
-        out = run(ds)
-        np.testing.assert_array_equal(out.numpy(), x * 2.0)
+        np.testing.assert_array_equal(run().numpy(), x * 2.0)
         plans = _per_batch(seen)
-        assert [sum(p) for p in plans] == [8, 8, 7] and all(p[1] <= 3 for p in plans)
-        if in_use:  # the traced loop: one batch a call, each call's weights and caps
+        assert [sum(p) for p in plans] == [8, 8, 7] and all(p[1] <= 3 for p in plans), name
+        if name == "traced":  # one batch a call: each call's weights and caps
             assert [c for _, c in in_use] == [(None, 3)] * 3
-            assert plans == [_planned_by(n, w, c) for n, (w, c) in zip([8, 8, 7], in_use)]
-        else:  # the Python loop's batches are calls: `f.plan` is the plan each ran
-            assert plans == [f.plan(n) for n in (8, 8, 7)]
+            want = [_planned_by(n, w, c) for n, (w, c) in zip([8, 8, 7], in_use)]
+        else:  # calls, unmeasured: the weights and caps in use
+            assert in_use == []
+            want = [_planned_by(n, *f.balance.in_use()) for n in (8, 8, 7)]
+        assert plans == want, name
     assert len(f.streams.loops) == 1  # the traced loop ran: one, under the caps
     assert f.balance.cap(0, 10) == 5
     for run in (f, lambda d: list(f.iterate(d))):
