@@ -8,6 +8,7 @@ import collections
 import gc
 import threading
 import weakref
+import zlib
 
 import numerics
 import numpy as np
@@ -1094,6 +1095,71 @@ def test_an_input_signature_pairs_its_specs_with_star_args():
     np.testing.assert_array_equal(f(x, 2 * x).numpy(), want)
     with pytest.raises(ArgumentError, match=r"takes blocks\[1\] as .* dtype float64"):
         f(x, x.astype(np.float64))
+
+
+_ROW = tf.TensorSpec([None], tf.float32)
+_Other = collections.namedtuple("_Other", "right left")
+
+# (the signature's spec of y, y, whether the tf.function takes it): lists and tuples
+# as TensorFlow casts them (by kind), a nested Python list where a spec is converted whole.
+_SIGNED = [
+    ((_ROW, _ROW), ([1.0, 2.0], [3.0]), True),
+    ((_ROW, _ROW), [[1.0, 2.0], [3.0]], False),  # a list where it has a tuple
+    ([_ROW, _ROW], [[1.0, 2.0], [3.0]], True),
+    ([_ROW, _ROW], ([1.0, 2.0], [3.0]), False),  # a tuple where it has a list
+    ((_ROW, _ROW), ([1.0], [2.0], [3.0]), False),  # three where it has two
+    ({"a": _ROW, "b": tf.TensorSpec([None], tf.int32)}, {"a": [1.0, 2.0], "b": [3, 4]}, True),
+    ({"a": _ROW}, {"a": [1.0], "b": [2.0]}, False),  # a key it does not have
+    ({"a": [_ROW, _ROW]}, {"a": [[1.0], [2.0, 5.0]]}, True),
+    ({"a": [_ROW, _ROW]}, {"a": ([1.0], [2.0])}, False),
+    (tf.TensorSpec([None, 3]), [[1, 2, 3], [4, 5, 6]], True),  # converted whole
+    (tf.TensorSpec([None, 3]), [[1, 2, 3], [4, 5]], False),  # not rectangular
+    ((tf.TensorSpec([None, 3]), _ROW), ([[1, 2, 3], [4, 5, 6]], (7.0, 8.0)), True),
+    (_ROW, (1.0, 2.0), True),
+    (Pair(_ROW, _ROW), _Other(right=[1.0], left=[2.0, 3.0]), True),  # as a Pair
+    ((_ROW, _ROW), Pair([1.0], [2.0, 3.0]), True),  # a namedtuple is a tuple
+    ((tf.TensorSpec([None], tf.int32),), ([1.5],), False),
+]
+
+
+def _leaf_sum_and_kinds(x, y):
+    # x plus every leaf's total, plus a number that tells which structure y came as
+    total = tf.add_n([tf.cast(tf.reduce_sum(t), tf.float32) for t in tf.nest.flatten(y)])
+    kinds = repr(tf.nest.map_structure(lambda t: 0, y))
+    return x + total + float(zlib.crc32(kinds.encode()) % 997)
+
+
+@pytest.mark.parametrize("spec, y, takes", _SIGNED)
+def test_an_input_signature_casts_nested_structures_as_the_tf_function_does(spec, y, takes):
+    # The reference: the tf.function itself, called on the whole batch (its result is
+    # per row, so it is the shards' results concatenated), or its refusal.
+    signed = tf.function(_leaf_sum_and_kinds, input_signature=[_ROW, spec])
+    x = np.arange(6, dtype=np.float32)
+    f = tfshard.parallelize(signed, devices=CPUS[:2], per_sample=False)
+    try:
+        want = signed(x, y).numpy()
+    except TypeError:
+        assert not takes
+        with pytest.raises(ArgumentError, match=r"takes y as .* but tfshard gives it y of"):
+            f(x, y)
+    else:
+        assert takes
+        np.testing.assert_array_equal(f(x, y).numpy(), want)
+
+
+@tf.function(input_signature=[(_ROW, _ROW)])
+def _sum_of_pair(pair):
+    return pair[0] + pair[1]
+
+
+def test_an_input_signature_refuses_a_split_list_where_it_has_a_tuple():
+    a, b = np.arange(6, dtype=np.float32), np.ones(6, np.float32)
+    with pytest.raises(TypeError, match="tuple"):
+        _sum_of_pair([a, b])  # the reference refuses the list
+    f = tfshard.parallelize(_sum_of_pair, devices=CPUS[:2], per_sample=False)
+    np.testing.assert_array_equal(f((a, b)).numpy(), _sum_of_pair((a, b)).numpy())
+    with pytest.raises(ArgumentError, match=r"takes pair as .* gives it pair of a list"):
+        f([a, b])
 
 
 # ------------------------------------------------ whole-shard rows, reduce

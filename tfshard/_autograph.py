@@ -14,7 +14,7 @@ import inspect
 import sys
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -132,40 +132,89 @@ def _positional_labels(signature: inspect.Signature, count: int) -> list[str]:
 
 
 def _as_signed(name: str, arg: str, spec: Any, value: Any) -> Any:
-    """`value` as `spec` takes it: each value a `tf.TensorSpec` covers converted to a
-    tensor of its dtype (``tf.convert_to_tensor(v, spec.dtype)``, as the
-    `tf.function` converts it), checked against its spec (`_signed`).
+    """`value` as `spec` takes it, by TensorFlow's rules for an ``input_signature``.
+
+    Each value a `tf.TypeSpec` of `spec` covers is its leaf, whatever it is: a
+    value that is not a tensor converts whole to a tensor of a `tf.TensorSpec`'s
+    dtype (``tf.convert_to_tensor(v, spec.dtype)``: a nested Python list of
+    numbers becomes one tensor), and a tensor must be compatible with its spec.
+    Above the leaves the structures match by kind, as the `tf.function` casts
+    them: a tuple takes a tuple (a namedtuple too) and a list a list, of the
+    same length (a list is refused where the signature has a tuple, and the
+    reverse); a namedtuple takes a namedtuple with the same fields and comes
+    back as the signature's; a dict takes a mapping with the same keys and
+    comes back as the signature's type. A part of which nothing converts is
+    given as it came, as the `tf.function` gives it.
 
     Raises:
       TypeError: naming `arg`, where the `tf.function` would refuse the value.
     """
-
-    def cast(s: Any, v: Any) -> Any:
-        if isinstance(s, tf.TensorSpec) and not isinstance(v, tf.Tensor):
-            try:
-                v = tf.convert_to_tensor(v, s.dtype)
-            except (TypeError, ValueError):
-                raise _Refused(f"a value that is not a {s.dtype.name} tensor: {v!r}") from None
-        tensor = isinstance(v, tf.Tensor | tf.RaggedTensor | tf.SparseTensor)
-        if tensor and isinstance(s, tf.TypeSpec) and not s.is_compatible_with(v):
-            raise _Refused(f"shape {v.shape} and dtype {v.dtype.name}")
-        return v
-
     try:
-        if not tf.nest.is_nested(spec):  # one spec: a list or a number converts whole
-            return cast(spec, value)
-        try:
-            tf.nest.assert_same_structure(spec, value, check_types=False)
-        except (ValueError, TypeError):
-            raise _Refused("a different structure") from None
-        leaves = [cast(s, v) for s, v in zip(tf.nest.flatten(spec), tf.nest.flatten(value))]
-        return tf.nest.pack_sequence_as(value, leaves)
+        return _cast(spec, value, arg, "")
     except _Refused as refused:
         raise TypeError(
             f"{name}'s input_signature takes {arg} as {spec}, but tfshard gives it {arg} "
             f"of {refused}, which the tf.function refuses, so tfshard does (give it "
             "arguments its signature takes, or change the signature)"
         ) from None
+
+
+def _cast(spec: Any, value: Any, arg: str, path: str) -> Any:
+    """`value`, at `path` in argument `arg`, as `spec` takes it (`_as_signed`)."""
+    at = f" at {arg}{path}" if path else ""
+    if isinstance(spec, tf.TypeSpec):
+        if isinstance(spec, tf.TensorSpec) and not isinstance(value, tf.Tensor):
+            try:
+                value = tf.convert_to_tensor(value, spec.dtype)
+            except (TypeError, ValueError):
+                raise _Refused(
+                    f"a value that is not a {spec.dtype.name} tensor{at}: {value!r}"
+                ) from None
+        tensor = isinstance(value, tf.Tensor | tf.RaggedTensor | tf.SparseTensor)
+        if tensor and not spec.is_compatible_with(value):
+            raise _Refused(f"shape {value.shape} and dtype {value.dtype.name}{at}")
+        return value
+    if isinstance(spec, Mapping):
+        if not isinstance(value, Mapping):
+            raise _Refused(f"a {type(value).__name__}{at} where the signature has a dict")
+        if set(value) != set(spec):
+            raise _Refused(f"keys {sorted(map(repr, value))}{at}")
+        keys = list(spec)
+        parts = [_cast(spec[k], value[k], arg, f"{path}[{k!r}]") for k in keys]
+        if all(p is value[k] for p, k in zip(parts, keys)):
+            return value
+        return type(spec)(**dict(zip(keys, parts)))  # as TensorFlow builds it
+    if _is_namedtuple(spec):
+        if not _is_namedtuple(value) or set(value._fields) != set(spec._fields):
+            raise _Refused(f"{value!r}{at}, not a namedtuple with fields {spec._fields}")
+        olds = [getattr(value, n) for n in spec._fields]
+        parts = [_cast(s, v, arg, f"{path}.{n}") for s, v, n in zip(spec, olds, spec._fields)]
+        if all(p is v for p, v in zip(parts, olds)):
+            return value
+        return type(spec)(*parts)
+    if isinstance(spec, tuple | list):
+        kind = tuple if isinstance(spec, tuple) else list
+        if not isinstance(value, kind):
+            raise _Refused(
+                f"a {type(value).__name__}{at} where the signature has a {kind.__name__}"
+            )
+        if len(value) != len(spec):
+            raise _Refused(f"{len(value)} values{at} where the signature has {len(spec)}")
+        parts = [_cast(s, v, arg, f"{path}[{i}]") for i, (s, v) in enumerate(zip(spec, value))]
+        if all(p is v for p, v in zip(parts, value)):
+            return value
+        return kind(parts)
+    try:  # another structure (attrs): matched as tf.nest matches it
+        tf.nest.assert_same_structure(spec, value, check_types=False)
+    except (ValueError, TypeError):
+        raise _Refused(f"a different structure{at}") from None
+    leaves = [_cast(s, v, arg, path) for s, v in zip(tf.nest.flatten(spec), tf.nest.flatten(value))]
+    return tf.nest.pack_sequence_as(value, leaves)
+
+
+def _is_namedtuple(value: Any) -> bool:
+    """Whether `value` is a namedtuple (a tuple with ``_fields``), as TensorFlow tells one."""
+    return isinstance(value, tuple) and isinstance(getattr(value, "_fields", None), tuple)
 
 
 class _Refused(Exception):
