@@ -32,6 +32,7 @@ loop's batches are calls.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -46,6 +47,7 @@ from tfshard._plan import Caps, capacity, host_cpu, plan_rows
 from tfshard._step import Step
 from tfshard.errors import (
     HOST_MEMORY,
+    POSITION_NAME,
     ArgumentError,
     Failed,
     call_failure,
@@ -56,6 +58,9 @@ from tfshard.errors import (
 )
 from tfshard.position import check_no_stale_position
 from tfshard.replicas import Replicas, check_compiled_reads, check_no_writes
+
+# A shard's position, as a placeholder that captured one is named (`_per_shard_here`).
+_POSITION = re.compile(POSITION_NAME)
 
 
 class Feed(NamedTuple):
@@ -499,7 +504,10 @@ class Engine:
         It is traced for any rows, as that graph is: with a batch's rows known in
         the caller's graph, a whole shard's output of as many rows would look like
         an output per row. A function that may break a promise of its devices
-        (`checked`) is traced once more by itself, to be checked.
+        (`checked`), or whose trace made the caller's graph capture a position
+        (named so: one made in another trace, stale, or a shard's around the
+        caller, its own), is traced once more by itself, to be checked; the
+        caller's graph gets no op for it.
         """
         held = self._held(call.rows, *self.in_use())
         step = self.step(
@@ -511,19 +519,28 @@ class Engine:
             weights=self._constants(held["shards"], held["weights"], measured=False),
             caps=held["caps"],
         )
+        def check() -> None:
+            traced = tf.function(lambda *t: step.per_shard(t), autograph=False)
+            self.checked(traced.get_concrete_function(*call.specs()))
+
         if self._checks():
-            self.checked(
-                tf.function(lambda *t: step.per_shard(t), autograph=False).get_concrete_function(
-                    *call.specs()
-                )
-            )
+            check()
         tensors = []
         for t, spec in zip(call.tensors, call.specs()):
             if isinstance(t, tf.Tensor) and t.shape != spec.shape:
                 with tf.device(t.device) if t.device else contextlib.nullcontext():
                     t = tf.compat.v1.placeholder_with_default(t, spec.shape)
             tensors.append(t)
-        return step.per_shard(tensors)
+        graph = tf.compat.v1.get_default_graph()
+        known = len(graph.get_operations())  # in the order they were made
+        results = step.per_shard(tensors)
+        captured = (
+            op.type == "Placeholder" and _POSITION.fullmatch(op.outputs[0].name)
+            for op in graph.get_operations()[known:]
+        )
+        if not self._checks() and any(captured):
+            check()
+        return results
 
     def _run(
         self, call: _arguments.Call, body: str, offset: int | None, measure: bool = True
