@@ -1041,6 +1041,35 @@ def test_a_tf_functions_jit_compile_of_strings_names_them():
         f(x)
 
 
+@pytest.mark.parametrize("read", [tfshard.shard_index, tfshard.row_index])
+def test_per_shard_in_a_tf_function_refuses_a_position_another_trace_left_in_a_tf_function(read):
+    # The inner tf.function's first trace (a call on one device) holds that call's
+    # position; per_shard traced into a caller's graph would hand it to every shard (a
+    # TypeError when run, before). The fix the error names: read it outside, pass it in.
+    @tf.function
+    def scaled(block):
+        return block * tf.cast(read(), block.dtype)[..., None]
+
+    def outside(block, position):
+        return block * tf.cast(position, block.dtype)[..., None]
+
+    x = np.ones([7, 2], np.float32)
+    alone = tfshard.parallelize(lambda b: scaled(b) + 0.0, devices=CPUS[:1], per_sample=False)
+    np.testing.assert_array_equal(alone(x).numpy(), np.arange(7)[:, None] * x if read is
+                                  tfshard.row_index else 0 * x)  # fmt: skip
+    f = tfshard.parallelize(lambda b: scaled(b) + 0.0, devices=CPUS[1:4], per_sample=False)
+    with pytest.raises(TfshardError, match=r"(?s)read inside a tf.function .*pass it in"):
+        tf.function(lambda t: f.per_shard(t))(x)
+    passed = tf.function(outside)
+    g = tfshard.parallelize(lambda b: passed(b, read()), devices=CPUS[1:4], per_sample=False)
+    got = tf.function(lambda t: g.per_shard(t))(x)
+    starts = np.cumsum([0, *g.plan(7)])
+    for i, part in enumerate(got):
+        rows = np.arange(starts[i], starts[i + 1])
+        position = rows if read is tfshard.row_index else np.full(len(rows), i)
+        np.testing.assert_array_equal(part.numpy(), position[:, None] * x[: len(rows)])
+
+
 @tf.function(autograph=False)
 def _flipped_unless_positive(sample):
     if tf.reduce_sum(sample) > 0:  # a tensor as a Python bool: autograph=False refuses it
