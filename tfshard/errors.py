@@ -64,6 +64,9 @@ _XLA_UNSUPPORTED_RE = re.compile(
 # branches output strings is named for the cond, not for the op making them.
 _XLA_ATTRIBUTES_RE = re.compile(r"attributes didn't match\)\s*Requested Attributes: (?P<attrs>.*)")
 _FAILING_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}")
+# A node of the map that stacks a shard's per-sample outputs one by one (tf.map_fn,
+# `tfshard._shards.vectorized`): its TensorList ops are tfshard's, not the function's.
+_STACKED_ONE_BY_ONE_RE = re.compile(r"(?:^|/)per_sample/")
 # Where TF's text of a root error ends and its stacks, calls and counts begin.
 _CAUSE_END_RE = re.compile(
     r"^\s*(?:\[\[|tf2xla conversion failed|The op is created at:|Stack trace for op definition:"
@@ -709,9 +712,19 @@ def xla_failure(message: str) -> str | None:
             what += " on string tensors (XLA has no string type: an op in the function makes them)"
     if node:
         what += f" at node {node[1]}"
-    what += "; pass jit_compile=False to run it without XLA"
-    if unsupported:
-        what += ", or keep ops XLA has no kernel for out of the function"
+    stacking = unsupported and unsupported["op"].startswith("TensorList")
+    if node and stacking and _STACKED_ONE_BY_ONE_RE.search(node[1]):
+        # tfshard's own map (`_shards.vectorized`), not an op of the function.
+        what += (
+            ", where tfshard stacks the function's per-sample outputs one sample at a time "
+            "(their shape varies by sample or is unknown), which XLA cannot compile: give "
+            "each output a fixed shape (pad it, or tf.ensure_shape), or run it without XLA "
+            "(jit_compile=False; for a tf.function's own jit_compile, ragged=True does it)"
+        )
+    else:
+        what += "; pass jit_compile=False to run it without XLA"
+        if unsupported:
+            what += ", or keep ops XLA has no kernel for out of the function"
     cause: list[str] = []
     for line in block.split("\n"):
         if _CAUSE_END_RE.match(line):
