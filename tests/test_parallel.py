@@ -1031,6 +1031,26 @@ def test_a_tf_functions_jit_compile_gives_way_to_ragged_rows():
     assert f(x).to_list() == [_first_few(row).numpy().tolist() for row in x]
 
 
+def test_a_tf_functions_jit_compile_with_rows_of_unknown_shape_names_the_fixes():
+    # Each sample's output has its own length, so tfshard stacks them one sample at a
+    # time, which XLA cannot compile; the tf.function itself compiles on each sample.
+    x = np.arange(14, dtype=np.float32).reshape(7, 2)
+    want = [_first_few(row).numpy().tolist() for row in x]
+    fixes = r"(?s)one sample at a time .* fixed shape .*jit_compile=False.*ragged=True"
+    with pytest.raises(ShardError, match=fixes):
+        tfshard.parallelize(_first_few, devices=CPUS[:3])(x)
+    explicit = tfshard.parallelize(_first_few.python_function, devices=CPUS[:3],
+                                   jit_compile=True, ragged=True)  # fmt: skip
+    with pytest.raises(ShardError, match=fixes):
+        explicit(x)
+    for fixed in (
+        tfshard.parallelize(_first_few, devices=CPUS[:3], ragged=True),
+        tfshard.parallelize(_first_few.python_function, devices=CPUS[:3], jit_compile=False,
+                            ragged=True),  # fmt: skip
+    ):
+        assert fixed(x).to_list() == want
+
+
 def test_a_tf_functions_jit_compile_of_strings_names_them():
     as_text = tf.function(tf.strings.as_string, jit_compile=True)
     x = np.arange(8, dtype=np.float32).reshape(4, 2)
