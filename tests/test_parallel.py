@@ -1168,6 +1168,7 @@ _SIGNED = [
     (Pair(_ROW, _ROW), _Other(right=[1.0], left=[2.0, 3.0]), True),  # as a Pair
     ((_ROW, _ROW), Pair([1.0], [2.0, 3.0]), True),  # a namedtuple is a tuple
     ((tf.TensorSpec([None], tf.int32),), ([1.5],), False),
+    ((tf.RaggedTensorSpec([None, None]),), ([[1.0, 2.0], [3.0]],), False),  # not converted
 ]
 
 

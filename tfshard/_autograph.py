@@ -137,7 +137,9 @@ def _as_signed(name: str, arg: str, spec: Any, value: Any) -> Any:
     Each value a `tf.TypeSpec` of `spec` covers is its leaf, whatever it is: a
     value that is not a tensor converts whole to a tensor of a `tf.TensorSpec`'s
     dtype (``tf.convert_to_tensor(v, spec.dtype)``: a nested Python list of
-    numbers becomes one tensor), and a tensor must be compatible with its spec.
+    numbers becomes one tensor), another spec takes only its own kind of value
+    (a `tf.RaggedTensorSpec` a `tf.RaggedTensor`, never a list), and a tensor
+    must be compatible with its spec.
     Above the leaves the structures match by kind, as the `tf.function` casts
     them: a tuple takes a tuple (a namedtuple too) and a list a list, of the
     same length (a list is refused where the signature has a tuple, and the
@@ -170,6 +172,8 @@ def _cast(spec: Any, value: Any, arg: str, path: str) -> Any:
                 raise _Refused(
                     f"a value that is not a {spec.dtype.name} tensor{at}: {value!r}"
                 ) from None
+        elif not isinstance(spec, tf.TensorSpec) and not isinstance(value, spec.value_type):
+            raise _Refused(f"a {type(value).__name__}{at}, not a {spec.value_type.__name__}")
         tensor = isinstance(value, tf.Tensor | tf.RaggedTensor | tf.SparseTensor)
         if tensor and not spec.is_compatible_with(value):
             raise _Refused(f"shape {value.shape} and dtype {value.dtype.name}{at}")
