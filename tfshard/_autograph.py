@@ -140,6 +140,7 @@ def _as_signed(name: str, arg: str, spec: Any, value: Any) -> Any:
     numbers becomes one tensor), another spec takes only its own kind of value
     (a `tf.RaggedTensorSpec` a `tf.RaggedTensor`, never a list), and a tensor
     must be compatible with its spec.
+
     Above the leaves the structures match by kind, as the `tf.function` casts
     them: a tuple takes a tuple (a namedtuple too) and a list a list, of the
     same length (a list is refused where the signature has a tuple, and the
@@ -182,7 +183,7 @@ def _cast(spec: Any, value: Any, arg: str, path: str) -> Any:
         if not isinstance(value, Mapping):
             raise _Refused(f"a {type(value).__name__}{at} where the signature has a dict")
         if set(value) != set(spec):
-            raise _Refused(f"keys {sorted(map(repr, value))}{at}")
+            raise _Refused(f"a mapping with keys {sorted(map(repr, value))}{at}")
         keys = list(spec)
         parts = [_cast(spec[k], value[k], arg, f"{path}[{k!r}]") for k in keys]
         if all(p is value[k] for p, k in zip(parts, keys)):
@@ -190,7 +191,7 @@ def _cast(spec: Any, value: Any, arg: str, path: str) -> Any:
         return type(spec)(**dict(zip(keys, parts)))  # as TensorFlow builds it
     if _is_namedtuple(spec):
         if not _is_namedtuple(value) or set(value._fields) != set(spec._fields):
-            raise _Refused(f"{value!r}{at}, not a namedtuple with fields {spec._fields}")
+            raise _Refused(f"a {type(value).__name__}{at}, not a namedtuple of {spec._fields}")
         olds = [getattr(value, n) for n in spec._fields]
         parts = [_cast(s, v, arg, f"{path}.{n}") for s, v, n in zip(spec, olds, spec._fields)]
         if all(p is v for p, v in zip(parts, olds)):
