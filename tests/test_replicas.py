@@ -810,3 +810,169 @@ def test_a_model_made_in_replicas_but_first_built_outside_has_plain_variables_an
     assert not any(Replicas.find(DEVICES_2).holds(w) for w in model.weights)
     with pytest.raises(ArgumentError, match=r"first built by a call outside it .*model\.build"):
         apply_gradients(optimizer, zip(grads, model.trainable_variables))
+
+
+# ---------------------------------------------------------------- variables made in other traces
+
+
+def _mirrored_sgd(batches, seed: int) -> keras.Model:
+    """The reference: MirroredStrategy on DEVICES trains an unbuilt MLP with SGD on `batches`."""
+    strategy = tf.distribute.MirroredStrategy(
+        DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    with strategy.scope():
+        mirrored = _unbuilt_mlp(seed)
+        optimizer = keras.optimizers.SGD(0.05)
+
+    def replica_step(x, y, rows):  # built at the first run, in the replica context
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.reduce_mean(tf.square(mirrored(x) - y), axis=-1)) / rows
+        grads = tape.gradient(loss, mirrored.trainable_variables)
+        optimizer.apply_gradients(zip(grads, mirrored.trainable_variables))
+
+    for x, y in batches:
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x))
+        dx, dy = next(iter(strategy.experimental_distribute_dataset(dataset)))
+        strategy.run(replica_step, args=(dx, dy, float(len(x))))
+    return mirrored
+
+
+def _assert_copies_on_each_device(variables) -> None:
+    replicas = Replicas.find(DEVICES)
+    for variable in variables:
+        assert replicas.holds(variable)
+        held = variable if isinstance(variable, tf.Variable) else variable.value
+        copies = replicas.strategy.experimental_local_results(held)
+        assert [_home(c) for c in copies] == DEVICES
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy.numpy(), copies[0].numpy())
+
+
+def test_a_per_sample_function_building_a_keras_model_inside_replicas_trains_as_mirrored():
+    """per_sample=True traces the function on one sample before its shards (to learn its
+    outputs): the model is built in that trace, outside every shard, and gets its copies
+    there as in a shard (a raw UnliftableError before)."""
+    rng = np.random.default_rng(30)
+    batches = [  # 7 rows on 3 devices: shards of 3, 2, 2
+        (rng.normal(size=(7, 4)).astype(np.float32), rng.normal(size=(7, 2)).astype(np.float32))
+        for _ in range(3)
+    ]
+
+    @tfshard.parallelize(devices=DEVICES, reduce="mean")  # per_sample=True
+    def step_values(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x[None])[0] - y))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    first = batches[0][0]
+    with step_values.replicas():
+        model = _unbuilt_mlp(31)
+        optimizer = keras.optimizers.SGD(0.05)
+        predict = tfshard.parallelize(lambda x: model(x[None])[0], devices=DEVICES)
+        predicted = predict(first)  # the first call builds the model, in the scope
+    one = _unbuilt_mlp(31)
+    numerics.assert_close(predicted.numpy(), one(first).numpy())
+    _assert_copies_on_each_device(model.weights)
+    assert len(model.weights) == 4
+
+    one_optimizer = keras.optimizers.SGD(0.05)
+    for x, y in batches:
+        loss, grads = step_values(x, y)
+        apply_gradients(optimizer, zip(grads, model.trainable_variables))
+        with tf.GradientTape() as tape:
+            want = tf.reduce_mean(tf.square(one(x) - y))
+        one_optimizer.apply_gradients(
+            zip(tape.gradient(want, one.trainable_variables), one.trainable_variables)
+        )
+        numerics.assert_close(loss.numpy(), want.numpy())
+    _assert_copies_on_each_device(model.weights)
+    assert not any(r.remote for shard in _reads(step_values, x, y) for r in shard)
+    mirrored = _mirrored_sgd(batches, 31)
+    for got, want, mirror in zip(model.get_weights(), one.get_weights(), mirrored.get_weights()):
+        numerics.assert_close(got, want)
+        numerics.assert_close(got, mirror)
+
+
+def test_a_per_sample_function_making_a_variable_at_its_first_call_gets_copies():
+    x = np.random.default_rng(32).normal(size=(7, 4)).astype(np.float32)
+    made = {}
+
+    def scaled(sample):
+        if not made:
+            made["w"] = tf.Variable(tf.fill([4], 3.0))  # a constant computed in the trace
+        return sample * made["w"]
+
+    f = tfshard.parallelize(scaled, devices=DEVICES)  # per_sample=True
+    with f.replicas():
+        got = f(x)
+    numerics.assert_close(got.numpy(), x * 3.0)
+    _assert_copies_on_each_device([made["w"]])
+    assert f.explain(x).endswith("each call reads 0 B of variables from other devices")
+    made["w"].assign(tf.fill([4], 2.0))  # outside the function: every copy
+    numerics.assert_close(f(x).numpy(), x * 2.0)
+
+
+def test_a_function_on_other_devices_building_its_model_inside_replicas_gets_their_copies():
+    """As under MirroredStrategy.scope(): a variable made in the scope has its copies on the
+    scope's devices, whichever function's trace makes it."""
+    x = np.random.default_rng(33).normal(size=(7, 4)).astype(np.float32)
+    f = tfshard.parallelize(lambda b: b, devices=DEVICES_2, per_sample=False)
+    g = tfshard.parallelize(lambda b: model(b), devices=DEVICES[2:], per_sample=False)
+    with f.replicas():
+        model = _unbuilt_mlp(34)
+        got = g(x)
+    one = _unbuilt_mlp(34)
+    numerics.assert_close(got.numpy(), one(x).numpy())
+    replicas = Replicas.find(DEVICES_2)
+    for weight in model.weights:
+        assert replicas.holds(weight)
+        copies = replicas.strategy.experimental_local_results(weight.value)
+        assert [_home(c) for c in copies] == DEVICES_2
+    numerics.assert_close(g(x).numpy(), one(x).numpy())
+
+
+@pytest.mark.parametrize("initial", ["keras", "constant", "random"])
+def test_a_users_tf_function_building_variables_inside_replicas_matches_mirrored_scope(initial):
+    """Not parallelized: a tf.function of the user's, first called inside the scope, makes
+    its variables as it does inside MirroredStrategy.scope(): a copy per device, equal."""
+    x = np.random.default_rng(35).normal(size=(7, 4)).astype(np.float32)
+
+    def build():
+        """The function, its variables once made, and the function again, eagerly."""
+        if initial == "keras":
+            model = _unbuilt_mlp(36)
+            return model, lambda: [w.value for w in model.weights], model
+        made = {}
+
+        def fn(b):
+            if not made:
+                value = tf.ones([4]) if initial == "constant" else tf.random.normal([4], seed=1)
+                made["w"] = tf.Variable(value)
+            return b * made["w"]
+
+        return fn, lambda: [made["w"]], lambda b: b * made["w"]
+
+    f = tfshard.parallelize(lambda b: b, devices=DEVICES, per_sample=False)
+    with f.replicas():
+        pass
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    results, weights = [], []
+    ours = Replicas.find(DEVICES).strategy
+    for scope, holder in ((f.replicas, ours), (strategy.scope, strategy)):
+        fn, variables, again = build()
+        with scope():
+            got = tf.function(fn)(x)
+        made = variables()
+        assert made
+        for variable in made:
+            copies = holder.experimental_local_results(variable)
+            assert [_home(c) for c in copies] == DEVICES
+            for copy in copies[1:]:
+                np.testing.assert_array_equal(copy.numpy(), copies[0].numpy())
+        numerics.assert_close(got.numpy(), again(x).numpy())
+        results.append(got.numpy())
+        weights.append([v.numpy() for v in made])
+    if initial != "random":  # the same initial values both ways
+        numerics.assert_close(results[0], results[1])
+        for got, want in zip(*weights):
+            numerics.assert_close(got, want)

@@ -31,7 +31,10 @@ own shard's update): that raises an `ArgumentError` naming the remedy.
 A variable the function creates at a call made inside the scope (a Keras model
 built at its first call, ``if self.v is None: self.v = tf.Variable(...)``) gets
 its copies there, as under `MirroredStrategy.run`; created at a call outside
-the scope, it is a plain variable.
+the scope, it is a plain variable. So does one made in any trace inside the
+scope, as under `MirroredStrategy.scope`: the per-sample trace tfshard makes
+before the shards (``per_sample=True``), a function on other devices, the
+user's own `tf.function`.
 """
 
 from __future__ import annotations
@@ -144,7 +147,12 @@ class Replicas:
 
         So do the variables a parallelized function on these devices creates
         at a call made inside (a Keras model built at its first call), as
-        `MirroredStrategy.run` makes them (`_made_in_a_shard`).
+        `MirroredStrategy.run` makes them (`_made_in_a_shard`), and those any
+        other trace creates inside (tfshard's per-sample trace, a function on
+        other devices, the user's own `tf.function`), as under
+        `MirroredStrategy.scope`: made outside the trace as in a shard when
+        their initial value is known there (a callable, as Keras's, or a
+        constant), else by the strategy in the trace, as it makes them.
 
         Args:
           retrace: whether the functions on these devices retrace at their next
@@ -157,14 +165,20 @@ class Replicas:
             if getattr(_making, "here", False):
                 return next_creator(**kwargs)  # `_made_in_a_shard`'s own: it records it
             context = tf.distribute.get_replica_context()
-            in_a_shard = isinstance(context, _ShardContext) and tf.inside_function()
+            in_a_trace = tf.inside_function()
+            in_a_shard = isinstance(context, _ShardContext) and in_a_trace
+            # Outside a shard, in a trace (tfshard's per-sample probe, a function without
+            # replicas, the user's own tf.function): already in the cross-replica context.
+            eagerly = in_a_trace and context is None and _known_outside(kwargs)
             if in_a_shard:
                 variable = context.across_replicas(lambda: self._made_in_a_shard(kwargs))
+            elif eagerly:
+                variable = self._made_in_a_shard(kwargs)
             else:
                 variable = next_creator(**kwargs)
             for made in (variable, *self.strategy.experimental_local_results(variable)):
                 self._made[id(made)] = made
-            if retrace and not in_a_shard:
+            if retrace and not (in_a_shard or eagerly):
                 # The new variable may take the place of one a function captured
                 # (a rebuilt model): the functions retrace to read it.
                 with Replicas._lock:
@@ -175,7 +189,8 @@ class Replicas:
             yield
 
     def _made_in_a_shard(self, kwargs: dict[str, Any]) -> Any:
-        """A variable the function creates while a shard is traced, made with its copies.
+        """A variable the function creates while a shard (or any trace) is traced, made
+        with its copies.
 
         A variable made at the function's first call (a Keras model built
         there, ``if self.v is None: self.v = tf.Variable(...)``) is made as
@@ -217,6 +232,15 @@ class Replicas:
 
     def __repr__(self) -> str:
         return f"<tfshard.Replicas on {', '.join(self.devices)}>"
+
+
+def _known_outside(kwargs: dict[str, Any]) -> bool:
+    """Whether a variable's initial value can be had outside the trace making it:
+    a callable (a Keras initializer), a Python or NumPy value, or a constant."""
+    initial = kwargs.get("initial_value")
+    if not (tf.is_tensor(initial) and tf.is_symbolic_tensor(initial)):
+        return True
+    return tf.get_static_value(initial) is not None
 
 
 # Set while `Replicas._made_in_a_shard` makes a variable: the scopes it is made in
