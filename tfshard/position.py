@@ -43,7 +43,15 @@ import tensorflow as tf
 
 from tfshard.errors import POSITION_NAME, STALE_POSITION_FIX, TfshardError
 
-__all__ = ("Position", "Reads", "check_no_stale_position", "row_index", "seen", "shard_index")
+__all__ = (
+    "Position",
+    "Reads",
+    "check_no_stale_position",
+    "row_index",
+    "seen",
+    "shard_index",
+    "tracing",
+)
 
 
 class Lazy:
@@ -221,6 +229,11 @@ def seen(
         _SEEN.reset(token)
     if reads is not None:
         reads.after(call.read)
+
+
+def tracing() -> bool:
+    """Whether tfshard is tracing a parallelized function in this thread (`seen`)."""
+    return bool(_SEEN.get())
 
 
 def _innermost(name: str) -> _Seen:
