@@ -11,6 +11,7 @@ interval against every other call's (`_balance.Turns`), and the plans seen
 against the function's fixed cost ratio.
 """
 
+import _thread
 import json
 import os
 import re
@@ -279,7 +280,7 @@ def test_a_call_on_a_tensorflow_thread_runs_beside_a_measured_call_it_is_inside(
     # A shard's tf.py_function calling the function: a wait for the measured call in
     # flight would wait for the call it is made from (until LONGEST_WAIT_S gave up).
     turns = _balance.Turns()
-    with turns.call(measure=True) as measured:
+    with turns.call(measure=True) as measured, turns.running_python():
         assert measured and turns.alone()
         inner, elsewhere = _on_a_tensorflow_thread(lambda: _turn_taken_at_once(turns))
         assert elsewhere and inner == (False, False)  # unmeasured, beside the measured call
@@ -308,7 +309,7 @@ def test_a_measured_call_waiting_for_one_whose_shard_calls_the_function_is_not_s
             waited.append((measured, turns.alone()))
 
     waiter = threading.Thread(target=measured_call, daemon=True)
-    with turns.call(measure=False):
+    with turns.call(measure=False), turns.running_python():
         waiter.start()
         # Until the measured call waits: `unmeasured` takes no turn while one does.
         while (depth := turns.unmeasured()) is not None and waiter.is_alive():
@@ -319,6 +320,79 @@ def test_a_measured_call_waiting_for_one_whose_shard_calls_the_function_is_not_s
         assert elsewhere and inner == (False, False)
     waiter.join(120)  # bounds a hang only: it waits for this thread's turn to end
     assert not waiter.is_alive() and waited == [(True, True)] and turns.gave_up == 0
+
+
+def _on_a_thread_python_did_not_start(body):
+    """Runs `body()` on a thread of `_thread.start_new_thread`, which `threading` did not
+    start (as TensorFlow's): what it returned, once it has."""
+    seen, ended = [], threading.Event()
+
+    def run():
+        try:
+            seen.append(body())
+        finally:
+            ended.set()
+
+    _thread.start_new_thread(run, ())
+    assert ended.wait(120)  # bounds a hang only
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    "started_by",
+    [
+        lambda body: _on_a_tensorflow_thread(body)[0],
+        _on_a_thread_python_did_not_start,
+    ],
+    ids=["tensorflow", "_thread"],
+)
+def test_a_call_on_a_thread_python_did_not_start_waits_where_no_call_runs_python(started_by):
+    # A tf.data map calling the function on several of TensorFlow's threads: no call in
+    # flight runs Python, so none can be calling it, and a measured call waits for the
+    # calls in flight as it would on any thread (else it ran beside them, not counted).
+    turns = _balance.Turns()
+    found = []
+
+    def caller():
+        found.append(started_by(lambda: _turn_taken_at_once(turns)))
+
+    waiter = threading.Thread(target=caller, daemon=True)
+    with turns.call(measure=False):  # an unmeasured call in flight, running no Python
+        waiter.start()
+        # Until the measured call waits: `unmeasured` takes no turn while one does.
+        while (depth := turns.unmeasured()) is not None and waiter.is_alive():
+            turns.done(depth)
+            time.sleep(0)
+        assert depth is None, "the call on the other thread did not wait"
+    waiter.join(120)  # bounds a hang only: it waits for this thread's turn to end
+    assert not waiter.is_alive() and found == [(True, True)] and turns.gave_up == 0
+
+
+def test_a_tf_data_map_calling_the_function_has_its_measured_calls_counted():
+    """A tf.data map of 4 parallel calls calling a weights="auto" function (no Python in
+    it) through tf.py_function: its calls come on TensorFlow's threads, and take turns as
+    one thread's calls do: no measured call is dropped, every one is counted."""
+    w = tf.constant(np.random.default_rng(3).normal(size=[16, 16]).astype(np.float32) / 4)
+    f = tfshard.parallelize(
+        lambda b: tf.tanh(b @ w), devices=CPUS[:2], per_sample=False, weights="auto"
+    )
+    x = np.random.default_rng(4).normal(size=[64, 16]).astype(np.float32)
+    want = np.tanh(x @ w.numpy())
+
+    def call(i):
+        return np.float32(np.abs(f(x).numpy() - want).max())
+
+    calls = 40
+    ds = tf.data.Dataset.range(calls).map(
+        lambda i: tf.py_function(call, [i], tf.float32), num_parallel_calls=4
+    )
+    errors = [float(e) for e in ds]
+    b = f.balance
+    assert len(errors) == calls and max(errors) < 1e-4
+    # Until the plan settles (SETTLED measurements in a row that keep it) every call is
+    # measured, each graph's first run not counted: one thread's calls count as many.
+    assert (b.dropped, b.turns.gave_up) == (0, 0) and b.measured >= _balance.SETTLED, (
+        b.measured, b.dropped)
 
 
 # A shard of more than one row whose first value is negative calls the function on its
@@ -334,6 +408,10 @@ import tfshard
 
 tfshard.virtual_devices(2)
 tf.config.threading.set_intra_op_parallelism_threads(1)
+# The map's calls below each hold TensorFlow's threads while their shards' Python calls
+# the function again, whose graph needs threads too: more than the cores (TensorFlow's
+# default), else TensorFlow's own pool runs out, whatever tfshard does.
+tf.config.threading.set_inter_op_parallelism_threads(16)
 nested = []
 
 def calling_itself():
@@ -364,6 +442,18 @@ xs = [np.abs(rng.normal(size=[16, 4])).astype(np.float32) * (-1.0 if i % 2 else 
 seen = outcome(calling_itself(), xs)
 seen["nested"] = len(nested)
 seen["always"] = outcome(calling_itself(), [-np.abs(xs[0])] * 6)
+# A tf.data map of 4 parallel calls calling it: every call on TensorFlow's threads, each
+# nesting (its own py_function calls it from every shard).
+g = calling_itself()
+negative = [-np.abs(x) for x in xs[:12]]
+mapped = tf.data.Dataset.range(12).map(
+    lambda i: tf.py_function(lambda j: g(negative[int(j)]), [i], tf.float32),
+    num_parallel_calls=4, deterministic=True,
+)
+got = [y.numpy() for y in mapped]
+seen["mapped"] = {"wrong": [i for i, y in enumerate(got) if not np.array_equal(y, negative[i] * 2)],
+                  "measured": g.balance.measured, "dropped": g.balance.dropped,
+                  "gave_up": g.balance.turns.gave_up}
 print(json.dumps(seen))
 """
 
@@ -382,6 +472,11 @@ def test_a_function_that_calls_itself_from_its_shards_never_waits_for_itself():
     assert seen["dropped"] >= 1 and seen["measured"] >= 1, seen
     always = {"wrong": [], "measured": 0, "dropped": 6, "gave_up": 0, "weights": None}
     assert seen["always"] == always, seen
+    # Called from a tf.data map, on TensorFlow's threads: the nested calls still wait for
+    # no turn (none stalls), and no measured call is counted.
+    mapped = seen["mapped"]
+    assert mapped["wrong"] == [] and mapped["gave_up"] == 0, seen
+    assert mapped["measured"] == 0 and mapped["dropped"] >= 1, seen
 
 
 # Device k does one thing at a time (a lock) and waits PER_ROW_S[k] a row: a fixed 1:3

@@ -36,10 +36,13 @@ A measured call of a function runs alone among its calls (`Turns`): it
 waits for the calls in flight to end, and calls from other threads wait for
 it, so its seconds are its own shards', not another call's queued on the
 same device. A call made on a thread that TensorFlow started (the function
-called from a `tf.py_function`, a `tf.numpy_function` or a tf.data function,
-such as one inside the shards of the call it would wait for) waits for
-nothing: it runs beside the calls in flight, and a measured call it ran
-beside is not counted (`Turns.alone`). Nothing runs apart from the user's own
+called from a `tf.py_function`, a `tf.numpy_function` or a tf.data function)
+waits as any other, except while a call of the function that can be running
+Python is in flight (its graph holds such an op, or it is a call of a
+stream's traced loop, whose dataset may run Python): it may be a call made
+from inside that call's shards, which would wait for the call it is in. It
+then waits for nothing: it runs beside the calls in flight, and a measured
+call it ran beside is not counted (`Turns.alone`). Nothing runs apart from the user's own
 calls, at the split they use, beside whatever else the machine runs then.
 
 **Memory** (`Balance.cap`). A shard of a call that runs out of memory on
@@ -134,8 +137,9 @@ SHORTEST = 20e-6
 # A measured call waits at most this long for the calls in flight to end (`Turns`), and
 # a call for a measured one: only a call that never ends waits so long (one made from
 # inside another's shard on a thread Python started, such as a pool's that a shard's
-# `tf.py_function` waits for; one on TensorFlow's own threads never waits), and the call
-# then runs unmeasured (`Turns.gave_up` counts them).
+# `tf.py_function` waits for; one on TensorFlow's own threads does not wait while a call
+# that can run Python is in flight, `Turns.running_python`), and the call then runs
+# unmeasured (`Turns.gave_up` counts them).
 LONGEST_WAIT_S = 30.0
 
 
@@ -221,7 +225,10 @@ def _started_outside_python() -> bool:
     object (`threading.current_thread`). No public name tells one from a thread
     that `threading.Thread` started (both are `threading.Thread`s, alive, with
     an ident; a dummy is daemonic, as a started thread may be), so this reads
-    its class, `threading._DummyThread`, the one CPython has always given them.
+    its class, `threading._DummyThread`, the one CPython has always given them
+    (a thread of `_thread.start_new_thread` has one too, and is taken for
+    TensorFlow's: `Turns` lets it skip its wait only while a call in flight can
+    run Python).
     """
     return isinstance(threading.current_thread(), threading._DummyThread)
 
@@ -239,11 +246,15 @@ class Turns:
     Two kinds of call wait for nothing, since the call they would wait for may
     be waiting for them: one made from inside a call of this function on the
     same thread, and one made on a thread Python did not start (TensorFlow's,
-    running a `tf.py_function`, a `tf.numpy_function` or a tf.data function:
-    the function called from its own shards). Either runs at once, beside the
-    calls in flight, unmeasured (one on TensorFlow's thread is measured where
-    no call is in flight), and a measured call it runs beside is no longer
-    `alone`: the engine does not count its measurement. A wait that passes
+    running a `tf.py_function`, a `tf.numpy_function` or a tf.data function)
+    while a call in flight can be running Python (`running_python`: the
+    function called from its own shards, or from a stream's dataset). Either
+    runs at once, beside the calls in flight, unmeasured (one on TensorFlow's
+    thread is measured where no call is in flight), and a measured call it
+    runs beside is no longer `alone`: the engine does not count its
+    measurement. Where no call in flight can run Python, a call on
+    TensorFlow's thread (a tf.data map calling the function, its calls on
+    several such threads) waits as a call on any thread does. A wait that passes
     `LONGEST_WAIT_S` (a call made from inside another's shard on a thread
     Python started, which that call waits for) gives up: the call then runs
     unmeasured, or beside the measured one, which is not `alone` either.
@@ -264,6 +275,7 @@ class Turns:
         self._crowded = 0
         self._alone = False  # a measured call is in flight
         self._waiting = False  # a measured call waits for the others to end
+        self._python = 0  # calls in flight that can be running Python (`running_python`)
         self._inside = threading.local()  # this thread's calls in flight
         self.gave_up = 0
 
@@ -271,6 +283,13 @@ class Turns:
         """A call's turn, a context manager: entered, whether the call is measured
         (`measure`, and it could run alone)."""
         return _Turn(self, measure)
+
+    def running_python(self) -> _Python:
+        """A context manager around the part of a call (taken its turn) that can run
+        Python (a graph that holds a `tf.py_function`, a `tf.numpy_function`, or a
+        stream's loop, whose dataset may): while it runs, a call on a thread that
+        TensorFlow started, which may be one made from inside it, waits for no turn."""
+        return _Python(self)
 
     def unmeasured(self) -> int | None:
         """An unmeasured call's turn, taken at once where no measured call is in flight
@@ -313,8 +332,11 @@ class Turns:
     def _enter(self, measure: bool, nested: bool) -> tuple[bool, int]:
         """Takes a turn: whether it is measured, and `_crowded` as it began (-1: another
         call was in flight)."""
-        waits = not (nested or _started_outside_python())
+        outside = _started_outside_python()
         with self._mutex:
+            # A call on TensorFlow's thread may be made from inside a call in flight
+            # that runs Python, which it would wait for: only then does it not wait.
+            waits = not (nested or (outside and self._python > 0))
             if nested:
                 self._crowded += 1  # beside the call it was made from
                 self._running += 1
@@ -357,6 +379,23 @@ class Turns:
                 self._running -= 1
                 if self._waiting and self._running == 0:  # only a measured call waits on it
                     self._changed.notify_all()
+
+
+class _Python:
+    """`Turns.running_python`: counts a call's part that can run Python while it runs."""
+
+    __slots__ = ("_turns",)
+
+    def __init__(self, turns: Turns) -> None:
+        self._turns = turns
+
+    def __enter__(self) -> None:
+        with self._turns._mutex:
+            self._turns._python += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._turns._mutex:
+            self._turns._python -= 1
 
 
 class _Turn:

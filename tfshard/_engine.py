@@ -101,18 +101,34 @@ class Traced(NamedTuple):
         makes a dict), else None.
       feed: the step's inputs it takes after the call's tensors.
       timed: it returns ``(outputs, timing)`` (``weights="auto"``).
+      runs_python: it holds an op that runs Python (`runs_python`), so a call of
+        the function may be made from inside it.
     """
 
     graph: Any
     structure: Hashable | None
     feed: Feed
     timed: bool
+    runs_python: bool = False
 
     def rebuilt(self, result: Any) -> Any:
         """The graph's result in the structure the function returned."""
         if self.structure is None:
             return result
         return _trees.build(self.structure, iter(_trees.flatten(result)[0]))
+
+
+# Ops that run Python (`tf.py_function`, `tf.numpy_function`).
+_PYTHON_OPS = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
+
+
+def runs_python(concrete: Any) -> bool:
+    """Whether a concrete function's graph, or a function it calls, holds an op that runs
+    Python (`_PYTHON_OPS`): a call of it may call the function again, on a thread
+    TensorFlow started (`tfshard._balance.Turns.running_python`)."""
+    graph = concrete.graph.as_graph_def()
+    nodes = [graph.node, *(function.node_def for function in graph.library.function)]
+    return any(node.op in _PYTHON_OPS for defined in nodes for node in defined)
 
 
 class Engine:
@@ -465,14 +481,26 @@ class Engine:
             self._fed[weights] = fed
         return fed
 
+    @contextlib.contextmanager
     def turn(self) -> Any:
         """A turn among this function's calls (`tfshard._balance.Turns`) for a call of a
         stream's traced loop, a context manager: a measured call waits for it, and a shard
         of it out of memory caps its device only where it ran alone (`learned`); without
-        ``weights="auto"``, a null context."""
+        ``weights="auto"``, a null context. The loop's dataset may run Python (a
+        `tf.py_function` in a map) that calls the function: it counts as a call that
+        runs Python (`Turns.running_python`)."""
         if self.balance is None:
-            return contextlib.nullcontext()
-        return self.balance.turns.call(False)
+            yield
+            return
+        turns = self.balance.turns
+        with turns.call(False), turns.running_python():
+            yield
+
+    def alone(self) -> bool:
+        """Whether this thread's call in flight (a turn taken) has run alone among the
+        function's calls so far (`tfshard._balance.Turns.alone`); True without
+        ``weights="auto"``."""
+        return self.balance is None or self.balance.turns.alone()
 
     def call(self, call: _arguments.Call, offset: int | None = None) -> Any:
         """Runs one call; results land on the output device. `offset`: the global row
@@ -597,8 +625,14 @@ class Engine:
         measured = kind == "split"
         traced = self._traced(call, body, offset=offset is not None, measured=measured, **held)
         feeds = self.feeds(offset, held["shards"], weights, traced.feed.weights)
+        inputs = [*call.tensors, *feeds]
         began = time.perf_counter()
-        result = self.execute(traced.graph, [*call.tensors, *feeds], call.rows, weights, caps)
+        if traced.runs_python and balance is not None:
+            # A call of the function from inside this one must not wait for it (`Turns`).
+            with balance.turns.running_python():
+                result = self.execute(traced.graph, inputs, call.rows, weights, caps)
+        else:
+            result = self.execute(traced.graph, inputs, call.rows, weights, caps)
         result = traced.rebuilt(result)
         timing = None
         if traced.timed:
@@ -719,7 +753,9 @@ class Engine:
                 graph = tf.function(traced_body, autograph=False).get_concrete_function(*specs)
                 structure = _trees.flatten(graph.structured_outputs)[1]
                 kept = structure if _trees.has_defaultdict(structure) else None
-                traced = self._graphs[key] = Traced(self.checked(graph), kept, feed, step.balanced)
+                graph = self.checked(graph)
+                traced = Traced(graph, kept, feed, step.balanced, runs_python(graph))
+                self._graphs[key] = traced
             return traced
 
     def _exact_rows(self, call: _arguments.Call, body: str, measured: bool) -> int | None:
