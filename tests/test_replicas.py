@@ -976,3 +976,31 @@ def test_a_users_tf_function_building_variables_inside_replicas_matches_mirrored
         numerics.assert_close(results[0], results[1])
         for got, want in zip(*weights):
             numerics.assert_close(got, want)
+
+
+@pytest.mark.parametrize("per_sample", [True, False])
+def test_a_variable_made_outside_a_shard_from_a_value_computed_there_is_refused_with_the_fix(
+    per_sample,
+):
+    """In tfshard's per-sample trace, or a function on other devices (no replicas), as in a
+    shard: an initial value computed in the trace is refused with the fix (a callable)."""
+    x = np.ones([6, 4], np.float32)
+    lazy = _Lazy(lambda: tf.ones([4, 2]) * 3.0)  # not a constant TensorFlow can read
+    f = tfshard.parallelize(lambda b: b, devices=DEVICES_2, per_sample=False)
+    if per_sample:
+        g = tfshard.parallelize(lambda s: lazy(s[None])[0], devices=DEVICES_2)
+    else:
+        g = tfshard.parallelize(lambda b: lazy(b), devices=DEVICES[2:], per_sample=False)
+    refused = (
+        r"creates the variable 'w' while tfshard traces it, from a value computed in the "
+        r"trace .*Pass the initial value as a callable \(tf\.Variable\(lambda: "
+    )
+    with f.replicas(), pytest.raises(ArgumentError, match=refused):
+        g(x)
+    assert lazy.w is None
+    lazy.initial = lambda: (lambda: tf.ones([4, 2]) * 3.0)  # the fix: a callable
+    with f.replicas():
+        got = g(x)
+    numerics.assert_close(got.numpy(), x @ np.full([4, 2], 3.0, np.float32))
+    copies = Replicas.find(DEVICES_2).strategy.experimental_local_results(lazy.w)
+    assert [_home(c) for c in copies] == DEVICES_2

@@ -51,7 +51,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfshard import pinning
+from tfshard import pinning, position
 from tfshard._autograph import keras_of
 from tfshard._graph import shard_accesses, shard_writes
 from tfshard.errors import ArgumentError
@@ -152,7 +152,9 @@ class Replicas:
         other devices, the user's own `tf.function`), as under
         `MirroredStrategy.scope`: made outside the trace as in a shard when
         their initial value is known there (a callable, as Keras's, or a
-        constant), else by the strategy in the trace, as it makes them.
+        constant). Otherwise a tfshard trace refuses it with the fix (an
+        `ArgumentError`, as a shard does) and the user's own `tf.function`
+        has the strategy make it in the trace, as under its scope.
 
         Args:
           retrace: whether the functions on these devices retrace at their next
@@ -167,13 +169,18 @@ class Replicas:
             context = tf.distribute.get_replica_context()
             in_a_trace = tf.inside_function()
             in_a_shard = isinstance(context, _ShardContext) and in_a_trace
-            # Outside a shard, in a trace (tfshard's per-sample probe, a function without
+            # Outside a shard, in a trace (tfshard's per-sample trace, a function without
             # replicas, the user's own tf.function): already in the cross-replica context.
-            eagerly = in_a_trace and context is None and _known_outside(kwargs)
+            # The strategy's own creator, in the trace, serves a tf.function's call but not
+            # tfshard's get_concrete_function (a raw UnliftableError): tfshard's traces
+            # make every variable outside, or refuse it with the fix.
+            eagerly = (
+                in_a_trace and context is None and (_known_outside(kwargs) or position.tracing())
+            )
             if in_a_shard:
                 variable = context.across_replicas(lambda: self._made_in_a_shard(kwargs))
             elif eagerly:
-                variable = self._made_in_a_shard(kwargs)
+                variable = self._made_in_a_shard(kwargs, where="while tfshard traces it")
             else:
                 variable = next_creator(**kwargs)
             for made in (variable, *self.strategy.experimental_local_results(variable)):
@@ -188,7 +195,9 @@ class Replicas:
         with self.strategy.scope(), tf.variable_creator_scope(record):
             yield
 
-    def _made_in_a_shard(self, kwargs: dict[str, Any]) -> Any:
+    def _made_in_a_shard(
+        self, kwargs: dict[str, Any], where: str = "while a shard is traced"
+    ) -> Any:
         """A variable the function creates while a shard (or any trace) is traced, made
         with its copies.
 
@@ -211,7 +220,7 @@ class Replicas:
         if tf.is_tensor(initial) and tf.is_symbolic_tensor(initial):
             value = tf.get_static_value(initial)  # tf.ones([4, 2]), tf.constant(...)
             if value is None:
-                raise ArgumentError(_made_from_the_trace(kwargs.get("name"), initial))
+                raise ArgumentError(_made_from_the_trace(kwargs.get("name"), initial, where))
             kwargs = {**kwargs, "initial_value": value}
         _making.here = True
         try:
@@ -248,10 +257,10 @@ def _known_outside(kwargs: dict[str, Any]) -> bool:
 _making = threading.local()
 
 
-def _made_from_the_trace(name: Any, initial: Any) -> str:
+def _made_from_the_trace(name: Any, initial: Any, where: str) -> str:
     what = f"the variable {name!r}" if name else "a variable"
     return (
-        f"replicas: the function creates {what} while a shard is traced, from a value "
+        f"replicas: the function creates {what} {where}, from a value "
         f"computed in the trace ({initial.op.type} {initial.name}), and its copies must be "
         "made outside the trace, from a value known there. Pass the initial value as a "
         "callable (tf.Variable(lambda: tf.random.normal(...))), as Keras layers do, or "
