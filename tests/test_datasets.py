@@ -1393,3 +1393,45 @@ def test_a_cap_learned_by_a_call_holds_in_the_streams_after_it(stream_out_of_mem
     assert found["call"]["exhausted"] and found["call_caps"] == [None, 4]
     for case in ("call_stream", "call_iterate"):
         assert found[case]["right"] and _per_batch(found[case]["seen"]) == _WITHIN, case
+
+
+# --------------------------------- weights="auto": a stream's loop beside other calls
+
+
+def _stream_calling(itself):
+    """A stream of 8 batches through a new weights="auto" function f's traced loop, each
+    batch made by a tf.data map calling, from a tf.py_function, f `itself` (a call of f
+    beside each call of the loop that fetches a batch) or another function of the same
+    body. Returns f's measurements counted and dropped in the stream."""
+    w = tf.constant(np.random.default_rng(5).normal(size=[8, 8]).astype(np.float32) / 3)
+
+    def body(b):
+        return tf.tanh(b @ w)
+
+    f = tfshard.parallelize(body, devices=CPUS[:2], per_sample=False, weights="auto")
+    made = f if itself else tfshard.parallelize(body, devices=CPUS[2:3], per_sample=False)
+    xs = np.random.default_rng(6).normal(size=[8, 16, 8]).astype(np.float32)
+    ds = tf.data.Dataset.range(8).map(
+        lambda i: tf.ensure_shape(
+            tf.py_function(lambda j: made(xs[int(j)]), [i], tf.float32), [16, 8]
+        )
+    )
+    got = f(ds, batched=True).numpy()
+    want = np.tanh(np.tanh(xs.reshape(-1, 8) @ w.numpy()) @ w.numpy())
+    numerics.assert_close(got, want)
+    return f.balance.measured, f.balance.dropped
+
+
+def test_a_streams_loop_call_beside_another_call_is_not_counted():
+    """A call of the stream's loop times its batches' shards: one that another call of
+    the function ran beside (here its own dataset's map, calling it) holds that call's
+    seconds too, and is dropped (f.balance.dropped), as a measured call is."""
+    # The reference: the map calls another function (the same body on another device),
+    # and f's loop calls run alone.
+    measured, dropped = _stream_calling(itself=False)
+    assert dropped == 0 and measured >= 1  # every call of the loop but its first counted
+    measured, dropped = _stream_calling(itself=True)
+    # Every call of the loop that fetched a batch ran beside f's call in the map: only the
+    # loop's last call may have fetched none, and the map's first call (before the loop)
+    # ran alone.
+    assert dropped >= 1 and measured <= 2, (measured, dropped)

@@ -31,7 +31,8 @@ its outputs ready (on a GPU, one element of them read on the host; outputs on
 a CPU are ready when the call returns), or the fastest device alone, the whole
 call timed so.
 (A stream's traced loop times every batch of its calls, each call of the
-loop one measurement.)
+loop one measurement, counted where no other call of the function ran beside
+it, `Turns.alone`, else dropped.)
 A measured call of a function runs alone among its calls (`Turns`): it
 waits for the calls in flight to end, and calls from other threads wait for
 it, so its seconds are its own shards', not another call's queued on the
@@ -653,10 +654,11 @@ class Balance:
             self._count_one(self._choose)
 
     def drop(self) -> None:
-        """Counts a measured call whose measurement is not counted: it did not run alone
-        (`Turns.alone`: a call on a thread TensorFlow started ran beside it, or a wait
-        gave up), so its seconds may hold another call's. The plan, and when the next
-        call is measured (`due`), stay as they are."""
+        """Counts a measured call (or a call of a stream's traced loop) whose measurement
+        is not counted: it did not run alone (`Turns.alone`: a call on a thread
+        TensorFlow started ran beside it, a wait gave up, or, beside a loop's call, any
+        other call of the function), so its seconds may hold another call's. The plan,
+        and when the next call is measured (`due`), stay as they are."""
         with self._lock:
             self.dropped += 1
 

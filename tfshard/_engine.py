@@ -675,8 +675,11 @@ class Engine:
         graph: int,
         shards: tuple[int, ...] | None = None,
         seconds: float | None = None,
+        *,
+        alone: bool = True,
     ) -> None:
-        """Gives the shards' timing of a run of a graph to `balance` (eager values only).
+        """Gives the shards' timing of a run of a graph to `balance` (eager values only),
+        or, where it did not run `alone`, drops it (`Balance.drop`).
 
         Args:
           timing: a `_balance.Timing` of eager tensors (inside a user's
@@ -686,11 +689,16 @@ class Engine:
             a device left out counts as a shard of no rows.
           seconds: the whole call's seconds, to its outputs ready, or None: not
             known (a stream's loop).
+          alone: no other call of the function ran beside it (`alone`): else its
+            seconds may hold that call's, and it is not counted.
         """
         if self.balance is None or not tf.executing_eagerly():
             return
         warm_up = graph not in self._warm
         self._warm.add(graph)
+        if not alone:
+            self.balance.drop()
+            return
         rows, times = timing.rows.numpy().tolist(), timing.seconds.numpy().tolist()
         if shards is not None:
             count = len(self.devices)

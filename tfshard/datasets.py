@@ -913,7 +913,8 @@ class _Loop:
         `interrupted` says whether Ctrl-C was pressed (`_stream.ctrl_c`); it is read
         before each call of the loop, and `on_call` (`Runner.on_call`) hears each call
         just before it runs. `engine` gives each call its feeds
-        (`Engine.feeds`) and takes its shards' timing (`Engine.observe`). The
+        (`Engine.feeds`) and takes its shards' timing (`Engine.observe`), or drops it
+        where another call of the function ran beside it (`Engine.alone`). The
         host reads one int32 vector per call (`_counts`: in host memory on a
         GPU). Each stream's first call runs one batch; a stream whose batches
         all run in `CALL_SECONDS` then runs the rest in one call once the loop
@@ -951,10 +952,13 @@ class _Loop:
                         )
                 except tf.errors.OpError as error:
                     raise self._call_error(engine, error, current, limit, feeds) from None
+                # Another call of the function ran beside it (its shards on the same
+                # devices): its timing is not its own, and is not counted (`Engine.observe`).
+                alone = engine.alone()
             # The call's one read on the host (int32: in host memory on a GPU).
             n, more, batch_rows = _read_counts(counts)
             if self._step.balanced and n:
-                engine.observe(Timing(rows, seconds), id(graph))
+                engine.observe(Timing(rows, seconds), id(graph), alone=alone)
             total += batch_rows
             if meter and n:
                 meter.update(batch_rows, n)
