@@ -512,8 +512,9 @@ class OnDisk(NamedTuple):
       batches: the batches committed.
       next_row: the dataset's row the batch being computed starts at.
       next_batch: that batch's index in the dataset.
-      as_it_was: whether the path is as it was before the write (a new write
-        that made nothing yet; a write it replaces is still whole).
+      as_it_was: whether the path is as it was before the write (it changed
+        nothing yet: a missing directory is missing, a write it resumes or
+        replaces is whole).
     """
 
     path: str
@@ -523,14 +524,20 @@ class OnDisk(NamedTuple):
     next_batch: int
     as_it_was: bool = False
 
-    def resume(self, call: str, joint: str = "; ") -> str:
-        """What is on disk, and that calling `call` again resumes after it (or writes it,
-        where nothing was written)."""
-        if self.as_it_was:
-            nothing = f"nothing was written ({self.path!r} is as it was before this call)"
-            return f"{nothing}{joint}call {call} again to write it"
+    def state(self) -> str:
+        """What is on disk, and whether this call changed it."""
+        if self.as_it_was and not self.rows:
+            return f"nothing was written ({self.path!r} is as it was before this call)"
         on_disk = f"{self.rows} rows ({self.batches} batches) are on disk in {self.path!r}"
-        return f"{on_disk}{joint}call {call} again to resume after them"
+        return f"{on_disk}, as before this call" if self.as_it_was else on_disk
+
+    def resume(self, call: str, joint: str = "; ") -> str:
+        """What is on disk, and that calling `call` again resumes after it (where rows are
+        on disk: where none are, the error says what to change, and calling again as it
+        is would write from the start, as this call did)."""
+        if self.as_it_was and not self.rows:
+            return self.state()
+        return f"{self.state()}{joint}call {call} again to resume after them"
 
 
 def write_stopped(error: BaseException, call: str, disk: OnDisk) -> BaseException:
