@@ -538,9 +538,11 @@ def _write_stopped(
 ) -> BaseException:
     """The error to raise for a write stopped by `error`, once what was written is committed.
 
-    An ArgumentError says what to change (resuming as it is would not help)
-    and a WriteError is worded already (another write took the path while the
-    first batch was computed): each is raised as it is; any other is worded by
+    An ArgumentError says what to change (resuming as it is would not help):
+    it is raised as it is, with what is on disk appended where the write
+    changed nothing there (`errors.OnDisk.state`: the path as it was). A
+    WriteError is worded already (another write took the path while the first
+    batch was computed) and raised as it is. Any other is worded by
     `errors.write_stopped` with where the write stands on disk, which the meter
     says too.
     """
@@ -548,9 +550,11 @@ def _write_stopped(
         store.commit(due=False)
     if meter:
         meter.stopped(error)
+    disk = store.on_disk()
+    if isinstance(error, ArgumentError) and disk.as_it_was:
+        error.args = (f"{error}; {disk.state()}",)  # the same error, its traceback kept
     if isinstance(error, ArgumentError | WriteError):
         return error
-    disk = store.on_disk()
     if meter:
         meter.say(disk.resume(call))
     return write_stopped(error, call, disk)
