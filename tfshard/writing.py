@@ -14,7 +14,10 @@ a missing directory missing, an unfinished write unchanged, and a write that
 ``overwrite=True`` replaces whole. The directory is then made (where it
 was missing) and locked, the manifest written, and the old write's files
 removed; a second write to the path is refused at its open (the directory
-existed) or at its first batch (it did not).
+existed) or at its first batch (it did not). Until its first commit, the new
+manifest names the old write's files it replaces, so a process killed
+anywhere in this leaves the old write whole or the new one with no batch,
+which removes them when it resumes or is overwritten.
 
 The format: `path` is a directory holding
 
@@ -151,6 +154,20 @@ def _new_manifest(function: str, source: dict[str, Any]) -> dict[str, Any]:
         "outputs": None,
         "leaves": None,
     }
+
+
+def _dangling(path: str) -> str | None:
+    """The symbolic link that `path`, or a missing folder above it, is and that leads to
+    nothing (its target missing, or a loop of links); None where there is none. Making
+    the directory through it would fail (`os.makedirs`), so a write refuses it at its open."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        if os.path.islink(folder):
+            return folder
+        if os.path.dirname(folder) == folder:
+            return None
+        folder = os.path.dirname(folder)
+    return None
 
 
 def _unwritable(path: str) -> OSError | None:
@@ -361,7 +378,8 @@ class Store:
         self, path: str, manifest: dict[str, Any], call: str, replaces: Sequence[str] | None = None
     ) -> None:
         self.path = path
-        self._manifest = manifest
+        # "replaces": what a manifest of a new write names until its first commit (`_make`).
+        self._manifest = {key: value for key, value in manifest.items() if key != "replaces"}
         self._call = call
         self.complete = bool(manifest["complete"])
         self.leaves: list[dict[str, Any]] | None = manifest["leaves"]
@@ -376,8 +394,12 @@ class Store:
         self._lock = -1  # the directory, open and locked (`_locks`)
         # A new write (`replaces` given: the files of an old write there, which
         # overwrite=True replaces) has its manifest in memory only, until its first
-        # batch's outputs are in hand (`_make`); until then `path` is as it was.
-        self._replaces = None if replaces is None else list(replaces)
+        # batch's outputs are in hand (`_make`); until then `path` is as it was. A
+        # manifest of no batch yet may still name an old write's files it replaces (a
+        # kill came before `_make` removed them all): they go at this write's first batch.
+        self._on_disk = replaces is None
+        self._replaces = list(manifest.get("replaces") or () if replaces is None else replaces)
+        self._changed = False  # whether this write changed anything on disk yet
 
     @property
     def rows(self) -> int:
@@ -396,9 +418,9 @@ class Store:
 
     def on_disk(self) -> OnDisk:
         """Where the write stands: what is committed, where the next batch goes, and whether
-        `path` is still as it was before the write (a new one that made nothing yet)."""
+        `path` is still as it was before the write (it changed nothing there yet)."""
         committed, written = self._committed, self._written
-        as_it_was = self._replaces is not None
+        as_it_was = not self._changed
         return OnDisk(
             self.path, committed.rows, committed.batches, written.rows, written.batches, as_it_was
         )
@@ -411,12 +433,20 @@ class Store:
 
         Nothing on disk changes here. An existing directory is locked for this
         process until `close`; a missing one is made and locked by the first
-        batch (`_make`). A path that could not be written fails here, before
-        anything runs.
+        batch (`_make`). A path that could not be written (a file, a symbolic
+        link, it or a missing folder above it, that leads to no directory, no
+        permission, a read-only file system) fails here, before anything runs.
         """
         if os.path.exists(path) and not os.path.isdir(path):
             raise ArgumentError(f"{call}: {path!r} is a file; write into a directory")
         if not os.path.isdir(path):
+            link = _dangling(path)
+            if link is not None:
+                raise ArgumentError(
+                    f"{call}: {link!r} is a symbolic link to {os.readlink(link)!r}, which leads "
+                    "to no directory; make the directory it points to, remove the link, or "
+                    "write to another path"
+                )
             problem = _unwritable(path)
             if problem is not None:
                 raise write_error(problem, call, "nothing was written") from None
@@ -535,6 +565,7 @@ class Store:
 
     def finish(self) -> None:
         """Trims the files to their rows, commits the last batches, marks the write done."""
+        self._changed = True
         if self._files is None and self.leaves is not None:  # all committed before a crash
             self._files = [
                 [_Column.reopen(self.path, p) for p in leaf["parts"]] for leaf in self.leaves
@@ -599,12 +630,14 @@ class Store:
         checked: the first change this write makes on disk."""
         if self.leaves is not None:  # a write resumed: the same outputs, or refused
             self._same_outputs(values, structure, parts)
+            self._changed = True
             self._files = [
                 [_Column.reopen(self.path, part) for part in leaf["parts"]] for leaf in self.leaves
             ]
         else:
             records = _records(values, structure, parts)
             outputs = _encode(structure, self._call)  # refuses keys no file is named by
+            self._changed = True
             self._make()
             self._structure = structure
             self._files = []
@@ -626,8 +659,16 @@ class Store:
     def _make(self) -> None:
         """A new write on disk, with no batch yet: its directory (made and locked here if it
         was missing at `open`), its manifest, then the old write's files removed (those
-        `overwrite=True` replaces, which stay whole until now)."""
-        if self._replaces is None:  # the manifest is on disk already (a write of no batch)
+        `overwrite=True` replaces, which stay whole until now).
+
+        The manifest names the files it replaces until the first commit, so
+        wherever a kill stops this, the path holds the old write whole (before
+        the manifest's `os.replace`) or the new write with no batch, which
+        counts the old files left as its own: a resume (at its first batch, here)
+        or an ``overwrite=True`` removes them.
+        """
+        if self._on_disk:  # the manifest is there already (a write of no batch yet)
+            self._removed()
             return
         if self._lock < 0:
             os.makedirs(self.path, exist_ok=True)
@@ -638,11 +679,17 @@ class Store:
                     f"computed its first batch; call {self._call} again to check and resume "
                     "that write, or write to another path"
                 )
-        _replace(os.path.join(self.path, MANIFEST), _encoded(self._manifest))
-        old, self._replaces = self._replaces, None
-        for file in old:  # the old write's data, after its manifest
+        replaces = {"replaces": self._replaces} if self._replaces else {}
+        _replace(os.path.join(self.path, MANIFEST), _encoded({**self._manifest, **replaces}))
+        self._on_disk = True
+        self._removed()
+
+    def _removed(self) -> None:
+        """Removes the old write's files this write replaces (after its manifest)."""
+        for file in self._replaces:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.path, file))
+        self._replaces = []
 
     def _same_outputs(
         self, values: list[Any], structure: Hashable, parts: list[list[np.ndarray]]
@@ -906,6 +953,10 @@ def _check_schema(manifest: dict[str, Any]) -> None:
         raise ValueError("its outputs and leaves disagree")
     if leaves is None and manifest["complete"]:
         raise ValueError("a finished write without leaves")
+    if "replaces" in manifest:  # the old write's files, until the new write's first commit
+        replaced = need(manifest, "replaces", "", list, lambda names: leaves is None)
+        if not all(isinstance(name, str) and _plain_file_name(name) for name in replaced):
+            raise ValueError(f"replaces is {replaced!r}")
     files = set()
     for i, leaf in enumerate(leaves or ()):
         where = f"leaves[{i}]."
@@ -1031,7 +1082,9 @@ def _listed_files(path: str) -> list[str]:
         return []
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return []
-    files = []
+    replaced = manifest.get("replaces")  # an old write's files, which a new one replaces
+    names = replaced if isinstance(replaced, list) else []
+    files = [name for name in names if isinstance(name, str) and _plain_file_name(name)]
     for leaf in manifest.get("leaves") or ():
         for part in (leaf.get("parts") or ()) if isinstance(leaf, dict) else ():
             name = part.get("file") if isinstance(part, dict) else None
