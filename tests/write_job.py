@@ -5,7 +5,9 @@ chosen point (``python tests/write_job.py SCENARIO PATH LOG``): SIGKILL
 before the first batch, inside the function, part way through batch 3's data
 (its row ids written, its ``y`` rows not), after some of its commit's headers
 (``n``'s, not ``y``'s), with its manifest written to the temporary file and
-not yet renamed; SIGINT inside the function; or a file size limit. The points
+not yet renamed, or in an ``overwrite=True`` of another function's write
+once the new manifest is there and the old write's files are not yet removed;
+SIGINT inside the function; or a file size limit. The points
 in the function are reached by counting its calls; those in the store, by
 what the files on disk show, checked at every statement of tfshard's store
 (`_when_the_disk_shows`), so each is the same point on every run. The
@@ -116,6 +118,37 @@ def _when_the_disk_shows(shard_calls: list[int], shown) -> None:  # noqa: ANN001
     sys.settrace(tracer)
 
 
+def make_old(devices=("/device:CPU:0", "/device:CPU:1")):  # noqa: ANN001, ANN201
+    """Another function whose write the job replaces (``overwrite=True``): files of other
+    names (``old.npy``) and one of the job's (``y.npy``)."""
+    import tfshard
+
+    return tfshard.parallelize(lambda x: {"old": -x, "y": x}, devices=list(devices))
+
+
+def _when_the_overwrite_shows_both(path: str) -> None:
+    """SIGKILL at the first statement of tfshard's store after which the new write's
+    manifest is on disk and the old write's ``old.npy`` is still there."""
+    from tfshard import writing
+
+    def shown() -> bool:
+        try:
+            with open(os.path.join(path, "manifest.json")) as manifest:
+                new = json.load(manifest)["function"] == "scored"
+        except (OSError, ValueError):
+            return False
+        return new and os.path.exists(os.path.join(path, "old.npy"))
+
+    def tracer(frame, event, arg):  # noqa: ANN001, ANN202
+        if frame.f_code.co_filename != writing.__file__:
+            return None
+        if event == "line" and shown():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return tracer
+
+    sys.settrace(tracer)
+
+
 def main(scenario: str, path: str, log: str) -> None:
     import tfshard
 
@@ -144,6 +177,9 @@ def main(scenario: str, path: str, log: str) -> None:
         _when_the_disk_shows(
             shard_calls, lambda: os.path.exists(temporary) and os.path.getsize(temporary) > 0
         )
+    elif scenario == "mid_make":  # overwrite=True: its manifest there, the old files too
+        make_old().write(dataset(), path)
+        _when_the_overwrite_shows_both(path)
     elif scenario == "sigint":
         on_call = _kill_at(on_call, 5, sig=signal.SIGINT)
     elif scenario != "full_disk":
@@ -153,7 +189,8 @@ def main(scenario: str, path: str, log: str) -> None:
         return
     with open(log, "w") as progress:
         try:
-            make_scored(on_call).write(dataset(), path, progress=progress)
+            overwrite = scenario == "mid_make"
+            make_scored(on_call).write(dataset(), path, progress=progress, overwrite=overwrite)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             return
