@@ -1435,3 +1435,41 @@ def test_a_streams_loop_call_beside_another_call_is_not_counted():
     # loop's last call may have fetched none, and the map's first call (before the loop)
     # ran alone.
     assert dropped >= 1 and measured <= 2, (measured, dropped)
+
+
+def _asserting_over_caps_text(b):
+    """The function's own assertion, failing on every batch, whose text is the caps'
+    check's (`tfshard.errors.OVER_CAPS`) with two numbers after it."""
+    text = tfshard.errors.OVER_CAPS + " the function's own check"
+    tf.debugging.Assert(tf.reduce_sum(b) < 0, [text, tf.constant([7]), tf.constant([3])])
+    return b * 2.0
+
+
+@pytest.mark.parametrize("caps", [False, True], ids=["no caps", "caps"])
+def test_a_functions_own_error_is_not_taken_for_the_caps_check(caps):
+    """A stream's error is the caps' check's (a batch the caps cannot hold) only where its
+    loop has caps and the failing op is that check: the function's own assertion of the
+    same text is the shard's error, as in a call."""
+    f = tfshard.parallelize(
+        _asserting_over_caps_text, devices=CPUS[:2], per_sample=False,
+        weights="auto" if caps else None,
+    )
+    if caps:
+        f.balance.cap(0, 8)
+        f.balance.cap(1, 6)  # 4 and 3 rows: a batch of 4 fits
+    x = np.ones([12, 3], np.float32)
+    with pytest.raises(tfshard.errors.ShardError, match="own check") as called:
+        f(x[:4])
+    with pytest.raises(tfshard.errors.ShardError, match="own check") as streamed:
+        f(tf.data.Dataset.from_tensor_slices(x).batch(4))
+    assert not isinstance(streamed.value, ArgumentError)
+    assert type(streamed.value) is type(called.value)
+
+
+def test_a_streams_batch_over_the_caps_is_refused_with_the_fix():
+    f = tfshard.parallelize(lambda b: b * 2.0, devices=CPUS[:2], per_sample=False, weights="auto")
+    f.balance.cap(0, 8)
+    f.balance.cap(1, 6)  # 4 and 3 rows: 7 together
+    x = np.ones([16, 3], np.float32)
+    with pytest.raises(ArgumentError, match=r"a batch of 8 rows needs more memory .* at most 7"):
+        f(tf.data.Dataset.from_tensor_slices(x).batch(8))

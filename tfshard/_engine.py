@@ -43,7 +43,7 @@ import tensorflow as tf
 from tfshard import _arguments, _balance, _trees, cluster, collect, pinning
 from tfshard._autograph import autographed
 from tfshard._options import Options
-from tfshard._plan import Caps, capacity, host_cpu, plan_rows
+from tfshard._plan import Caps, capacity, capped, host_cpu, plan_rows
 from tfshard._step import Step
 from tfshard.errors import (
     HOST_MEMORY,
@@ -876,7 +876,8 @@ class Engine:
           caps: the caps its plan was made under, or None.
           element: the split arguments are a dataset element's fields (a stream).
         """
-        over = over_caps(error.message) if element else None
+        # Only a capped loop holds the caps' check (`over_caps` knows its node).
+        over = over_caps(error.message) if element and capped(caps) else None
         if over is not None:  # a stream's batch over the caps, found before it ran
             return self.caps_error(over, weights, caps, batch=True) or ArgumentError(
                 f"{self.name}: a batch of {over} rows needs more memory than its devices "

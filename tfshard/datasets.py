@@ -46,7 +46,7 @@ from tfshard._engine import Engine
 from tfshard._intake import Intake, split_element, zeros
 from tfshard._plan import Planned, capped, host_cpu, rows, within_caps
 from tfshard._step import Step
-from tfshard.errors import ArgumentError, TfshardError, WriteError, write_stopped
+from tfshard.errors import CAPS_SCOPE, ArgumentError, TfshardError, WriteError, write_stopped
 
 # This process's CPU: where datasets iterate, and where the loop splits each batch.
 HOST = host_cpu()
@@ -803,7 +803,8 @@ class _Loop:
                 if capped(caps):  # a batch the caps cannot hold stops before its split
                     n = tf.cast(rows(tensors[0]), tf.int64)
                     planned_by = self._step.weights if weights is None else weights
-                    checks.append(within_caps(n, self._count, planned_by, caps))
+                    with tf.name_scope(CAPS_SCOPE):  # how its error is known (`over_caps`)
+                        checks.append(within_caps(n, self._count, planned_by, caps))
                 # [B, ...] -> K x [B_k, ...]
                 with tf.control_dependencies(checks):
                     planned, _ = self._step.plan([*tensors, *broadcast], weights)

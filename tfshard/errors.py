@@ -33,6 +33,9 @@ ROWS_DIFFER = "tfshard: per-row output with the wrong number of rows:"
 INPUTS_DIFFER = "tfshard: split arguments with different numbers of rows:"
 # Marks the in-graph check that a stream's batch fits the caps of its devices.
 OVER_CAPS = "tfshard: a batch of more rows than the caps of its devices hold:"
+# The name scope of that check's ops in a stream's loop (never inside a shard's scope).
+CAPS_SCOPE = "tfshard_within_caps"
+_CAPS_NODE_RE = re.compile(r"(?:[^/]+/)*" + CAPS_SCOPE + r"(?:_\d+)?/Assert(?:_\d+)?")
 
 # Nodes an error names: the failing one ({{node N}}), then context ([[N]]).
 _ERROR_NODE_RE = re.compile(r"\{\{node ([^}]+)\}\}|\[\[([^\]{}\s]+)\]\]")
@@ -818,8 +821,15 @@ def inputs_differ(message: str) -> str:
 
 def over_caps(message: str) -> int | None:
     """The rows of a stream's batch that the failed in-graph check of the caps
-    (`OVER_CAPS`) found more than its devices hold, or None for another error."""
+    (`OVER_CAPS`) found more than its devices hold, or None for another error.
+
+    The check is known by the node that failed: its Assert, under `CAPS_SCOPE`
+    and outside every shard's scope; any other op's error is not it, whatever
+    its text (the function's own assertion, say)."""
     if OVER_CAPS not in message:
+        return None
+    failing = next((name for name, _ in _ERROR_NODE_RE.findall(message) if name), "")
+    if not _CAPS_NODE_RE.fullmatch(failing) or _IN_SHARD_RE.search(failing):
         return None
     got, _, _ = _assert_vectors(message)
     return got[0] if got else None
