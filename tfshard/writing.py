@@ -637,7 +637,6 @@ class Store:
         else:
             records = _records(values, structure, parts)
             outputs = _encode(structure, self._call)  # refuses keys no file is named by
-            self._changed = True
             self._make()
             self._structure = structure
             self._files = []
@@ -668,10 +667,12 @@ class Store:
         or an ``overwrite=True`` removes them.
         """
         if self._on_disk:  # the manifest is there already (a write of no batch yet)
+            self._changed = True
             self._removed()
             return
         if self._lock < 0:
-            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(self.path, exist_ok=True)  # failing, it leaves `path` missing
+            self._changed = True
             self._lock = _locks.take(self.path, self._call)
             if os.listdir(self.path):
                 raise WriteError(
@@ -681,7 +682,7 @@ class Store:
                 )
         replaces = {"replaces": self._replaces} if self._replaces else {}
         _replace(os.path.join(self.path, MANIFEST), _encoded({**self._manifest, **replaces}))
-        self._on_disk = True
+        self._changed = self._on_disk = True  # failing, it left the old manifest (`_replace`)
         self._removed()
 
     def _removed(self) -> None:
