@@ -1230,3 +1230,33 @@ def test_a_path_that_cannot_be_made_at_the_first_batch_says_nothing_was_written(
     assert f"nothing was written ({str(path)!r} is as it was before this call)" in message
     assert "again" not in message
     assert os.listdir(tmp_path) == ["folder"] and not path.exists()
+
+
+@pytest.mark.parametrize("again", ["resumed", "overwritten"])
+def test_a_write_stopped_before_its_first_commit_leaves_files_it_removes_again(
+    tmp_path, monkeypatch, again
+):
+    # The first batch's files are made, and the disk is too small for their reservation: the
+    # write stops before its first commit. Its manifest names those files as its own, so the
+    # write called again (or overwrite=True) removes them and writes the uninterrupted files.
+    errno = pytest.importorskip("errno")
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no reservation on this platform")
+    _, ds = _first_batch_data()
+    path = tmp_path / "job"
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "posix_fallocate", full)
+        with pytest.raises(WriteError, match="the disk is full; free some space"):
+            _job().write(ds, path)
+    assert {"row.npy", "y.npy", "manifest.json"} <= set(os.listdir(path))
+    assert json.loads((path / "manifest.json").read_text())["leaves"] is None
+    with pytest.raises(ArgumentError, match="the write there has not finished"):
+        tfshard.load(path)
+    _job().write(ds, tmp_path / "uninterrupted")
+    overwrite = again == "overwritten"
+    assert _job().write(ds, path, overwrite=overwrite).computed_rows == 20
+    assert _files(path) == _files(tmp_path / "uninterrupted")
