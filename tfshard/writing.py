@@ -298,7 +298,8 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
       ArgumentError: `path` or `partial` is not what it should be, `path` holds
         no write, or one that has not finished.
       WriteError: the manifest or a file is not what the write left there
-        (damaged, truncated, edited by hand).
+        (damaged, truncated, edited by hand), or another write changed the
+        manifest while the files were read (the outputs are never a mix of two).
 
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "twice")
@@ -337,12 +338,58 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
             f"tfshard.load({path!r}, partial=True): no batch was written yet, so there is "
             "nothing to load"
         )
-    _check_files(path, manifest, f"{call}: ", "write it again (overwrite=True)")
-    values = []
-    for leaf in manifest["leaves"]:
-        parts = [_read_part(path, part) for part in leaf["parts"]]
-        values.append(_KINDS[leaf["kind"]].from_parts(parts))
+    # A write replaces a path's files only after its manifest, all of the old ones removed
+    # before any new one is made (`Store._make`), and never writes a committed row again: the
+    # manifest unchanged once the files are mapped, and each file mapped (held open, so its
+    # number is not reused) still the one its name gives, they are one write's.
+    try:
+        _check_files(path, manifest, f"{call}: ", "write it again (overwrite=True)")
+        values, mapped = [], []
+        for leaf in manifest["leaves"]:
+            parts = [_mapped_part(path, part, mapped) for part in leaf["parts"]]
+            values.append(_KINDS[leaf["kind"]].from_parts(parts))
+        changed = _manifest_now(path) != manifest or any(
+            _identity(os.stat(file)) != identity for file, identity in mapped
+        )
+    except (OSError, ValueError, EOFError) as error:  # a file removed or made meanwhile
+        if _manifest_now(path) == manifest:
+            if not isinstance(error, OSError) or isinstance(error, WriteError):
+                raise
+            raise write_error(error, call, "nothing was read") from None
+        changed = True
+    if changed:
+        raise WriteError(
+            f"{call}: the write there changed while it was read (another write is writing "
+            "there, a new one replacing it or, with partial=True, a commit of more rows); "
+            "load it again"
+        )
     return _decode(manifest["outputs"], values)
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_dev, stat.st_ino
+
+
+def _mapped_part(directory: str, part: dict[str, Any], mapped: list) -> np.ndarray:
+    """A part's committed rows, memory-mapped read-only (an empty array for none); the file
+    and its identity (device, inode) appended to `mapped`."""
+    dtype, shape, rows = _dtype(part["dtype"]), tuple(part["shape"]), part["rows"]
+    if rows == 0:
+        return np.zeros((0, *shape), dtype)
+    file = os.path.join(directory, part["file"])
+    with open(file, "rb") as stream:  # the header as written; it counts the rows at least
+        np.lib.format.read_magic(stream)
+        np.lib.format.read_array_header_1_0(stream)
+        mapped.append((file, _identity(os.fstat(stream.fileno()))))
+        return np.memmap(stream, dtype, "r", stream.tell(), (rows, *shape))
+
+
+def _manifest_now(path: str) -> dict[str, Any] | None:
+    """The manifest at `path` as it is now; None where there is none or it is not one."""
+    try:
+        return _read_manifest(path)
+    except (OSError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------- the store
