@@ -1260,3 +1260,28 @@ def test_a_write_stopped_before_its_first_commit_leaves_files_it_removes_again(
     overwrite = again == "overwritten"
     assert _job().write(ds, path, overwrite=overwrite).computed_rows == 20
     assert _files(path) == _files(tmp_path / "uninterrupted")
+
+
+def test_a_load_that_another_write_replaces_meanwhile_refuses_rather_than_mixing(tmp_path):
+    # Another write overwrites the path (its files of the same names) while a load has read
+    # the first leaf and not the second: the load refuses, rather than giving one write's
+    # "a" with the other's "b"; loaded again, it gives the new write whole.
+    x, ds = _first_batch_data()
+    path = tmp_path / "job"
+    tfshard.parallelize(lambda s: {"a": s, "b": -s}, devices=CPUS[:2]).write(ds, path)
+    other = tfshard.parallelize(lambda s: {"a": s + 100.0, "b": -s - 100.0}, devices=CPUS[:2])
+    overwritten = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not writing.load.__code__:
+            return None
+        if event == "line" and len(frame.f_locals.get("values", ())) == 1 and not overwritten:
+            overwritten.append(other.write(ds, path, overwrite=True))
+        return tracer
+
+    with pytest.raises(WriteError, match=r"changed while it was read \(another write is wr"):
+        _traced(tracer, lambda: tfshard.load(path))
+    assert overwritten and overwritten[0].computed_rows == 20
+    got = tfshard.load(path)
+    np.testing.assert_array_equal(got["a"], x + 100.0)
+    np.testing.assert_array_equal(got["b"], -x - 100.0)
