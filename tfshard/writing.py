@@ -96,6 +96,9 @@ MANIFEST = "manifest.json"
 # (syncs of what the kernel is already writing back, below) and bounds what a crash
 # loses to about a second of batches. 0 commits after every batch.
 COMMIT_SECONDS = 1.0
+# How far a float computed again may be from the one on disk, in eps of its dtype, of the
+# larger of it and its row's largest value (`_difference`).
+ROUNDING = 4
 # Each leaf's kind by its name in the manifest (the kinds own how a value is parts).
 _KINDS: dict[str, _kinds.Kind] = {"dense": _kinds.Dense, "ragged": _kinds.Ragged}
 
@@ -1100,9 +1103,11 @@ def _file_problem(file: str, part: dict[str, Any], complete: bool) -> str:
 def _difference(got: np.ndarray, stored: np.ndarray) -> str:
     """How a part computed again differs from the same entries on disk; "" when equal.
 
-    Integers and bools must be equal; floats within a few units of their
-    precision of the part's largest magnitude (another split may round another
-    way), NaN where NaN.
+    Integers and bools must be equal; floats within `ROUNDING` units of their
+    dtype's precision (eps) of the larger of the value and its row's largest
+    finite magnitude (another split of the batch, or a GPU's reductions, may round
+    another way), NaN where NaN: a function or weights changed by more than
+    that is refused, in bfloat16 (eps 2**-7) a change of about 3%.
     """
     if got.shape != stored.shape:
         return f"{len(got)} entries computed, {len(stored)} there"
@@ -1110,12 +1115,16 @@ def _difference(got: np.ndarray, stored: np.ndarray) -> str:
         if np.array_equal(got, stored):
             return ""
         return f"{int(np.sum(got != stored))} of {got.size} values differ"
+    if not got.size:
+        return ""
     wide = np.asarray(got).astype(np.complex128 if got.dtype.kind == "c" else np.float64)
     there = np.asarray(stored).astype(wide.dtype)
-    tolerance = 16 * float(_finfo(got.dtype).eps)
-    finite = np.isfinite(there)
-    scale = float(np.max(np.abs(there[finite]), initial=0.0))
-    close = np.isclose(wide, there, rtol=tolerance, atol=tolerance * scale, equal_nan=True)
+    tolerance = ROUNDING * float(_finfo(got.dtype).eps)
+    magnitude = np.where(np.isfinite(there), np.abs(there), 0.0).reshape(len(there), -1)
+    scale = np.max(magnitude, axis=1, initial=0.0).reshape((-1,) + (1,) * (there.ndim - 1))
+    with np.errstate(invalid="ignore"):  # inf - inf: isclose says whether they are equal
+        near = np.abs(wide - there) <= tolerance * scale
+    close = np.isclose(wide, there, rtol=tolerance, atol=0.0, equal_nan=True) | near
     if close.all():
         return ""
     worst = float(np.max(np.abs(wide - there)[~close]))
