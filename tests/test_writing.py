@@ -1285,3 +1285,28 @@ def test_a_load_that_another_write_replaces_meanwhile_refuses_rather_than_mixing
     got = tfshard.load(path)
     np.testing.assert_array_equal(got["a"], x + 100.0)
     np.testing.assert_array_equal(got["b"], -x - 100.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "change"),
+    [(tf.bfloat16, [1.05, 1.05]), (tf.float16, [1.01, 1.01]), (tf.float32, [1.0, 1.0 + 1e-6])],
+)
+def test_a_resume_refuses_a_change_of_low_precision_or_small_outputs(tmp_path, dtype, change):
+    # Weights changed before the resume by a few percent (bfloat16: eps 2**-7), 1% (float16)
+    # or, in float32, beside a column of 1e6 (the row's largest value scales the rounding
+    # allowed), a relative 1e-6 of the small column: each refused, not mixed; unchanged, the
+    # resume goes on to the uninterrupted write (its rows as numpy computes them).
+    x = np.random.default_rng(3).uniform(1, 2, size=[40, 2]).astype(np.float32)
+    if dtype == tf.float32:
+        x[:, 1] = 1e6
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(8)
+    weights = tf.Variable([1.0, 1.0])
+    f = tfshard.parallelize(lambda s: tf.cast(s * weights, dtype), devices=CPUS[:2])
+    _stopped_after(f, ds, tmp_path / "w", 3)
+    weights.assign(change)
+    with pytest.raises(ArgumentError, match="the batch 2 computed again differs from what is on"):
+        f.write(ds, tmp_path / "w")
+    weights.assign([1.0, 1.0])
+    assert f.write(ds, tmp_path / "w").computed_rows == 16
+    want = tf.cast(x, dtype).numpy()
+    np.testing.assert_array_equal(tfshard.load(tmp_path / "w"), want)
