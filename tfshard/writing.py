@@ -251,33 +251,50 @@ class _Locks:
             return fd
         stat = os.fstat(fd)
         key = (stat.st_dev, stat.st_ino)
+        # Each step leaves the lock recorded or released, wherever an interrupt lands: a
+        # lock is taken only once recorded, and a record goes in the statement that closes
+        # its directory.
         with self._guard:
             stale = self._held.get(key)
             if stale is not None and (
                 stale[1] is threading.current_thread() or not stale[1].is_alive()
             ):
-                del self._held[key]
-                os.close(stale[0])  # and with it the lock it held
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError as error:
+                os.close(self._held.pop(key)[0])  # and with it the lock it held
+            busy = key in self._held  # a running write of this process holds it
+            if not busy:
+                self._held[key] = (fd, threading.current_thread())
+                busy = not _flocked(fcntl, fd)  # or another process's write holds it
+                if busy:
+                    os.close(self._held.pop(key)[0])
+            else:
                 os.close(fd)
-                busy = WriteError(
+            if busy:
+                error = WriteError(
                     f"{call}: another write is running there (it holds the directory's "
                     "lock); wait for it to end, or write somewhere else"
                 )
-                busy.errno, busy.strerror, busy.filename = error.errno, error.strerror, path
-                raise busy from None
-            self._held[key] = (fd, threading.current_thread())
+                error.errno, error.strerror = errnos.EWOULDBLOCK, os.strerror(errnos.EWOULDBLOCK)
+                error.filename = path
+                raise error
         return fd
 
     def release(self, fd: int) -> None:
         """Closes `fd` (a directory `take` locked), and with it the lock."""
         with self._guard:
-            for key, (held, _) in list(self._held.items()):
-                if held == fd:
-                    del self._held[key]
-            os.close(fd)
+            held = [key for key, (taken, _) in self._held.items() if taken == fd]
+            if held:
+                os.close(self._held.pop(held[0])[0])  # the record goes as the lock does
+            else:
+                os.close(fd)
+
+
+def _flocked(fcntl: Any, fd: int) -> bool:
+    """Whether `fd`'s directory is now locked by it; False where another holds the lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 _locks = _Locks()
