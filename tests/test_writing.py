@@ -1358,3 +1358,48 @@ def test_ctrl_c_at_any_statement_of_the_first_batchs_start_stops_and_resumes(tmp
             _traced(tracer(statement), lambda path=path: _job().write(ds, path, overwrite=True))
         _job().write(ds, path, overwrite=True)
         assert _files(path) == want, point
+
+
+def test_ctrl_c_at_any_statement_of_taking_or_releasing_the_lock_leaves_it_free(tmp_path):
+    # Ctrl-C at each statement of the lock's take and release (on 555ead3, one after the
+    # flock and one after forgetting it kept the lock for the rest of the process): the
+    # write stops, and the next write there in this thread writes, after which the
+    # directory's lock is free for another process's (a flock on a fresh descriptor).
+    fcntl = pytest.importorskip("fcntl")
+    ds = tf.data.Dataset.from_tensor_slices(np.ones([6, 3], np.float32)).batch(4)
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
+    codes = {writing._Locks.take.__code__, writing._Locks.release.__code__}
+
+    def tracer(statement):
+        def trace(frame, event, arg):
+            if frame.f_code not in codes:
+                return None
+            if event == "line":
+                statement(frame)
+            return trace
+
+        return trace
+
+    points = []
+    record = lambda frame: points.append((frame.f_code.co_name, frame.f_lineno))  # noqa: E731
+    _traced(tracer(record), lambda: f.write(ds, tmp_path / "counted"))
+    firsts = list(dict.fromkeys(points))
+    assert {name for name, _ in firsts} == {"take", "release"} and len(firsts) > 10
+    for point in firsts:
+        path = tmp_path / f"stopped_{point[0]}_{point[1]}"
+        path.mkdir()  # so that the first write takes the lock at its open
+
+        def statement(frame, point=point):
+            if (frame.f_code.co_name, frame.f_lineno) == point:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            _traced(tracer(statement), lambda path=path: f.write(ds, path))
+        f.write(ds, path)
+        assert f.write(ds, path).computed_rows == 0
+        free = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(free)
