@@ -61,8 +61,9 @@ catches another file, another batch size or an unseeded shuffle); the
 manifest's fields and each file's header, dtype, per-row shape, rows and size;
 then the last committed batch, read and computed again, against what is on
 disk (`Store.verify`). It then streams the rest with ``tfshard.row_index()``
-counting on from the rows on disk. A change between the first and the last
-committed batch cannot be seen.
+counting on from the rows on disk. A change that shows only in rows before the
+last committed batch (a function that differs only there, or the dataset after
+its first batch) cannot be seen.
 """
 
 from __future__ import annotations
