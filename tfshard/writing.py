@@ -1208,9 +1208,12 @@ def _check_outputs(
 ) -> None:
     """Raises ArgumentError when a resumed write's outputs differ from those written."""
     fix = "pass overwrite=True to replace it, or write to another path"
-    if _encode(structure, call) != outputs:
+    given = _encode(structure, call)
+    if given != outputs:
         old = [leaf["path"] for leaf in leaves]
         new = [record["path"] for record in records]
+        if old == new:  # the same leaves, in another structure: a dict's keys in another order
+            old, new = [repr(_decode(outputs, old))], [repr(_decode(given, new))]
         raise ArgumentError(
             f"{call}: the write there has outputs {', '.join(old)}; this function gives "
             f"{', '.join(new)}; {fix}"
