@@ -1403,3 +1403,17 @@ def test_ctrl_c_at_any_statement_of_taking_or_releasing_the_lock_leaves_it_free(
             fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(free)
+
+
+def test_a_resume_whose_dict_keys_come_in_another_order_is_refused_showing_the_orders(tmp_path):
+    x = rng_data(12, 2)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(4)
+    written = tfshard.parallelize(lambda s: {"a": s, "b": -s}, devices=CPUS[:2])
+    _stopped_after(written, ds, tmp_path / "w", 1)
+    swapped = tfshard.parallelize(lambda s: {"b": -s, "a": s}, devices=CPUS[:2])
+    with pytest.raises(ArgumentError) as caught:
+        swapped.write(ds, tmp_path / "w")
+    message = str(caught.value)
+    written, given = "{'a': \"output['a']\", 'b': \"output['b']\"}", "{'b': \"output['b']\", 'a':"
+    assert f"the write there has outputs {written}; this function gives {given}" in message
+    assert "4 rows (1 batches) are on disk" in message and "as before this call" in message
