@@ -590,8 +590,10 @@ class Store:
                         "code or weights) or the dataset up to that batch changed since it was "
                         "written, or the function is random (unseeded random ops give other "
                         "numbers every run: key them by tfshard.row_index() with stateless "
-                        "ops); resuming would mix two runs' results. Pass overwrite=True to "
-                        "write it anew, or write to another path"
+                        "ops), or its outputs depend on the split (tfshard.shard_index() with "
+                        "weights='auto', whose plan may differ between runs: key them by "
+                        "row_index(), or give fixed weights); resuming would mix two runs' "
+                        "results. Pass overwrite=True to write it anew, or write to another path"
                     )
 
     def append(self, result: Any, rows: int, *, empty: bool = False) -> None:
