@@ -218,6 +218,8 @@ def _directory(path: Any, call: str) -> str:
         raise ArgumentError(f"{call}: path={path!r} is bytes; give the directory as a str")
     if not path:
         raise ArgumentError(f"{call}: path is empty; name the directory (\".\" for this one)")
+    if "\0" in path:
+        raise ArgumentError(f"{call}: path={path!r} holds a NUL character, which no file name can")
     return path
 
 
@@ -336,9 +338,11 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
     try:
         manifest = _read_manifest(path)
     except ValueError as error:
+        fix = "write it again (f.write(dataset, path, overwrite=True))"
+        if not _listed_files(path):  # unreadable: overwrite=True could not tell its files
+            fix = "remove the directory, or write to another path"
         raise WriteError(
-            f"{call}: its {MANIFEST} is not a manifest this tfshard wrote ({error}); write "
-            "it again (f.write(dataset, path, overwrite=True))"
+            f"{call}: its {MANIFEST} is not a manifest this tfshard wrote ({error}); {fix}"
         ) from None
     except OSError as error:
         raise write_error(error, call, "nothing was read") from None
