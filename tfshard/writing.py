@@ -294,11 +294,21 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
       of them for a dict, a tuple for a tuple); a ragged leaf as a
       `tf.RaggedTensor` built from its memory-mapped parts.
 
+    It takes no lock, so a write that runs meanwhile goes on: it opens every
+    file the manifest names, reads the manifest again, and keeps what it read
+    only when that is the same write (equal but for the rows committed) and
+    each file it holds open is still the one of its name; the memory maps are
+    of those open files, which a later ``overwrite=True`` removes but cannot
+    change. So beside a write in progress it gives the rows committed when it
+    read (``partial=True``), and beside one that replaces the path, the old
+    write or the new one whole, trying again `LOAD_TRIES` times, never a mix.
+
     Raises:
       ArgumentError: `path` or `partial` is not what it should be, `path` holds
         no write, or one that has not finished.
       WriteError: the manifest or a file is not what the write left there
-        (damaged, truncated, edited by hand).
+        (damaged, truncated, edited by hand), with the fix that works there;
+        or another write replaced the path each time it was read.
 
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "twice")
@@ -311,38 +321,145 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
     path = _directory(path, "tfshard.load(path)")
     call = f"tfshard.load({path!r})"
     check_flag(partial, "partial", call)
+    for _ in range(LOAD_TRIES):
+        manifest = _loaded_manifest(path, call)
+        if manifest is None:
+            raise ArgumentError(
+                f"{call}: no {MANIFEST} there, so it holds no write; make one with "
+                "f.write(dataset, path)"
+            )
+        if not manifest["complete"] and not partial:
+            raise ArgumentError(
+                f"{call}: the write there has not finished ({manifest['rows']} "
+                f"rows in {manifest['batches']} batches so far); call "
+                f"{manifest['function']}.write(dataset, path) again to finish it, or pass "
+                "partial=True for the rows so far"
+            )
+        if manifest["leaves"] is None:
+            raise ArgumentError(
+                f"tfshard.load({path!r}, partial=True): no batch was written yet, so there is "
+                "nothing to load"
+            )
+        files = _open_files(path, manifest)  # held: a write that replaces them leaves them whole
+        try:
+            again = _loaded_manifest(path, call)  # the files opened are still this write's
+            if again is not None and _same_write(manifest, again) and _same_files(path, files):
+                _check_files(path, again, f"{call}: ", _load_fix(path), files)
+                values = []
+                for leaf in again["leaves"]:
+                    parts = [_mapped(part, files[part["file"]]) for part in leaf["parts"]]
+                    values.append(_KINDS[leaf["kind"]].from_parts(parts))
+                return _decode(again["outputs"], values)
+        finally:
+            _close_files(files)
+    raise WriteError(
+        f"{call}: another write is replacing the write there (overwrite=True): its "
+        f"{MANIFEST} or files changed while they were read, {LOAD_TRIES} times; call "
+        "tfshard.load again when that write has ended"
+    )
+
+
+# How often `load` reads a write again when another write replaced it while it read.
+LOAD_TRIES = 5
+# The manifest's fields a commit of the same write changes (and each part's "rows").
+_COMMITTED = ("complete", "rows", "batches", "last_batch_rows")
+
+
+def _loaded_manifest(path: str, call: str) -> dict[str, Any] | None:
+    """`_read_manifest` for `load`: its problems as the errors `load` raises."""
     try:
-        manifest = _read_manifest(path)
+        return _read_manifest(path)
     except ValueError as error:
         raise WriteError(
-            f"{call}: its {MANIFEST} is not a manifest this tfshard wrote ({error}); write "
-            "it again (f.write(dataset, path, overwrite=True))"
+            f"{call}: its {MANIFEST} is not a manifest this tfshard wrote ({error}); "
+            f"{_load_fix(path)}"
         ) from None
     except OSError as error:
         raise write_error(error, call, "nothing was read") from None
-    if manifest is None:
-        raise ArgumentError(
-            f"{call}: no {MANIFEST} there, so it holds no write; make one with "
-            "f.write(dataset, path)"
+
+
+def _load_fix(path: str) -> str:
+    """How to make `path` a write again: ``overwrite=True`` where its manifest names every
+    file there (a write replaces only files it can tell are a write's), else remove it."""
+    try:
+        others = set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST), *_listed_files(path)}
+    except OSError:
+        others = set()
+    if others:
+        return (
+            "remove the directory and write it again (a write removes only the files a "
+            "manifest names)"
         )
-    if not manifest["complete"] and not partial:
-        raise ArgumentError(
-            f"{call}: the write there has not finished ({manifest['rows']} "
-            f"rows in {manifest['batches']} batches so far); call "
-            f"{manifest['function']}.write(dataset, path) again to finish it, or pass "
-            "partial=True for the rows so far"
-        )
-    if manifest["leaves"] is None:
-        raise ArgumentError(
-            f"tfshard.load({path!r}, partial=True): no batch was written yet, so there is "
-            "nothing to load"
-        )
-    _check_files(path, manifest, f"{call}: ", "write it again (overwrite=True)")
-    values = []
-    for leaf in manifest["leaves"]:
-        parts = [_read_part(path, part) for part in leaf["parts"]]
-        values.append(_KINDS[leaf["kind"]].from_parts(parts))
-    return _decode(manifest["outputs"], values)
+    return "write it again (f.write(dataset, path, overwrite=True))"
+
+
+def _open_files(path: str, manifest: dict[str, Any]) -> dict[str, int | OSError]:
+    """Each file `manifest` names, open for reading, or why it could not be opened; close
+    them with `_close_files`."""
+    files: dict[str, int | OSError] = {}
+    try:
+        for leaf in manifest["leaves"] or ():
+            for part in leaf["parts"]:
+                try:
+                    files[part["file"]] = os.open(os.path.join(path, part["file"]), os.O_RDONLY)
+                except OSError as error:
+                    files[part["file"]] = error
+    except BaseException:
+        _close_files(files)
+        raise
+    return files
+
+
+def _close_files(files: dict[str, int | OSError]) -> None:
+    for fd in files.values():
+        if isinstance(fd, int):
+            os.close(fd)
+
+
+def _same_write(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether two manifests read at one path are of one write: equal but for what its
+    commits change (the rows, batches and whether it finished)."""
+
+    def kept(manifest: dict[str, Any]) -> dict[str, Any]:
+        leaves = manifest["leaves"]
+        if leaves is not None:
+            leaves = [
+                {**leaf, "parts": [{**part, "rows": None} for part in leaf["parts"]]}
+                for leaf in leaves
+            ]
+        fields = {key: value for key, value in manifest.items() if key not in _COMMITTED}
+        return {**fields, "leaves": leaves}
+
+    return kept(before) == kept(after)
+
+
+def _same_files(path: str, files: dict[str, int | OSError]) -> bool:
+    """Whether each open file is still the one its name in `path` leads to. A write
+    makes its files anew (it never reuses an old write's), so with the manifest read
+    after they were opened, the files are those that manifest describes."""
+    for name, fd in files.items():
+        try:
+            now = os.stat(os.path.join(path, name))
+        except OSError:
+            now = None
+        if isinstance(fd, int):
+            held = os.fstat(fd)
+            if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+                return False
+        elif isinstance(fd, FileNotFoundError) and now is not None:
+            return False  # made since: by a write that replaces these
+    return True
+
+
+def _mapped(part: dict[str, Any], fd: int) -> np.ndarray:
+    """A part's committed rows from its open file (checked by `_check_files`),
+    memory-mapped read-only (an empty array for none)."""
+    dtype, shape, rows = _dtype(part["dtype"]), tuple(part["shape"]), part["rows"]
+    if rows == 0:
+        return np.zeros((0, *shape), dtype)
+    with open(fd, "rb", closefd=False) as file:  # the map holds the file, not `fd`
+        offset = len(_header(dtype, 0, shape))
+        return np.memmap(file, dtype, mode="r", offset=offset, shape=(rows, *shape))
 
 
 # ----------------------------------------------------------------- the store
@@ -990,25 +1107,35 @@ def _known_dtype(name: str) -> bool:
     return True
 
 
-def _check_files(path: str, manifest: dict[str, Any], call: str, fix: str) -> None:
+def _check_files(
+    path: str, manifest: dict[str, Any], call: str, fix: str, files: dict[str, int] | None = None
+) -> None:
     """Raises WriteError unless every file holds what the manifest says it does.
 
     Each part's file must exist with a NumPy header of the manifest's dtype and
     per-row shape, counting at least the committed rows (exactly, once the
     write is finished), and be long enough for them; a ragged leaf's row
-    lengths must add up to the entries of its next part.
+    lengths must add up to the entries of its next part. `files`: the files,
+    open (`_open_files`; a missing one left out), read through these; None:
+    opened here.
     """
+    if files is None:
+        files = _open_files(path, manifest)
+        try:
+            return _check_files(path, manifest, call, fix, files)
+        finally:
+            _close_files(files)
     complete = manifest["complete"]
     for leaf in manifest["leaves"] or ():
         for part in leaf["parts"]:
             file = os.path.join(path, part["file"])
-            problem = _file_problem(file, part, complete)
+            problem = _file_problem(files[part["file"]], part, complete)
             if problem:
                 raise WriteError(f"{call}{file} {problem}: it was changed outside the write; {fix}")
         if leaf["kind"] == "ragged":
             parts = leaf["parts"]  # values, then the row lengths of each ragged dimension
             for outer, inner in zip(parts[1:], [*parts[2:], parts[0]]):
-                lengths = _read_part(path, outer)
+                lengths = _mapped(outer, files[outer["file"]])
                 if int(np.sum(lengths, dtype=np.int64)) != inner["rows"] or (lengths < 0).any():
                     file = os.path.join(path, outer["file"])
                     raise WriteError(
@@ -1016,21 +1143,26 @@ def _check_files(path: str, manifest: dict[str, Any], call: str, fix: str) -> No
                         f"{inner['rows']} entries of {inner['file']}: it was changed outside "
                         f"the write; {fix}"
                     )
+    return None
 
 
-def _file_problem(file: str, part: dict[str, Any], complete: bool) -> str:
-    """What is wrong with one part's file, or "" when it holds what `part` says."""
+def _file_problem(fd: int | OSError, part: dict[str, Any], complete: bool) -> str:
+    """What is wrong with one part's file (`fd`, open, or why it could not be opened), or
+    "" when it holds what `part` says."""
+    if isinstance(fd, FileNotFoundError):
+        return "is missing"
+    if isinstance(fd, OSError):
+        return f"cannot be read ({fd})"
     dtype, shape, rows = _dtype(part["dtype"]), tuple(part["shape"]), part["rows"]
     try:
-        with open(file, "rb") as opened:
-            major, minor = np.lib.format.read_magic(opened)
-            if (major, minor) != (1, 0):
-                return f"has a .npy header of version {major}.{minor}, not the 1.0 a write makes"
-            header, fortran, stored = np.lib.format.read_array_header_1_0(opened)
-            offset = opened.tell()
-            size = os.fstat(opened.fileno()).st_size
-    except FileNotFoundError:
-        return "is missing"
+        # A 1.0 header is at most 65535 bytes after its 10 of magic, version and length.
+        opened = io.BytesIO(os.pread(fd, 10 + 65535, 0))
+        major, minor = np.lib.format.read_magic(opened)
+        if (major, minor) != (1, 0):
+            return f"has a .npy header of version {major}.{minor}, not the 1.0 a write makes"
+        header, fortran, stored = np.lib.format.read_array_header_1_0(opened)
+        offset = opened.tell()
+        size = os.fstat(fd).st_size
     except (OSError, ValueError, SyntaxError, EOFError) as error:
         return f"has no readable .npy header ({error})"
     if offset != len(_header(dtype, 0, shape)):
