@@ -214,3 +214,83 @@ def test_files_that_disagree_with_their_manifest_are_refused_with_overwrite_as_t
         tfshard.load(path)
     function.write(_dataset(), path, overwrite=True)  # the fix load gave works
     assert _which(tfshard.load(path), (1.0,)) == 1.0
+
+
+def _swap(manifest):
+    (_, a), (_, b) = manifest["outputs"]["dict"]
+    a["leaf"], b["leaf"] = b["leaf"], a["leaf"]
+
+
+EDITS = {
+    "a leaf number past the leaves": lambda m: m["outputs"]["dict"][0].__setitem__(1, {"leaf": 5}),
+    "a leaf number that is a str": lambda m: m["outputs"]["dict"][0].__setitem__(1, {"leaf": "x"}),
+    "a leaf number that is a bool": lambda m: m["outputs"]["dict"][1].__setitem__(
+        1, {"leaf": True}
+    ),
+    "no structure": lambda m: m.__setitem__("outputs", {}),
+    "one leaf of two": lambda m: m.__setitem__("outputs", {"leaf": 0}),
+    "a leaf twice": lambda m: m["outputs"]["dict"][1].__setitem__(1, {"leaf": 0}),
+    "leaves swapped": _swap,
+    "a key twice": lambda m: m["outputs"]["dict"][1].__setitem__(0, "a"),
+    "keys of two types": lambda m: m["outputs"]["dict"][1].__setitem__(0, 3),
+    "a dict item that is not a pair": lambda m: m["outputs"]["dict"].append(["c"]),
+    "a namedtuple with fewer fields": lambda m: m.__setitem__(
+        "outputs", {"namedtuple": "P", "fields": ["x"], "items": [{"leaf": 0}, {"leaf": 1}]}
+    ),
+    "a namedtuple with a bad field": lambda m: m.__setitem__(
+        "outputs", {"namedtuple": "P", "fields": ["x", "1"], "items": [{"leaf": 0}, {"leaf": 1}]}
+    ),
+    "an unknown node": lambda m: m.__setitem__("outputs", {"set": [{"leaf": 0}, {"leaf": 1}]}),
+    "a leaf's path elsewhere": lambda m: m["leaves"][0].__setitem__("path", "output['c']"),
+    "a leaf's path that is an int": lambda m: m["leaves"][0].__setitem__("path", 5),
+    "an element that is not pairs": lambda m: m["dataset"].__setitem__("element", [1, 2]),
+    "an element of numbers": lambda m: m["dataset"].__setitem__("element", [["element", 1]]),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_manifest_whose_structure_or_element_is_edited_is_refused_by_load_and_write(
+    tmp_path, edit
+):
+    path = tmp_path / "w"
+    function = _scaled(1.0)
+    function.write(_dataset(), path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    EDITS[edit](manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    damaged = "is not a manifest this tfshard wrote"
+    with pytest.raises(WriteError, match=damaged):
+        tfshard.load(path)
+    with pytest.raises(WriteError, match=damaged):
+        function.write(_dataset(), path)
+    function.write(_dataset(), path, overwrite=True)  # the fix both give
+    assert _which(tfshard.load(path), (1.0,)) == 1.0
+
+
+def test_a_manifest_nested_deeper_than_json_reads_is_refused_as_damaged(tmp_path):
+    path = tmp_path / "w"
+    _scaled(1.0).write(_dataset(), path)
+    deep = '{"format": "tfshard.write", "version": 2, "outputs": ' + "[" * 10**5 + "]" * 10**5
+    (path / "manifest.json").write_text(deep + "}")
+    with pytest.raises(WriteError, match="is not a manifest this tfshard wrote.*remove the dir"):
+        tfshard.load(path)
+
+
+def test_every_structure_write_makes_passes_the_manifest_check(tmp_path):
+    """Int keys, lists, tuples and namedtuples, nested: load rebuilds each, leaf by leaf."""
+    import collections
+
+    Point = collections.namedtuple("Point", "y x")
+
+    def structured(s):
+        return {2: [s, (s[0],)], 10: Point(y=s * 3.0, x={"k": s[1]})}
+
+    function = tfshard.parallelize(structured, devices=CPUS[:2])
+    function.write(_dataset(), tmp_path / "w")
+    got, x = tfshard.load(tmp_path / "w"), _inputs()
+    assert list(got) == [2, 10] and isinstance(got[2], list)
+    assert type(got[10]).__name__ == "Point" and got[10]._fields == Point._fields
+    np.testing.assert_array_equal(got[2][0], x)
+    np.testing.assert_array_equal(got[2][1][0], x[:, 0])
+    np.testing.assert_array_equal(got[10].y, x * np.float32(3.0))
+    np.testing.assert_array_equal(got[10].x["k"], x[:, 1])

@@ -385,6 +385,8 @@ def _load_fix(path: str) -> str:
         others = set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST), *_listed_files(path)}
     except OSError:
         others = set()
+    except RecursionError:  # a manifest nested deeper than JSON reads names no file
+        others = set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST)}
     if others:
         return (
             "remove the directory and write it again (a write removes only the files a "
@@ -1026,7 +1028,7 @@ def _read_manifest(path: str) -> dict[str, Any] | None:
         return None
     try:
         manifest = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ValueError("it is not JSON") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError("its format is not tfshard.write")
@@ -1059,7 +1061,9 @@ def _check_schema(manifest: dict[str, Any]) -> None:
         need(manifest, "last_batch_rows", "", int, lambda n: 0 <= n <= rows)
     need(manifest, "function", "", str)
     dataset = need(manifest, "dataset", "", dict)
-    need(dataset, "element", "dataset.", list)
+    pair = lambda item: isinstance(item, list) and len(item) == 2  # noqa: E731
+    strings = lambda items: all(pair(i) and all(isinstance(s, str) for s in i) for i in items)  # noqa: E731
+    need(dataset, "element", "dataset.", list, strings)
     known = need(dataset, "batches", "dataset.", (int, type(None)))
     need(dataset, "first_batch", "dataset.", (str, type(None)))
     if known is not None and (batches > known or (manifest["complete"] and batches != known)):
@@ -1074,6 +1078,8 @@ def _check_schema(manifest: dict[str, Any]) -> None:
         replaced = need(manifest, "replaces", "", list, lambda names: leaves is None)
         if not all(isinstance(name, str) and _plain_file_name(name) for name in replaced):
             raise ValueError(f"replaces is {replaced!r}")
+    if leaves is not None:
+        _check_structure(manifest["outputs"], leaves)
     files = set()
     for i, leaf in enumerate(leaves or ()):
         where = f"leaves[{i}]."
@@ -1093,6 +1099,83 @@ def _check_schema(manifest: dict[str, Any]) -> None:
         own = parts[_KINDS[kind].ROWS_PART]["rows"]
         if own != rows:
             raise ValueError(f"{where[:-1]} has {own} rows, not the write's {rows}")
+
+
+def _check_structure(outputs: dict[str, Any], leaves: list[Any]) -> None:
+    """Raises ValueError unless `outputs` is a structure `_encode` writes that holds each of
+    `leaves` once, at the path the leaf's record names."""
+    found: dict[int, list[Any]] = {}  # each leaf's labels on the way to it
+
+    def walk(node: Any, labels: list[Any]) -> None:
+        shown = repr(node) if len(repr(node)) <= 60 else repr(node)[:57] + "..."
+        wrong = ValueError(f"outputs holds {shown}, which is not a structure tfshard writes")
+        fields = set(node) if isinstance(node, dict) else None
+        if fields == {"leaf"}:
+            number = node["leaf"]
+            if type(number) is not int or not 0 <= number < len(leaves) or number in found:
+                raise ValueError(f"outputs holds {shown}: not one of its {len(leaves)} leaves once")
+            found[number] = labels
+        elif fields == {"dict"}:
+            items = node["dict"]
+            if not isinstance(items, list) or not all(
+                isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)
+                for item in items
+            ):
+                raise wrong
+            names = [name for name, _ in items]
+            try:
+                sorted(names)  # the leaf order (`_key`): keys of one type
+            except TypeError:
+                raise wrong from None
+            if len(set(names)) != len(names):
+                raise wrong
+            for name, child in items:
+                walk(child, [*labels, name])
+        elif fields in ({"tuple"}, {"list"}, {"namedtuple", "fields", "items"}):
+            items = node.get("items", node.get("tuple", node.get("list")))
+            if not isinstance(items, list):
+                raise wrong
+            if "namedtuple" in node:
+                try:
+                    named = namedtuple(node["namedtuple"], node["fields"])  # noqa: PYI024
+                except (TypeError, ValueError):
+                    raise wrong from None
+                if len(named._fields) != len(items):
+                    raise wrong
+            for i, child in enumerate(items):
+                walk(child, [*labels, i])
+        else:
+            raise wrong
+
+    try:
+        walk(outputs, [])
+    except RecursionError:
+        raise ValueError("outputs is nested deeper than any structure tfshard writes") from None
+    if len(found) != len(leaves):
+        raise ValueError(f"outputs holds {len(found)} of its {len(leaves)} leaves")
+    for number, labels in found.items():
+        where = leaves[number].get("path") if isinstance(leaves[number], dict) else None
+        if not isinstance(where, str) or not _at(where, labels):
+            raise ValueError(
+                f"leaves[{number}].path is {where!r}, but outputs has that leaf at "
+                f"output{''.join(f'[{label!r}]' for label in labels)}"
+            )
+
+
+def _at(where: str, labels: list[Any]) -> bool:
+    """Whether `where` is the path `_trees.paths` gives the leaf at `labels` (keys and
+    indices; an attrs field, which the manifest keeps as a dict's key, as ``.name``)."""
+    rest = where.removeprefix("output")
+    if rest == where:
+        return False
+    for label in labels:
+        for shown in (f"[{label!r}]", f".{label}" if isinstance(label, str) else None):
+            if shown is not None and rest.startswith(shown):
+                rest = rest[len(shown) :]
+                break
+        else:
+            return False
+    return not rest
 
 
 def _plain_file_name(name: str) -> bool:
