@@ -8,6 +8,7 @@ interleavings are exact, not left to timing.
 """
 
 import json
+import pathlib
 import sys
 
 import numpy as np
@@ -294,3 +295,13 @@ def test_every_structure_write_makes_passes_the_manifest_check(tmp_path):
     np.testing.assert_array_equal(got[2][1][0], x[:, 0])
     np.testing.assert_array_equal(got[10].y, x * np.float32(3.0))
     np.testing.assert_array_equal(got[10].x["k"], x[:, 1])
+
+
+@pytest.mark.parametrize("kind", [str, pathlib.Path], ids=["str", "Path"])
+def test_a_path_with_a_nul_character_is_refused_naming_the_argument(tmp_path, kind):
+    path = kind(str(tmp_path / "a\0b"))
+    with pytest.raises(ArgumentError, match=r"path='.*a\\x00b' holds a NUL character"):
+        tfshard.load(path)
+    with pytest.raises(ArgumentError, match=r"write\(dataset, path\): path=.* holds a NUL"):
+        _scaled(1.0).write(_dataset(), path)
+    assert list(tmp_path.iterdir()) == []

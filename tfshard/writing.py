@@ -214,6 +214,11 @@ def _directory(path: Any, call: str) -> str:
         raise ArgumentError(f"{call}: path={path!r} is bytes; give the directory as a str")
     if not path:
         raise ArgumentError(f"{call}: path is empty; name the directory (\".\" for this one)")
+    if "\0" in path:
+        raise ArgumentError(
+            f"{call}: path={path!r} holds a NUL character (\\x00), which no file name can; "
+            "name the directory without it"
+        )
     return path
 
 
