@@ -283,6 +283,24 @@ def test_replicas_are_shared_by_functions_on_the_same_devices_and_retrace():
     assert not any(r.remote for s in _reads(g, x) for r in s)
 
 
+def test_replicas_scopes_of_other_devices_do_not_nest_and_say_so():
+    f = tfshard.parallelize(lambda x: x, devices=DEVICES[:2])
+    g = tfshard.parallelize(lambda x: x, devices=DEVICES[1:])
+    with f.replicas(), f.replicas():  # the same devices: one scope, entered twice
+        w = tf.Variable(1.0)
+    assert Replicas.find(DEVICES[:2]).holds(w)
+    nested = r"do not nest .*Leave the other scope"
+    with f.replicas(), pytest.raises(ArgumentError, match=nested), g.replicas():
+        pass
+    strategy = tf.distribute.MirroredStrategy(DEVICES[1:])  # the user's own strategy too
+    inside = r"inside another distribution"
+    with strategy.scope(), pytest.raises(ArgumentError, match=inside), f.replicas():
+        pass
+    with g.replicas():  # nothing was left entered
+        v = tf.Variable(2.0)
+    assert Replicas.find(DEVICES[1:]).holds(v)
+
+
 def test_forget_all_forgets_every_set_of_replicas_and_the_functions_retrace():
     traces = []
 

@@ -369,6 +369,7 @@ SCENARIOS = (
     "mid_data",
     "mid_header",
     "mid_manifest",
+    "mid_make",
     "sigint",
     "full_disk",
 )
@@ -465,6 +466,24 @@ def test_a_write_killed_anywhere_resumes_to_the_uninterrupted_files(
     manifest = _resume_and_compare(path, reference / "job", write_job.dataset())
     assert manifest["batches"] == committed
     assert manifest["rows"] == 8 * committed
+
+
+def test_an_overwrite_killed_between_its_manifest_and_the_old_files_removal_resumes(
+    children, reference
+):
+    # Killed in overwrite=True of another function's write (old.npy, y.npy), once the new
+    # write's manifest is on disk and before old.npy is removed: the new write, no batch yet.
+    code, out, err, path, _ = children["mid_make"]
+    assert code == -signal.SIGKILL, (out, err[-3000:])
+    assert {"manifest.json", "old.npy"} <= set(os.listdir(path))
+    with pytest.raises(ArgumentError, match="the write there has not finished"):
+        tfshard.load(path)
+    f, rows = _counted()
+    assert f.write(write_job.dataset(), path).computed_rows == write_job.ROWS == sum(rows)
+    assert _files(path) == _files(reference / "job")  # old.npy gone: it was the old write's
+    # And an overwrite of it, as of any write.
+    assert f.write(write_job.dataset(), path, overwrite=True).computed_rows == write_job.ROWS
+    assert _files(path) == _files(reference / "job")
 
 
 def test_ctrl_c_stops_a_write_saying_where_and_it_resumes(children, reference):
@@ -967,9 +986,10 @@ def test_a_write_that_fails_before_its_first_batch_leaves_a_new_path_missing(tmp
     path = tmp_path / "new" / "job"  # its parent is missing too
     message = _refused_before_its_first_batch(fails, lambda f: f.write(ds, path))
     assert os.listdir(tmp_path) == []
+    assert f"nothing was written ({str(path)!r} is as it was before this call)" in message
+    assert "again" not in message  # calling it again as it is would fail the same way
     if fails == "run":
         assert "stopped in batch 0 of the dataset, whose rows start at row 0" in message
-        assert f"nothing was written ({str(path)!r} is as it was before this call)" in message
     # Fixed, it writes what an uninterrupted write writes, byte for byte.
     assert _job().write(ds, path).computed_rows == 20
     _job().write(ds, tmp_path / "uninterrupted")
@@ -997,8 +1017,8 @@ def test_a_write_that_fails_before_its_first_batch_leaves_an_unfinished_write_un
     assert json.loads(before["manifest.json"])["rows"] == 8
     message = _refused_before_its_first_batch(fails, lambda f: f.write(ds, path))
     assert _files(path) == before  # byte for byte, and no other file
-    if fails == "run":  # the last committed batch, computed again to check it, failed
-        assert f"8 rows (2 batches) are on disk in {str(path)!r}" in message
+    # The last committed batch, computed again to check it, failed.
+    assert f"8 rows (2 batches) are on disk in {str(path)!r}, as before this call" in message
     # Fixed, it resumes to what an uninterrupted write writes, byte for byte.
     assert _job().write(ds, path).computed_rows == 12
     _job().write(ds, tmp_path / "uninterrupted")
@@ -1021,8 +1041,8 @@ def test_an_overwrite_that_fails_before_its_first_batch_leaves_the_old_write_who
     )
     assert _files(path) == before  # byte for byte, and no other file
     np.testing.assert_array_equal(tfshard.load(path), -x)
-    if fails == "run":
-        assert f"nothing was written ({str(path)!r} is as it was before this call)" in message
+    assert f"nothing was written ({str(path)!r} is as it was before this call)" in message
+    assert "again" not in message
     # Fixed, it replaces the old write with what an uninterrupted write writes, byte for byte.
     assert _job().write(ds, path, overwrite=True).computed_rows == 20
     _job().write(ds, tmp_path / "uninterrupted")
@@ -1080,3 +1100,213 @@ def test_a_write_to_a_missing_path_that_another_takes_meanwhile_is_refused_at_it
         f.write(ds, done)
     assert _files(done) == finished
     assert _job().write(ds, done).computed_rows == 0  # that write, checked: it is finished
+
+
+def test_a_symbolic_link_to_nothing_is_refused_at_open_naming_the_fix(tmp_path):
+    # The path, or a missing folder above it, is a link whose target is missing (or a loop
+    # of links): making the directory through it would fail, so the write is refused at its
+    # open, before anything runs (the function given fails when it runs: it never does).
+    _, ds = _first_batch_data()
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for path, link in (
+        (tmp_path / "link", tmp_path / "link"),
+        (tmp_path / "link" / "a" / "b", tmp_path / "link"),
+        (tmp_path / "loop" / "a", tmp_path / "loop"),
+    ):
+        with pytest.raises(ArgumentError) as caught:
+            _job("run").write(ds, path)
+        message = str(caught.value)
+        assert f"{str(link)!r} is a symbolic link to {os.readlink(link)!r}" in message, message
+        assert "make the directory it points to, remove the link" in message, message
+        assert "again" not in message
+    assert sorted(os.listdir(tmp_path)) == ["link", "loop"]
+    # The first fix it names: the directory it points to, made, is written through the link.
+    (tmp_path / "nowhere").mkdir()
+    assert _job().write(ds, tmp_path / "link" / "a").computed_rows == 20
+    _job().write(ds, tmp_path / "uninterrupted")
+    assert _files(tmp_path / "nowhere" / "a") == _files(tmp_path / "uninterrupted")
+
+
+def _states_in_make(path, write):
+    """`write()`, and what `path` held at each statement its store's `_make` ran (its own
+    and those of what it calls in tfshard/writing.py) and at its return, in order: a dict
+    of file name to bytes, or None where `path` was missing. A SIGKILL at a statement
+    leaves what the disk holds there (the store writes with `os.write`: nothing waits in
+    the process's buffers), so these are the states a kill in `_make` can leave."""
+    make = writing.Store._make.__code__
+    states = []
+    inside = [False]
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != writing.__file__:
+            return None
+        inside[0] = inside[0] or (event == "call" and frame.f_code is make)
+        if inside[0] and event in ("line", "return"):
+            states.append(_files(path) if path.is_dir() else None)
+        if event == "return" and frame.f_code is make:
+            inside[0] = False
+        return tracer
+
+    _traced(tracer, write)
+    return states
+
+
+@pytest.mark.parametrize("where", ["overwrite", "missing"])
+def test_a_write_killed_at_any_statement_of_its_make_leaves_the_old_write_or_the_new(
+    tmp_path, where
+):
+    """Each state a kill in `_make` can leave (`_states_in_make`) under overwrite=True of
+    another function's write (old.npy and y.npy, which the job writes too), or of a missing
+    path: `load` gives the old write whole or refuses (the new one has no batch), never a
+    mix; then the job called again as it was (and an overwrite=True of it) writes what an
+    uninterrupted write does, byte for byte. On d3d0766 a kill after the new manifest left
+    old.npy, which a later overwrite=True refused as not a write's."""
+    x, ds = _first_batch_data()
+    _job().write(ds, tmp_path / "uninterrupted")
+    want = _files(tmp_path / "uninterrupted")
+    path = tmp_path / "job"
+    if where == "overwrite":
+        tfshard.parallelize(lambda s: {"old": -s, "y": s}, devices=CPUS[:2]).write(ds, path)
+    old = _files(path) if path.exists() else None
+    states = _states_in_make(path, lambda: _job().write(ds, path, overwrite=where == "overwrite"))
+    assert len(states) > 15 and _files(path) == want
+    distinct = []
+    for state in states:
+        if state not in distinct:
+            distinct.append(state)
+    # The old write whole, then (overwrite) its manifest's temporary, then the new manifest
+    # with old.npy and y.npy, then without them.
+    assert distinct[0] == old and len(distinct) >= (4 if where == "overwrite" else 3)
+    for i, state in enumerate(distinct):
+        killed = tmp_path / f"killed{i}"
+        if state is not None:
+            killed.mkdir()
+            for name, data in state.items():
+                (killed / name).write_bytes(data)
+        try:
+            loaded = tfshard.load(killed)
+        except ArgumentError as error:  # no write there, or the new one with no batch yet
+            assert "no manifest.json there" in str(error) or "has not finished" in str(error)
+            loaded = None
+        manifest = json.loads((state or {}).get("manifest.json", "null"))
+        new = manifest is not None and manifest["function"] == "job"
+        if loaded is not None:  # the old write, whole
+            assert not new
+            np.testing.assert_array_equal(loaded["old"], -x)
+            np.testing.assert_array_equal(loaded["y"], x)
+            with pytest.raises(ArgumentError, match=r"the write there is '<lambda>''s, not 'j"):
+                _job().write(ds, killed)  # another function's write: overwrite=True replaces it
+        else:
+            assert new or manifest is None  # the new write, or no write there
+            assert _job().write(ds, killed).computed_rows == 20, i
+            assert _files(killed) == want, i
+        assert _job().write(ds, killed, overwrite=True).computed_rows == 20, i
+        assert _files(killed) == want, i
+
+
+def test_a_path_that_cannot_be_made_at_the_first_batch_says_nothing_was_written(tmp_path):
+    # The folder above the path is missing at open and a file when the first batch is in
+    # hand (another program made it meanwhile): the directory cannot be made, which a call
+    # again would meet too, so the error says so without advising one.
+    _, ds = _first_batch_data()
+    path = tmp_path / "folder" / "job"
+
+    def take(rows):
+        if not (tmp_path / "folder").exists():
+            (tmp_path / "folder").write_text("a file")
+        return rows
+
+    def job(x):
+        seen = tf.py_function(take, [tf.shape(x)[0]], tf.int32)
+        with tf.control_dependencies([seen]):
+            return {"y": x * 2.0 + 1.0, "row": tfshard.row_index()}
+
+    f = tfshard.parallelize(job, per_sample=False, devices=CPUS[:2])
+    with pytest.raises(WriteError) as caught:
+        f.write(ds, path)
+    message = str(caught.value)
+    assert caught.value.filename == str(path) and "Not a directory" in message, message
+    assert f"nothing was written ({str(path)!r} is as it was before this call)" in message
+    assert "again" not in message
+    assert os.listdir(tmp_path) == ["folder"] and not path.exists()
+
+
+@pytest.mark.parametrize("again", ["resumed", "overwritten"])
+def test_a_write_stopped_before_its_first_commit_leaves_files_it_removes_again(
+    tmp_path, monkeypatch, again
+):
+    # The first batch's files are made, and the disk is too small for their reservation: the
+    # write stops before its first commit. Its manifest names those files as its own, so the
+    # write called again (or overwrite=True) removes them and writes the uninterrupted files.
+    errno = pytest.importorskip("errno")
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no reservation on this platform")
+    _, ds = _first_batch_data()
+    path = tmp_path / "job"
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "posix_fallocate", full)
+        with pytest.raises(WriteError, match="the disk is full; free some space"):
+            _job().write(ds, path)
+    assert {"row.npy", "y.npy", "manifest.json"} <= set(os.listdir(path))
+    assert json.loads((path / "manifest.json").read_text())["leaves"] is None
+    with pytest.raises(ArgumentError, match="the write there has not finished"):
+        tfshard.load(path)
+    _job().write(ds, tmp_path / "uninterrupted")
+    overwrite = again == "overwritten"
+    assert _job().write(ds, path, overwrite=overwrite).computed_rows == 20
+    assert _files(path) == _files(tmp_path / "uninterrupted")
+
+
+def test_a_load_that_another_write_replaces_meanwhile_refuses_rather_than_mixing(tmp_path):
+    # Another write overwrites the path (its files of the same names) while a load has read
+    # the first leaf and not the second: the load refuses, rather than giving one write's
+    # "a" with the other's "b"; loaded again, it gives the new write whole.
+    x, ds = _first_batch_data()
+    path = tmp_path / "job"
+    tfshard.parallelize(lambda s: {"a": s, "b": -s}, devices=CPUS[:2]).write(ds, path)
+    other = tfshard.parallelize(lambda s: {"a": s + 100.0, "b": -s - 100.0}, devices=CPUS[:2])
+    overwritten = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not writing.load.__code__:
+            return None
+        if event == "line" and len(frame.f_locals.get("values", ())) == 1 and not overwritten:
+            overwritten.append(other.write(ds, path, overwrite=True))
+        return tracer
+
+    with pytest.raises(WriteError, match=r"changed while it was read \(another write is wr"):
+        _traced(tracer, lambda: tfshard.load(path))
+    assert overwritten and overwritten[0].computed_rows == 20
+    got = tfshard.load(path)
+    np.testing.assert_array_equal(got["a"], x + 100.0)
+    np.testing.assert_array_equal(got["b"], -x - 100.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "change"),
+    [(tf.bfloat16, [1.05, 1.05]), (tf.float16, [1.01, 1.01]), (tf.float32, [1.0, 1.0 + 1e-6])],
+)
+def test_a_resume_refuses_a_change_of_low_precision_or_small_outputs(tmp_path, dtype, change):
+    # Weights changed before the resume by a few percent (bfloat16: eps 2**-7), 1% (float16)
+    # or, in float32, beside a column of 1e6 (the row's largest value scales the rounding
+    # allowed), a relative 1e-6 of the small column: each refused, not mixed; unchanged, the
+    # resume goes on to the uninterrupted write (its rows as numpy computes them).
+    x = np.random.default_rng(3).uniform(1, 2, size=[40, 2]).astype(np.float32)
+    if dtype == tf.float32:
+        x[:, 1] = 1e6
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(8)
+    weights = tf.Variable([1.0, 1.0])
+    f = tfshard.parallelize(lambda s: tf.cast(s * weights, dtype), devices=CPUS[:2])
+    _stopped_after(f, ds, tmp_path / "w", 3)
+    weights.assign(change)
+    with pytest.raises(ArgumentError, match="the batch 2 computed again differs from what is on"):
+        f.write(ds, tmp_path / "w")
+    weights.assign([1.0, 1.0])
+    assert f.write(ds, tmp_path / "w").computed_rows == 16
+    want = tf.cast(x, dtype).numpy()
+    np.testing.assert_array_equal(tfshard.load(tmp_path / "w"), want)

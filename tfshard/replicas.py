@@ -192,6 +192,9 @@ class Replicas:
                     Replicas.generation += 1
             return variable
 
+        other = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        if other is not None and other is not self.strategy:
+            raise ArgumentError(_nested_scopes(self.devices, other))
         with self.strategy.scope(), tf.variable_creator_scope(record):
             yield
 
@@ -266,6 +269,18 @@ def _made_from_the_trace(name: Any, initial: Any, where: str) -> str:
         "callable (tf.Variable(lambda: tf.random.normal(...))), as Keras layers do, or "
         "create the variable before the call, inside `with f.replicas():` (build a Keras "
         "model there: model.build(input_shape), or call it once)"
+    )
+
+
+def _nested_scopes(devices: Sequence[str], other: Any) -> str:
+    """Why a replicas scope cannot be entered inside the scope of `other`, a strategy."""
+    held = getattr(other.extended, "worker_devices", ())
+    where = f" (on {', '.join(held)})" if held else ""
+    return (
+        f"replicas: a scope for {', '.join(devices)} is entered inside another "
+        f"distribution scope{where}: a variable gets its copies on one set of devices, "
+        "so these scopes do not nest (nor do MirroredStrategy's). Leave the other scope "
+        "first, or make the functions that share the variables on the same devices"
     )
 
 

@@ -15,9 +15,9 @@ a missing directory missing, an unfinished write unchanged, and a write that
 was missing) and locked, the manifest written, and the old write's files
 removed; a second write to the path is refused at its open (the directory
 existed) or at its first batch (it did not). Until its first commit, the new
-manifest names the old write's files it replaces, so a process killed
-anywhere in this leaves the old write whole or the new one with no batch,
-which removes them when it resumes or is overwritten.
+manifest names the old write's files and its own (``replaces``), so a write
+killed or stopped before then leaves the old write whole or the new one with
+no batch, which removes them when it resumes or is overwritten.
 
 The format: `path` is a directory holding
 
@@ -96,6 +96,9 @@ MANIFEST = "manifest.json"
 # (syncs of what the kernel is already writing back, below) and bounds what a crash
 # loses to about a second of batches. 0 commits after every batch.
 COMMIT_SECONDS = 1.0
+# How far a float computed again may be from the one on disk, in eps of its dtype, of the
+# larger of it and its row's largest value (`_difference`).
+ROUNDING = 4
 # Each leaf's kind by its name in the manifest (the kinds own how a value is parts).
 _KINDS: dict[str, _kinds.Kind] = {"dense": _kinds.Dense, "ragged": _kinds.Ragged}
 
@@ -519,8 +522,8 @@ class Store:
         # A new write (`replaces` given: the files of an old write there, which
         # overwrite=True replaces) has its manifest in memory only, until its first
         # batch's outputs are in hand (`_make`); until then `path` is as it was. A
-        # manifest of no batch yet may still name an old write's files it replaces (a
-        # kill came before `_make` removed them all): they go at this write's first batch.
+        # manifest of no batch yet may still name files a stopped write left there
+        # (`_make`): they go at this write's first batch.
         self._on_disk = replaces is None
         self._replaces = list(manifest.get("replaces") or () if replaces is None else replaces)
         self._changed = False  # whether this write changed anything on disk yet
@@ -761,8 +764,7 @@ class Store:
         else:
             records = _records(values, structure, parts)
             outputs = _encode(structure, self._call)  # refuses keys no file is named by
-            self._changed = True
-            self._make()
+            self._make([part["file"] for record in records for part in record["parts"]])
             self._structure = structure
             self._files = []
             for record in records:  # each file closed by `close`, however this ends
@@ -780,22 +782,25 @@ class Store:
                 # The part with one entry per row (a ragged leaf's values have no known length).
                 columns[_KINDS[leaf["kind"]].ROWS_PART].reserve(expected * rows)
 
-    def _make(self) -> None:
+    def _make(self, files: list[str]) -> None:
         """A new write on disk, with no batch yet: its directory (made and locked here if it
         was missing at `open`), its manifest, then the old write's files removed (those
-        `overwrite=True` replaces, which stay whole until now).
+        `overwrite=True` replaces, which stay whole until now); `files`: those it makes next.
 
-        The manifest names the files it replaces until the first commit, so
-        wherever a kill stops this, the path holds the old write whole (before
-        the manifest's `os.replace`) or the new write with no batch, which
-        counts the old files left as its own: a resume (at its first batch, here)
-        or an ``overwrite=True`` removes them.
+        Until the first commit the manifest names, as ``replaces``, the old
+        write's files and `files`, so wherever a kill or an error stops the
+        write before then, the path holds the old write whole (before the
+        manifest's `os.replace`) or the new write with no batch, which counts
+        the files left as its own: a resume (at its first batch, here) or an
+        ``overwrite=True`` removes them.
         """
         if self._on_disk:  # the manifest is there already (a write of no batch yet)
+            self._changed = True
             self._removed()
             return
         if self._lock < 0:
-            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(self.path, exist_ok=True)  # failing, it leaves `path` missing
+            self._changed = True
             self._lock = _locks.take(self.path, self._call)
             if os.listdir(self.path):
                 raise WriteError(
@@ -803,9 +808,10 @@ class Store:
                     f"computed its first batch; call {self._call} again to check and resume "
                     "that write, or write to another path"
                 )
-        replaces = {"replaces": self._replaces} if self._replaces else {}
-        _replace(os.path.join(self.path, MANIFEST), _encoded({**self._manifest, **replaces}))
-        self._on_disk = True
+        replaces = [*self._replaces, *(file for file in files if file not in self._replaces)]
+        manifest = {**self._manifest, "replaces": replaces}
+        _replace(os.path.join(self.path, MANIFEST), _encoded(manifest))
+        self._changed = self._on_disk = True  # failing, it left the old manifest (`_replace`)
         self._removed()
 
     def _removed(self) -> None:
@@ -1079,7 +1085,7 @@ def _check_schema(manifest: dict[str, Any]) -> None:
         raise ValueError("its outputs and leaves disagree")
     if leaves is None and manifest["complete"]:
         raise ValueError("a finished write without leaves")
-    if "replaces" in manifest:  # the old write's files, until the new write's first commit
+    if "replaces" in manifest:  # an old write's files and its own, until its first commit
         replaced = need(manifest, "replaces", "", list, lambda names: leaves is None)
         if not all(isinstance(name, str) and _plain_file_name(name) for name in replaced):
             raise ValueError(f"replaces is {replaced!r}")
@@ -1270,9 +1276,11 @@ def _file_problem(fd: int | OSError, part: dict[str, Any], complete: bool) -> st
 def _difference(got: np.ndarray, stored: np.ndarray) -> str:
     """How a part computed again differs from the same entries on disk; "" when equal.
 
-    Integers and bools must be equal; floats within a few units of their
-    precision of the part's largest magnitude (another split may round another
-    way), NaN where NaN.
+    Integers and bools must be equal; floats within `ROUNDING` units of their
+    dtype's precision (eps) of the larger of the value and its row's largest
+    finite magnitude (another split of the batch, or a GPU's reductions, may round
+    another way), NaN where NaN: a function or weights changed by more than
+    that is refused, in bfloat16 (eps 2**-7) a change of about 3%.
     """
     if got.shape != stored.shape:
         return f"{len(got)} entries computed, {len(stored)} there"
@@ -1280,12 +1288,16 @@ def _difference(got: np.ndarray, stored: np.ndarray) -> str:
         if np.array_equal(got, stored):
             return ""
         return f"{int(np.sum(got != stored))} of {got.size} values differ"
+    if not got.size:
+        return ""
     wide = np.asarray(got).astype(np.complex128 if got.dtype.kind == "c" else np.float64)
     there = np.asarray(stored).astype(wide.dtype)
-    tolerance = 16 * float(_finfo(got.dtype).eps)
-    finite = np.isfinite(there)
-    scale = float(np.max(np.abs(there[finite]), initial=0.0))
-    close = np.isclose(wide, there, rtol=tolerance, atol=tolerance * scale, equal_nan=True)
+    tolerance = ROUNDING * float(_finfo(got.dtype).eps)
+    magnitude = np.where(np.isfinite(there), np.abs(there), 0.0).reshape(len(there), -1)
+    scale = np.max(magnitude, axis=1, initial=0.0).reshape((-1,) + (1,) * (there.ndim - 1))
+    with np.errstate(invalid="ignore"):  # inf - inf: isclose says whether they are equal
+        near = np.abs(wide - there) <= tolerance * scale
+    close = np.isclose(wide, there, rtol=tolerance, atol=0.0, equal_nan=True) | near
     if close.all():
         return ""
     worst = float(np.max(np.abs(wide - there)[~close]))
@@ -1302,7 +1314,7 @@ def _listed_files(path: str) -> list[str]:
         return []
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return []
-    replaced = manifest.get("replaces")  # an old write's files, which a new one replaces
+    replaced = manifest.get("replaces")  # an old write's files and its own, until its first commit
     names = replaced if isinstance(replaced, list) else []
     files = [name for name in names if isinstance(name, str) and _plain_file_name(name)]
     for leaf in manifest.get("leaves") or ():
