@@ -1313,3 +1313,51 @@ def test_a_resume_refuses_a_change_of_low_precision_or_small_outputs(tmp_path, d
     assert f.write(ds, tmp_path / "w").computed_rows == 16
     want = tf.cast(x, dtype).numpy()
     np.testing.assert_array_equal(tfshard.load(tmp_path / "w"), want)
+
+
+def test_ctrl_c_at_any_statement_of_the_first_batchs_start_stops_and_resumes(tmp_path):
+    # Ctrl-C (KeyboardInterrupt) at each statement of the store's start of the first batch
+    # (`_start`, `_make`, `_removed`: the files and manifest made, the old write's files
+    # removed) in an overwrite=True of another function's write: the write stops with
+    # KeyboardInterrupt (on 555ead3 one point gave StopIteration), and called again as it
+    # was it writes the uninterrupted files, byte for byte.
+    _, ds = _first_batch_data()
+    _job().write(ds, tmp_path / "uninterrupted")
+    want = _files(tmp_path / "uninterrupted")
+    codes = {writing.Store._start.__code__, writing.Store._make.__code__}
+    codes.add(writing.Store._removed.__code__)
+
+    def tracer(statement):
+        def trace(frame, event, arg):
+            if frame.f_code.co_filename != writing.__file__:
+                return None
+            if event == "line" and frame.f_code in codes:
+                statement(frame)
+            return trace
+
+        return trace
+
+    def old_write(path):
+        tfshard.parallelize(lambda s: {"old": -s, "y": s}, devices=CPUS[:2]).write(ds, path)
+
+    old_write(tmp_path / "counted")
+    points = []
+    _traced(
+        tracer(lambda frame: points.append((frame.f_code.co_name, frame.f_lineno))),
+        lambda: _job().write(ds, tmp_path / "counted", overwrite=True),
+    )
+    firsts = list(dict.fromkeys(points))
+    assert len(firsts) > 20
+    for point in firsts:
+        path = tmp_path / f"stopped_{point[0]}_{point[1]}"
+        old_write(path)
+
+        def statement(frame, point=point):
+            if (frame.f_code.co_name, frame.f_lineno) == point:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            _traced(tracer(statement), lambda path=path: _job().write(ds, path, overwrite=True))
+        _job().write(ds, path, overwrite=True)
+        assert _files(path) == want, point

@@ -774,8 +774,9 @@ class Store:
             self.leaves = records
             self._manifest["outputs"] = outputs
             zeros = tuple(0 for _ in self._columns())
-            self._committed = self._committed._replace(parts=zeros)
-            self._written = self._written._replace(parts=zeros)
+            # Nothing written yet, so one count for both, in one statement: no interrupt
+            # (Ctrl-C) can leave them with parts of two lengths for the commit on the way out.
+            self._committed = self._written = self._committed._replace(parts=zeros)
         expected = self._manifest["dataset"]["batches"]
         if expected is not None and rows:  # known length: room for it now, or a clear error
             for columns, leaf in zip(self._files, self.leaves):
