@@ -219,7 +219,10 @@ def _directory(path: Any, call: str) -> str:
     if not path:
         raise ArgumentError(f"{call}: path is empty; name the directory (\".\" for this one)")
     if "\0" in path:
-        raise ArgumentError(f"{call}: path={path!r} holds a NUL character, which no file name can")
+        raise ArgumentError(
+            f"{call}: path={path!r} holds a NUL character (\\x00), which no file name can; "
+            "name the directory without it"
+        )
     return path
 
 
@@ -317,12 +320,21 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
       of them for a dict, a tuple for a tuple); a ragged leaf as a
       `tf.RaggedTensor` built from its memory-mapped parts.
 
+    It takes no lock, so a write that runs meanwhile goes on: it opens every
+    file the manifest names, reads the manifest again, and keeps what it read
+    only when that is the same write (equal but for the rows committed) and
+    each file it holds open is still the one of its name; the memory maps are
+    of those open files, which a later ``overwrite=True`` removes but cannot
+    change. So beside a write in progress it gives the rows committed when it
+    read (``partial=True``), and beside one that replaces the path, the old
+    write or the new one whole, trying again `LOAD_TRIES` times, never a mix.
+
     Raises:
       ArgumentError: `path` or `partial` is not what it should be, `path` holds
         no write, or one that has not finished.
       WriteError: the manifest or a file is not what the write left there
-        (damaged, truncated, edited by hand), or another write changed the
-        manifest while the files were read (the outputs are never a mix of two).
+        (damaged, truncated, edited by hand), with the fix that works there;
+        or another write replaced the path each time it was read.
 
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "twice")
@@ -335,86 +347,147 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
     path = _directory(path, "tfshard.load(path)")
     call = f"tfshard.load({path!r})"
     check_flag(partial, "partial", call)
+    for _ in range(LOAD_TRIES):
+        manifest = _loaded_manifest(path, call)
+        if manifest is None:
+            raise ArgumentError(
+                f"{call}: no {MANIFEST} there, so it holds no write; make one with "
+                "f.write(dataset, path)"
+            )
+        if not manifest["complete"] and not partial:
+            raise ArgumentError(
+                f"{call}: the write there has not finished ({manifest['rows']} "
+                f"rows in {manifest['batches']} batches so far); call "
+                f"{manifest['function']}.write(dataset, path) again to finish it, or pass "
+                "partial=True for the rows so far"
+            )
+        if manifest["leaves"] is None:
+            raise ArgumentError(
+                f"tfshard.load({path!r}, partial=True): no batch was written yet, so there is "
+                "nothing to load"
+            )
+        files = _open_files(path, manifest)  # held: a write that replaces them leaves them whole
+        try:
+            again = _loaded_manifest(path, call)  # the files opened are still this write's
+            if again is not None and _same_write(manifest, again) and _same_files(path, files):
+                _check_files(path, again, f"{call}: ", _load_fix(path), files)
+                values = []
+                for leaf in again["leaves"]:
+                    parts = [_mapped(part, files[part["file"]]) for part in leaf["parts"]]
+                    values.append(_KINDS[leaf["kind"]].from_parts(parts))
+                return _decode(again["outputs"], values)
+        finally:
+            _close_files(files)
+    raise WriteError(
+        f"{call}: another write is replacing the write there (overwrite=True): its "
+        f"{MANIFEST} or files changed while they were read, {LOAD_TRIES} times; call "
+        "tfshard.load again when that write has ended"
+    )
+
+
+# How often `load` reads a write again when another write replaced it while it read.
+LOAD_TRIES = 5
+# The manifest's fields a commit of the same write changes (and each part's "rows").
+_COMMITTED = ("complete", "rows", "batches", "last_batch_rows")
+
+
+def _loaded_manifest(path: str, call: str) -> dict[str, Any] | None:
+    """`_read_manifest` for `load`: its problems as the errors `load` raises."""
     try:
-        manifest = _read_manifest(path)
+        return _read_manifest(path)
     except ValueError as error:
-        fix = "write it again (f.write(dataset, path, overwrite=True))"
-        if not _listed_files(path):  # unreadable: overwrite=True could not tell its files
-            fix = "remove the directory, or write to another path"
         raise WriteError(
-            f"{call}: its {MANIFEST} is not a manifest this tfshard wrote ({error}); {fix}"
+            f"{call}: its {MANIFEST} is not a manifest this tfshard wrote ({error}); "
+            f"{_load_fix(path)}"
         ) from None
     except OSError as error:
         raise write_error(error, call, "nothing was read") from None
-    if manifest is None:
-        raise ArgumentError(
-            f"{call}: no {MANIFEST} there, so it holds no write; make one with "
-            "f.write(dataset, path)"
-        )
-    if not manifest["complete"] and not partial:
-        raise ArgumentError(
-            f"{call}: the write there has not finished ({manifest['rows']} "
-            f"rows in {manifest['batches']} batches so far); call "
-            f"{manifest['function']}.write(dataset, path) again to finish it, or pass "
-            "partial=True for the rows so far"
-        )
-    if manifest["leaves"] is None:
-        raise ArgumentError(
-            f"tfshard.load({path!r}, partial=True): no batch was written yet, so there is "
-            "nothing to load"
-        )
-    # A write replaces a path's files only after its manifest, all of the old ones removed
-    # before any new one is made (`Store._make`), and never writes a committed row again: the
-    # manifest unchanged once the files are mapped, and each file mapped (held open, so its
-    # number is not reused) still the one its name gives, they are one write's.
+
+
+def _load_fix(path: str) -> str:
+    """How to make `path` a write again: ``overwrite=True`` where its manifest names every
+    file there (a write replaces only files it can tell are a write's), else remove it."""
     try:
-        _check_files(path, manifest, f"{call}: ", "write it again (overwrite=True)")
-        values, mapped = [], []
-        for leaf in manifest["leaves"]:
-            parts = [_mapped_part(path, part, mapped) for part in leaf["parts"]]
-            values.append(_KINDS[leaf["kind"]].from_parts(parts))
-        changed = _manifest_now(path) != manifest or any(
-            _identity(os.stat(file)) != identity for file, identity in mapped
+        others = set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST), *_listed_files(path)}
+    except OSError:
+        others = set()
+    except RecursionError:  # a manifest nested deeper than JSON reads names no file
+        others = set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST)}
+    if others:
+        return (
+            "remove the directory and write it again (a write removes only the files a "
+            "manifest names)"
         )
-    except (OSError, ValueError, EOFError) as error:  # a file removed or made meanwhile
-        if _manifest_now(path) == manifest:
-            if not isinstance(error, OSError) or isinstance(error, WriteError):
-                raise
-            raise write_error(error, call, "nothing was read") from None
-        changed = True
-    if changed:
-        raise WriteError(
-            f"{call}: the write there changed while it was read (another write is writing "
-            "there, a new one replacing it or, with partial=True, a commit of more rows); "
-            "load it again"
-        )
-    return _decode(manifest["outputs"], values)
+    return "write it again (f.write(dataset, path, overwrite=True))"
 
 
-def _identity(stat: os.stat_result) -> tuple[int, int]:
-    return stat.st_dev, stat.st_ino
+def _open_files(path: str, manifest: dict[str, Any]) -> dict[str, int | OSError]:
+    """Each file `manifest` names, open for reading, or why it could not be opened; close
+    them with `_close_files`."""
+    files: dict[str, int | OSError] = {}
+    try:
+        for leaf in manifest["leaves"] or ():
+            for part in leaf["parts"]:
+                try:
+                    files[part["file"]] = os.open(os.path.join(path, part["file"]), os.O_RDONLY)
+                except OSError as error:
+                    files[part["file"]] = error
+    except BaseException:
+        _close_files(files)
+        raise
+    return files
 
 
-def _mapped_part(directory: str, part: dict[str, Any], mapped: list) -> np.ndarray:
-    """A part's committed rows, memory-mapped read-only (an empty array for none); the file
-    and its identity (device, inode) appended to `mapped`."""
+def _close_files(files: dict[str, int | OSError]) -> None:
+    for fd in files.values():
+        if isinstance(fd, int):
+            os.close(fd)
+
+
+def _same_write(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether two manifests read at one path are of one write: equal but for what its
+    commits change (the rows, batches and whether it finished)."""
+
+    def kept(manifest: dict[str, Any]) -> dict[str, Any]:
+        leaves = manifest["leaves"]
+        if leaves is not None:
+            leaves = [
+                {**leaf, "parts": [{**part, "rows": None} for part in leaf["parts"]]}
+                for leaf in leaves
+            ]
+        fields = {key: value for key, value in manifest.items() if key not in _COMMITTED}
+        return {**fields, "leaves": leaves}
+
+    return kept(before) == kept(after)
+
+
+def _same_files(path: str, files: dict[str, int | OSError]) -> bool:
+    """Whether each open file is still the one its name in `path` leads to. A write
+    makes its files anew (it never reuses an old write's), so with the manifest read
+    after they were opened, the files are those that manifest describes."""
+    for name, fd in files.items():
+        try:
+            now = os.stat(os.path.join(path, name))
+        except OSError:
+            now = None
+        if isinstance(fd, int):
+            held = os.fstat(fd)
+            if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+                return False
+        elif isinstance(fd, FileNotFoundError) and now is not None:
+            return False  # made since: by a write that replaces these
+    return True
+
+
+def _mapped(part: dict[str, Any], fd: int) -> np.ndarray:
+    """A part's committed rows from its open file (checked by `_check_files`),
+    memory-mapped read-only (an empty array for none)."""
     dtype, shape, rows = _dtype(part["dtype"]), tuple(part["shape"]), part["rows"]
     if rows == 0:
         return np.zeros((0, *shape), dtype)
-    file = os.path.join(directory, part["file"])
-    with open(file, "rb") as stream:  # the header as written; it counts the rows at least
-        np.lib.format.read_magic(stream)
-        np.lib.format.read_array_header_1_0(stream)
-        mapped.append((file, _identity(os.fstat(stream.fileno()))))
-        return np.memmap(stream, dtype, "r", stream.tell(), (rows, *shape))
-
-
-def _manifest_now(path: str) -> dict[str, Any] | None:
-    """The manifest at `path` as it is now; None where there is none or it is not one."""
-    try:
-        return _read_manifest(path)
-    except (OSError, ValueError):
-        return None
+    with open(fd, "rb", closefd=False) as file:  # the map holds the file, not `fd`
+        offset = len(_header(dtype, 0, shape))
+        return np.memmap(file, dtype, mode="r", offset=offset, shape=(rows, *shape))
 
 
 # ----------------------------------------------------------------- the store
@@ -987,7 +1060,7 @@ def _read_manifest(path: str) -> dict[str, Any] | None:
         return None
     try:
         manifest = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ValueError("it is not JSON") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError("its format is not tfshard.write")
@@ -1020,7 +1093,9 @@ def _check_schema(manifest: dict[str, Any]) -> None:
         need(manifest, "last_batch_rows", "", int, lambda n: 0 <= n <= rows)
     need(manifest, "function", "", str)
     dataset = need(manifest, "dataset", "", dict)
-    need(dataset, "element", "dataset.", list)
+    pair = lambda item: isinstance(item, list) and len(item) == 2  # noqa: E731
+    strings = lambda items: all(pair(i) and all(isinstance(s, str) for s in i) for i in items)  # noqa: E731
+    need(dataset, "element", "dataset.", list, strings)
     known = need(dataset, "batches", "dataset.", (int, type(None)))
     need(dataset, "first_batch", "dataset.", (str, type(None)))
     if known is not None and (batches > known or (manifest["complete"] and batches != known)):
@@ -1035,6 +1110,8 @@ def _check_schema(manifest: dict[str, Any]) -> None:
         replaced = need(manifest, "replaces", "", list, lambda names: leaves is None)
         if not all(isinstance(name, str) and _plain_file_name(name) for name in replaced):
             raise ValueError(f"replaces is {replaced!r}")
+    if leaves is not None:
+        _check_structure(manifest["outputs"], leaves)
     files = set()
     for i, leaf in enumerate(leaves or ()):
         where = f"leaves[{i}]."
@@ -1056,6 +1133,83 @@ def _check_schema(manifest: dict[str, Any]) -> None:
             raise ValueError(f"{where[:-1]} has {own} rows, not the write's {rows}")
 
 
+def _check_structure(outputs: dict[str, Any], leaves: list[Any]) -> None:
+    """Raises ValueError unless `outputs` is a structure `_encode` writes that holds each of
+    `leaves` once, at the path the leaf's record names."""
+    found: dict[int, list[Any]] = {}  # each leaf's labels on the way to it
+
+    def walk(node: Any, labels: list[Any]) -> None:
+        shown = repr(node) if len(repr(node)) <= 60 else repr(node)[:57] + "..."
+        wrong = ValueError(f"outputs holds {shown}, which is not a structure tfshard writes")
+        fields = set(node) if isinstance(node, dict) else None
+        if fields == {"leaf"}:
+            number = node["leaf"]
+            if type(number) is not int or not 0 <= number < len(leaves) or number in found:
+                raise ValueError(f"outputs holds {shown}: not one of its {len(leaves)} leaves once")
+            found[number] = labels
+        elif fields == {"dict"}:
+            items = node["dict"]
+            if not isinstance(items, list) or not all(
+                isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)
+                for item in items
+            ):
+                raise wrong
+            names = [name for name, _ in items]
+            try:
+                sorted(names)  # the leaf order (`_key`): keys of one type
+            except TypeError:
+                raise wrong from None
+            if len(set(names)) != len(names):
+                raise wrong
+            for name, child in items:
+                walk(child, [*labels, name])
+        elif fields in ({"tuple"}, {"list"}, {"namedtuple", "fields", "items"}):
+            items = node.get("items", node.get("tuple", node.get("list")))
+            if not isinstance(items, list):
+                raise wrong
+            if "namedtuple" in node:
+                try:
+                    named = namedtuple(node["namedtuple"], node["fields"])  # noqa: PYI024
+                except (TypeError, ValueError):
+                    raise wrong from None
+                if len(named._fields) != len(items):
+                    raise wrong
+            for i, child in enumerate(items):
+                walk(child, [*labels, i])
+        else:
+            raise wrong
+
+    try:
+        walk(outputs, [])
+    except RecursionError:
+        raise ValueError("outputs is nested deeper than any structure tfshard writes") from None
+    if len(found) != len(leaves):
+        raise ValueError(f"outputs holds {len(found)} of its {len(leaves)} leaves")
+    for number, labels in found.items():
+        where = leaves[number].get("path") if isinstance(leaves[number], dict) else None
+        if not isinstance(where, str) or not _at(where, labels):
+            raise ValueError(
+                f"leaves[{number}].path is {where!r}, but outputs has that leaf at "
+                f"output{''.join(f'[{label!r}]' for label in labels)}"
+            )
+
+
+def _at(where: str, labels: list[Any]) -> bool:
+    """Whether `where` is the path `_trees.paths` gives the leaf at `labels` (keys and
+    indices; an attrs field, which the manifest keeps as a dict's key, as ``.name``)."""
+    rest = where.removeprefix("output")
+    if rest == where:
+        return False
+    for label in labels:
+        for shown in (f"[{label!r}]", f".{label}" if isinstance(label, str) else None):
+            if shown is not None and rest.startswith(shown):
+                rest = rest[len(shown) :]
+                break
+        else:
+            return False
+    return not rest
+
+
 def _plain_file_name(name: str) -> bool:
     return name.endswith(".npy") and os.path.basename(name) == name and name not in (".", "..")
 
@@ -1068,25 +1222,35 @@ def _known_dtype(name: str) -> bool:
     return True
 
 
-def _check_files(path: str, manifest: dict[str, Any], call: str, fix: str) -> None:
+def _check_files(
+    path: str, manifest: dict[str, Any], call: str, fix: str, files: dict[str, int] | None = None
+) -> None:
     """Raises WriteError unless every file holds what the manifest says it does.
 
     Each part's file must exist with a NumPy header of the manifest's dtype and
     per-row shape, counting at least the committed rows (exactly, once the
     write is finished), and be long enough for them; a ragged leaf's row
-    lengths must add up to the entries of its next part.
+    lengths must add up to the entries of its next part. `files`: the files,
+    open (`_open_files`; a missing one left out), read through these; None:
+    opened here.
     """
+    if files is None:
+        files = _open_files(path, manifest)
+        try:
+            return _check_files(path, manifest, call, fix, files)
+        finally:
+            _close_files(files)
     complete = manifest["complete"]
     for leaf in manifest["leaves"] or ():
         for part in leaf["parts"]:
             file = os.path.join(path, part["file"])
-            problem = _file_problem(file, part, complete)
+            problem = _file_problem(files[part["file"]], part, complete)
             if problem:
                 raise WriteError(f"{call}{file} {problem}: it was changed outside the write; {fix}")
         if leaf["kind"] == "ragged":
             parts = leaf["parts"]  # values, then the row lengths of each ragged dimension
             for outer, inner in zip(parts[1:], [*parts[2:], parts[0]]):
-                lengths = _read_part(path, outer)
+                lengths = _mapped(outer, files[outer["file"]])
                 if int(np.sum(lengths, dtype=np.int64)) != inner["rows"] or (lengths < 0).any():
                     file = os.path.join(path, outer["file"])
                     raise WriteError(
@@ -1094,21 +1258,26 @@ def _check_files(path: str, manifest: dict[str, Any], call: str, fix: str) -> No
                         f"{inner['rows']} entries of {inner['file']}: it was changed outside "
                         f"the write; {fix}"
                     )
+    return None
 
 
-def _file_problem(file: str, part: dict[str, Any], complete: bool) -> str:
-    """What is wrong with one part's file, or "" when it holds what `part` says."""
+def _file_problem(fd: int | OSError, part: dict[str, Any], complete: bool) -> str:
+    """What is wrong with one part's file (`fd`, open, or why it could not be opened), or
+    "" when it holds what `part` says."""
+    if isinstance(fd, FileNotFoundError):
+        return "is missing"
+    if isinstance(fd, OSError):
+        return f"cannot be read ({fd})"
     dtype, shape, rows = _dtype(part["dtype"]), tuple(part["shape"]), part["rows"]
     try:
-        with open(file, "rb") as opened:
-            major, minor = np.lib.format.read_magic(opened)
-            if (major, minor) != (1, 0):
-                return f"has a .npy header of version {major}.{minor}, not the 1.0 a write makes"
-            header, fortran, stored = np.lib.format.read_array_header_1_0(opened)
-            offset = opened.tell()
-            size = os.fstat(opened.fileno()).st_size
-    except FileNotFoundError:
-        return "is missing"
+        # A 1.0 header is at most 65535 bytes after its 10 of magic, version and length.
+        opened = io.BytesIO(os.pread(fd, 10 + 65535, 0))
+        major, minor = np.lib.format.read_magic(opened)
+        if (major, minor) != (1, 0):
+            return f"has a .npy header of version {major}.{minor}, not the 1.0 a write makes"
+        header, fortran, stored = np.lib.format.read_array_header_1_0(opened)
+        offset = opened.tell()
+        size = os.fstat(fd).st_size
     except (OSError, ValueError, SyntaxError, EOFError) as error:
         return f"has no readable .npy header ({error})"
     if offset != len(_header(dtype, 0, shape)):
