@@ -177,6 +177,36 @@ def test_a_partial_load_while_the_same_write_goes_on_gives_its_committed_rows(tm
     assert rows == {4, ROWS}
 
 
+def test_an_overwrite_that_commits_a_batch_during_load_gives_no_partial_result(tmp_path):
+    """An overwrite of the same function and dataset (a manifest equal but for its count)
+    that commits its first batch at any statement of load: without partial=True, load
+    gives the old write whole or says the write there has not finished, never its rows
+    so far."""
+    path = tmp_path / "w"
+    function = _scaled(2.0)
+    rest = _unfinished(path, function, 1)
+    function.write(rest, path, batched=True)
+    statements = _count_statements(path)
+    outcomes = set()
+    for at in range(statements):
+
+        def overwrite_one_batch():
+            _unfinished(path, function, 1)
+
+        try:
+            got, _ = _traced(lambda: tfshard.load(path), overwrite_one_batch, {at})
+        except ArgumentError as error:
+            assert "has not finished (4 rows in 1 batches so far)" in str(error)
+            outcomes.add("not finished")
+        else:
+            assert _which(got, (2.0,)) == 2.0
+            assert len(got["a"]) == ROWS, f"a partial result at statement {at}"
+            outcomes.add("whole")
+        assert len(tfshard.load(path, partial=True)["a"]) == 4  # the overwrite ran, stopped
+        function.write(rest, path, batched=True)  # finished again for the next statement
+    assert outcomes == {"not finished", "whole"}
+
+
 def test_load_reads_through_the_files_it_opened(tmp_path):
     """What load returns stays whole after the path is overwritten and its old files are
     removed: the memory maps hold the files they were made from."""

@@ -322,12 +322,13 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
 
     It takes no lock, so a write that runs meanwhile goes on: it opens every
     file the manifest names, reads the manifest again, and keeps what it read
-    only when that is the same write (equal but for the rows committed) and
-    each file it holds open is still the one of its name; the memory maps are
-    of those open files, which a later ``overwrite=True`` removes but cannot
-    change. So beside a write in progress it gives the rows committed when it
-    read (``partial=True``), and beside one that replaces the path, the old
-    write or the new one whole, trying again `LOAD_TRIES` times, never a mix.
+    only when that is the same write (equal but for the rows committed),
+    finished unless `partial`, and each file it holds open is still the one
+    of its name; the memory maps are of those open files, which a later
+    ``overwrite=True`` removes but cannot change. So beside a write in
+    progress it gives the rows committed when it read (``partial=True``), and
+    beside one that replaces the path, the old write or the new one whole,
+    trying again `LOAD_TRIES` times, never a mix.
 
     Raises:
       ArgumentError: `path` or `partial` is not what it should be, `path` holds
@@ -369,7 +370,12 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
         files = _open_files(path, manifest)  # held: a write that replaces them leaves them whole
         try:
             again = _loaded_manifest(path, call)  # the files opened are still this write's
-            if again is not None and _same_write(manifest, again) and _same_files(path, files):
+            if (
+                again is not None
+                and (again["complete"] or partial)  # else an overwrite began: read it again
+                and _same_write(manifest, again)
+                and _same_files(path, files)
+            ):
                 _check_files(path, again, f"{call}: ", _load_fix(path), files)
                 values = []
                 for leaf in again["leaves"]:
