@@ -1264,6 +1264,39 @@ def test_a_write_stopped_before_its_first_commit_leaves_files_it_removes_again(
     assert _files(path) == _files(tmp_path / "uninterrupted")
 
 
+def test_a_write_of_no_batch_resumed_with_other_outputs_names_its_files_too(
+    tmp_path, monkeypatch
+):
+    # A write stopped before its first commit, called again under the same function name
+    # with other outputs and stopped the same way: its manifest names every file there, so
+    # overwrite=True replaces them all and writes what an uninterrupted write does.
+    errno = pytest.importorskip("errno")
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no reservation on this platform")
+    _, ds = _first_batch_data()
+    path = tmp_path / "job"
+
+    def job(x):  # named as `_job`'s, with other outputs
+        return {"other": x * 3.0}
+
+    other = tfshard.parallelize(job, per_sample=False, devices=CPUS[:2])
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "posix_fallocate", full)
+        for f in (_job(), other):
+            with pytest.raises(WriteError, match="the disk is full; free some space"):
+                f.write(ds, path)
+    assert sorted(os.listdir(path)) == ["manifest.json", "other.npy"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["leaves"] is None and "other.npy" in manifest["replaces"]
+    _job().write(ds, tmp_path / "uninterrupted")
+    assert _job().write(ds, path, overwrite=True).computed_rows == 20
+    assert _files(path) == _files(tmp_path / "uninterrupted")
+
+
 def test_a_load_that_another_write_replaces_meanwhile_gives_the_old_write_not_a_mix(tmp_path):
     # Another write overwrites the path (its files of the same names) while a load has read
     # the first leaf and not the second: the load gives the old write whole (it holds its

@@ -821,11 +821,14 @@ class Store:
         the files left as its own: a resume (at its first batch, here) or an
         ``overwrite=True`` removes them.
         """
-        if self._on_disk:  # the manifest is there already (a write of no batch yet)
+        replaces = [*self._replaces, *(file for file in files if file not in self._replaces)]
+        if self._on_disk and replaces == self._replaces:  # its manifest names them already
             self._changed = True
             self._removed()
             return
-        if self._lock < 0:
+        # A manifest of no batch yet is rewritten where this write makes other files (the
+        # same function name, resumed with other outputs): it names those too.
+        if not self._on_disk and self._lock < 0:
             os.makedirs(self.path, exist_ok=True)  # failing, it leaves `path` missing
             self._changed = True
             self._lock = _locks.take(self.path, self._call)
@@ -835,7 +838,6 @@ class Store:
                     f"computed its first batch; call {self._call} again to check and resume "
                     "that write, or write to another path"
                 )
-        replaces = [*self._replaces, *(file for file in files if file not in self._replaces)]
         manifest = {**self._manifest, "replaces": replaces}
         _replace(os.path.join(self.path, MANIFEST), _encoded(manifest))
         self._changed = self._on_disk = True  # failing, it left the old manifest (`_replace`)
