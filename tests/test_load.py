@@ -305,6 +305,12 @@ def test_a_manifest_nested_deeper_than_json_reads_is_refused_as_damaged(tmp_path
     (path / "manifest.json").write_text(deep + "}")
     with pytest.raises(WriteError, match="is not a manifest this tfshard wrote.*remove the dir"):
         tfshard.load(path)
+    # write reads it through the same check: it names no file, so overwrite=True cannot
+    # tell the files there as a write's.
+    with pytest.raises(WriteError, match="is not a manifest this tfshard wrote.*remove the dir"):
+        _scaled(1.0).write(_dataset(), path)
+    with pytest.raises(ArgumentError, match="holds files that are not a tfshard write's"):
+        _scaled(1.0).write(_dataset(), path, overwrite=True)
 
 
 def test_every_structure_write_makes_passes_the_manifest_check(tmp_path):

@@ -417,8 +417,6 @@ def _load_fix(path: str) -> str:
         others = set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST), *_listed_files(path)}
     except OSError:
         others = set()
-    except RecursionError:  # a manifest nested deeper than JSON reads names no file
-        others = set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST)}
     if others:
         return (
             "remove the directory and write it again (a write removes only the files a "
@@ -1058,18 +1056,25 @@ def _encoded(manifest: dict[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=1) + "\n").encode()
 
 
+def _manifest_json(path: str) -> Any:
+    """The JSON of the manifest at `path`, as it is (every reader of a manifest reads it
+    here); OSError where it cannot be read, ValueError where it is not JSON (nested
+    deeper than JSON reads, too)."""
+    with open(os.path.join(path, MANIFEST), "rb") as file:
+        text = file.read()
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError("it is not JSON") from None
+
+
 def _read_manifest(path: str) -> dict[str, Any] | None:
     """The manifest at `path`, None if there is none; ValueError if it is not one tfshard
     wrote (not JSON, another format or version, a key missing or of the wrong type)."""
     try:
-        with open(os.path.join(path, MANIFEST), "rb") as file:
-            text = file.read()
+        manifest = _manifest_json(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    try:
-        manifest = json.loads(text)
-    except (ValueError, RecursionError):
-        raise ValueError("it is not JSON") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError("its format is not tfshard.write")
     if manifest.get("version") not in READS:
@@ -1337,8 +1342,7 @@ def _listed_files(path: str) -> list[str]:
     """The data files a manifest at `path` names, read leniently (a damaged manifest of
     tfshard's still names its files, which `overwrite=True` replaces); [] for none."""
     try:
-        with open(os.path.join(path, MANIFEST), "rb") as file:
-            manifest = json.loads(file.read())
+        manifest = _manifest_json(path)
     except (OSError, ValueError):
         return []
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
