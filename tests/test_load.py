@@ -232,6 +232,41 @@ def test_a_manifest_that_is_not_json_is_refused_with_the_fix_that_works(tmp_path
         function.write(_dataset(), path, overwrite=True)
 
 
+@pytest.mark.parametrize(
+    "case", ["not json, alone", "not json, with its files", "version 3, with a stray file"]
+)
+def test_write_and_load_give_one_fix_for_a_damaged_write_the_one_overwrite_takes(
+    tmp_path, case
+):
+    path = tmp_path / "w"
+    function = _scaled(1.0)
+    if case == "not json, alone":
+        path.mkdir()
+        (path / "manifest.json").write_text("{")
+    else:
+        function.write(_dataset(), path)
+    if case == "not json, with its files":
+        (path / "manifest.json").write_text("{")
+    if case == "version 3, with a stray file":
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps({**manifest, "version": 3}))
+        (path / "notes.npy").write_bytes(b"mine")
+    with pytest.raises(WriteError, match="is not a manifest this tfshard wrote") as loaded:
+        tfshard.load(path)
+    with pytest.raises(WriteError, match="is not a manifest this tfshard wrote") as written:
+        function.write(_dataset(), path)
+    fix = str(loaded.value).rsplit("; ", 1)[1]
+    assert fix == str(written.value).rsplit("; ", 1)[1]
+    if "overwrite=True (" in fix:
+        function.write(_dataset(), path, overwrite=True)
+        assert _which(tfshard.load(path), (1.0,)) == 1.0
+    else:
+        assert fix.startswith("remove the directory, or write to another path")
+        with pytest.raises(ArgumentError, match="not a tfshard write's"):
+            function.write(_dataset(), path, overwrite=True)
+    assert ("overwrite=True (" in fix) == (case == "not json, alone")
+
+
 def test_files_that_disagree_with_their_manifest_are_refused_with_overwrite_as_the_fix(
     tmp_path,
 ):

@@ -376,7 +376,7 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
                 and _same_write(manifest, again)
                 and _same_files(path, files)
             ):
-                _check_files(path, again, f"{call}: ", _load_fix(path), files)
+                _check_files(path, again, f"{call}: ", files)
                 values = []
                 for leaf in again["leaves"]:
                     parts = [_mapped(part, files[part["file"]]) for part in leaf["parts"]]
@@ -404,25 +404,36 @@ def _loaded_manifest(path: str, call: str) -> dict[str, Any] | None:
     except ValueError as error:
         raise WriteError(
             f"{call}: its {MANIFEST} is not a manifest this tfshard wrote ({error}); "
-            f"{_load_fix(path)}"
+            f"{_fix(path)}"
         ) from None
     except OSError as error:
         raise write_error(error, call, "nothing was read") from None
 
 
-def _load_fix(path: str) -> str:
-    """How to make `path` a write again: ``overwrite=True`` where its manifest names every
-    file there (a write replaces only files it can tell are a write's), else remove it."""
+def _fix(path: str) -> str:
+    """How to make `path`, whose write is damaged, a write again, as `load` and `write`
+    advise it: ``overwrite=True`` where it takes the path (`_unlisted` finds no file),
+    else remove the directory or write to another path. Called only to word an error."""
     try:
-        others = set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST), *_listed_files(path)}
+        unlisted = _unlisted(path)
     except OSError:
-        others = set()
-    if others:
+        unlisted = []
+    if unlisted:
         return (
-            "remove the directory and write it again (a write removes only the files a "
-            "manifest names)"
+            "remove the directory, or write to another path (a write removes only the files "
+            f"a manifest names, not {_listed(unlisted)})"
         )
-    return "write it again (f.write(dataset, path, overwrite=True))"
+    return "write it again with overwrite=True (f.write(dataset, path, overwrite=True))"
+
+
+def _unlisted(path: str) -> list[str]:
+    """The names in the directory `path` that ``overwrite=True`` refuses to remove: those
+    no manifest there names (read leniently: `_listed_files`)."""
+    return sorted(set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST), *_listed_files(path)})
+
+
+def _listed(names: list[str]) -> str:
+    return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
 
 
 def _open_files(path: str, manifest: dict[str, Any]) -> dict[str, int | OSError]:
@@ -616,33 +627,32 @@ class Store:
     def _opened(
         cls, path: str, function: str, source: dict[str, Any], overwrite: bool, call: str
     ) -> Store:
-        fix = "pass overwrite=True to write there anew"
         try:
             manifest = None if overwrite else _read_manifest(path)
         except ValueError as error:
-            if not _listed_files(path):  # unreadable: overwrite=True could not tell its files
-                fix = "remove the directory, or write to another path"
             raise WriteError(
                 f"{call}: {os.path.join(path, MANIFEST)} is not a manifest this tfshard "
-                f"wrote ({error}); {fix}"
+                f"wrote ({error}); {_fix(path)}"
             ) from None
         if manifest is not None:
             _check_same(manifest, function, source, call)
-            _check_files(path, manifest, f"{call}: ", fix)
+            _check_files(path, manifest, f"{call}: ")
             if manifest["last_batch_rows"] is None and not manifest["complete"]:
                 raise WriteError(
                     f"{call}: the unfinished write there was made by an earlier tfshard, which "
-                    f"did not record enough to check a resume; {fix}"
+                    f"did not record enough to check a resume; {_fix(path)}"
                 )
             return cls(path, manifest, call)
-        old = _listed_files(path) if overwrite else []
-        others = sorted(set(os.listdir(path)) - {MANIFEST, _temporary(MANIFEST), *old})
+        # A new write: it takes the path only where a manifest there names every file (with
+        # none there, without overwrite=True, none), the rule `_fix` advises by.
+        others = _unlisted(path)
         if others:
             raise ArgumentError(
                 f"{call}: {path!r} holds files that are not a tfshard write's "
-                f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); write into a "
-                "new or empty directory (a write never removes files it did not write)"
+                f"({_listed(others)}); write into a new or empty directory (a write never "
+                "removes files it did not write)"
             )
+        old = _listed_files(path) if overwrite else []
         return cls(path, _new_manifest(function, source), call, replaces=old)
 
     def verify(self, result: Any, first_row: int) -> None:
@@ -1236,21 +1246,25 @@ def _known_dtype(name: str) -> bool:
 
 
 def _check_files(
-    path: str, manifest: dict[str, Any], call: str, fix: str, files: dict[str, int] | None = None
+    path: str,
+    manifest: dict[str, Any],
+    call: str,
+    files: dict[str, int | OSError] | None = None,
 ) -> None:
-    """Raises WriteError unless every file holds what the manifest says it does.
+    """Raises WriteError, with `_fix`'s advice, unless every file holds what the manifest
+    says it does.
 
     Each part's file must exist with a NumPy header of the manifest's dtype and
     per-row shape, counting at least the committed rows (exactly, once the
     write is finished), and be long enough for them; a ragged leaf's row
-    lengths must add up to the entries of its next part. `files`: the files,
-    open (`_open_files`; a missing one left out), read through these; None:
-    opened here.
+    lengths must add up to the entries of its next part. `files`: the files as
+    `_open_files` gives them (an open descriptor, or the OSError that opening
+    it raised), read through these; None: opened here.
     """
     if files is None:
         files = _open_files(path, manifest)
         try:
-            return _check_files(path, manifest, call, fix, files)
+            return _check_files(path, manifest, call, files)
         finally:
             _close_files(files)
     complete = manifest["complete"]
@@ -1259,7 +1273,9 @@ def _check_files(
             file = os.path.join(path, part["file"])
             problem = _file_problem(files[part["file"]], part, complete)
             if problem:
-                raise WriteError(f"{call}{file} {problem}: it was changed outside the write; {fix}")
+                raise WriteError(
+                    f"{call}{file} {problem}: it was changed outside the write; {_fix(path)}"
+                )
         if leaf["kind"] == "ragged":
             parts = leaf["parts"]  # values, then the row lengths of each ragged dimension
             for outer, inner in zip(parts[1:], [*parts[2:], parts[0]]):
@@ -1269,7 +1285,7 @@ def _check_files(
                     raise WriteError(
                         f"{call}{file} holds row lengths that do not add up to the "
                         f"{inner['rows']} entries of {inner['file']}: it was changed outside "
-                        f"the write; {fix}"
+                        f"the write; {_fix(path)}"
                     )
     return None
 
