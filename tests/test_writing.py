@@ -1443,6 +1443,43 @@ def test_ctrl_c_at_any_statement_of_taking_or_releasing_the_lock_leaves_it_free(
             os.close(free)
 
 
+def test_a_write_started_inside_another_write_there_in_its_thread_is_refused(tmp_path):
+    # The outer write's function, traced at its first batch in the caller's thread, starts
+    # another write of the same directory (eagerly, under tf.init_scope): it is refused as
+    # another process's would be, and the outer write ends with its files and frees the lock
+    # (on 51f7629 the inner one took the lock over, and the outer one's close then closed a
+    # descriptor it no longer held: EBADF).
+    fcntl = pytest.importorskip("fcntl")
+    x = rng_data(8, 3)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(4)
+    path = tmp_path / "w"
+    path.mkdir()  # so that the outer write takes the lock at its open
+    inner = tfshard.parallelize(lambda s: s * 3.0, devices=CPUS[:2])
+    seen = []
+
+    def outer(s):
+        if not seen:
+            with tf.init_scope():
+                try:
+                    seen.append(inner.write(ds, path, overwrite=True))
+                except WriteError as error:
+                    seen.append(error)
+        return s * 2.0
+
+    written = tfshard.parallelize(outer, devices=CPUS[:2]).write(ds, path)
+    assert written.rows == 8 and len(seen) == 1, seen
+    assert isinstance(seen[0], WriteError), seen
+    assert "another write is running there" in str(seen[0])
+    np.testing.assert_array_equal(tfshard.load(path), x * 2.0)
+    free = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(free)
+    assert inner.write(ds, path, overwrite=True).rows == 8
+    np.testing.assert_array_equal(tfshard.load(path), x * 3.0)
+
+
 def test_a_resume_whose_dict_keys_come_in_another_order_is_refused_showing_the_orders(tmp_path):
     x = rng_data(12, 2)
     ds = tf.data.Dataset.from_tensor_slices(x).batch(4)

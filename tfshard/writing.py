@@ -78,6 +78,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections import namedtuple
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
@@ -233,45 +234,61 @@ def check_flag(value: Any, name: str, call: str) -> None:
         raise ArgumentError(f"{call}: {name}={value!r} must be True or False, not a {kind}")
 
 
+class _Lease:
+    """A write's hold on its directory's lock: `fd`, the directory as `_Locks.take` opened
+    and locked it, from the end of `take` until the write closes (-1 otherwise)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+
+
 class _Locks:
-    """The directories this process holds locked for writes, and the thread of each write.
+    """The directories this process holds locked for writes: each one's descriptor, the
+    `_Lease` it is for (weakly) and the thread of its write.
 
     The lock is the kernel's (`flock`), so it goes with the process however it
-    ends. Within the process, an interrupt that lands between a write's last
-    statement and the release (Ctrl-C in a notebook keeps the process) would
-    keep it held with no write running: a lock held by this process for a
-    write in the same thread, or in a thread that has ended, cannot belong to
-    a running write, and the next write there takes it over.
+    ends. Within the process, an interrupt (Ctrl-C in a notebook keeps the
+    process) that lands in `take` before the lease holds the descriptor, or
+    as the write closes, would keep it held with no write running; so a
+    record whose lease is gone or no longer holds its descriptor (a closed
+    write sets it to -1 first), or whose thread has ended, is stale: the next
+    write there takes it over. A record of a lease that holds it is a running
+    write's, in this thread too (a write started inside another, from a
+    callback): another write there is refused. The table closes only the
+    descriptors it holds.
     """
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._held: dict[tuple[int, int], tuple[int, threading.Thread]] = {}
+        self._held: dict[tuple[int, int], tuple[int, weakref.ref[_Lease], threading.Thread]] = {}
 
-    def take(self, path: str, call: str) -> int:
-        """The directory `path`, open and locked against other writes until `release`."""
+    def take(self, path: str, call: str, lease: _Lease) -> None:
+        """The directory `path`, open and locked against other writes in `lease.fd` until
+        `release`; WriteError where another write, of this process or another, holds it."""
         fd = os.open(path, os.O_RDONLY)
         try:
             import fcntl
-        except ImportError:  # no flock (Windows): unguarded
-            return fd
+        except ImportError:  # no flock (Windows): guarded within this process only
+            fcntl = None
         stat = os.fstat(fd)
         key = (stat.st_dev, stat.st_ino)
         # Each step leaves the lock recorded or released, wherever an interrupt lands: a
         # lock is taken only once recorded, and a record goes in the statement that closes
-        # its directory.
+        # its directory; the lease holds it last, so until then the record is stale.
         with self._guard:
-            stale = self._held.get(key)
-            if stale is not None and (
-                stale[1] is threading.current_thread() or not stale[1].is_alive()
-            ):
+            if key in self._held and self._stale(*self._held[key]):
+                stale = self._held[key][1]()
+                if stale is not None:
+                    stale.fd = -1  # it holds the descriptor no longer
                 os.close(self._held.pop(key)[0])  # and with it the lock it held
             busy = key in self._held  # a running write of this process holds it
             if not busy:
-                self._held[key] = (fd, threading.current_thread())
-                busy = not _flocked(fcntl, fd)  # or another process's write holds it
+                self._held[key] = (fd, weakref.ref(lease), threading.current_thread())
+                busy = fcntl is not None and not _flocked(fcntl, fd)  # or another process's
                 if busy:
                     os.close(self._held.pop(key)[0])
+                else:
+                    lease.fd = fd
             else:
                 os.close(fd)
             if busy:
@@ -282,16 +299,19 @@ class _Locks:
                 error.errno, error.strerror = errnos.EWOULDBLOCK, os.strerror(errnos.EWOULDBLOCK)
                 error.filename = path
                 raise error
-        return fd
 
-    def release(self, fd: int) -> None:
-        """Closes `fd` (a directory `take` locked), and with it the lock."""
+    def release(self, lease: _Lease) -> None:
+        """Ends `lease`: closes the directory the table holds for it, and with it the lock."""
+        lease.fd = -1  # its record is stale from here, wherever this stops
         with self._guard:
-            held = [key for key, (taken, _) in self._held.items() if taken == fd]
+            held = [key for key, (_, owner, _) in self._held.items() if owner() is lease]
             if held:
                 os.close(self._held.pop(held[0])[0])  # the record goes as the lock does
-            else:
-                os.close(fd)
+
+    @staticmethod
+    def _stale(fd: int, owner: weakref.ref[_Lease], thread: threading.Thread) -> bool:
+        lease = owner()
+        return lease is None or lease.fd != fd or not thread.is_alive()
 
 
 def _flocked(fcntl: Any, fd: int) -> bool:
@@ -551,7 +571,7 @@ class Store:
         self._files: list[list[_Column]] | None = None  # open files, per leaf and part
         self._structure: Hashable = None
         self._last_commit = 0.0
-        self._lock = -1  # the directory, open and locked (`_locks`)
+        self._lease = _Lease()  # the directory, open and locked (`_locks`)
         # A new write (`replaces` given: the files of an old write there, which
         # overwrite=True replaces) has its manifest in memory only, until its first
         # batch's outputs are in hand (`_make`); until then `path` is as it was. A
@@ -611,16 +631,18 @@ class Store:
             if problem is not None:
                 raise write_error(problem, call, "nothing was written") from None
             return cls(path, _new_manifest(function, source), call, replaces=())
-        lock = _locks.take(path, call)
+        lease = _Lease()
         try:
+            _locks.take(path, call, lease)
             store = cls._opened(path, function, source, overwrite, call)
             problem = None if store.complete else _unwritable(path)  # a finished one is read
             if problem is not None:
                 raise write_error(problem, call, "nothing was written") from None
+            store._lease = lease
         except BaseException:
-            _locks.release(lock)
+            lease.fd = -1  # its lock's record is stale from here
+            _locks.release(lease)
             raise
-        store._lock = lock
         return store
 
     @classmethod
@@ -739,13 +761,12 @@ class Store:
 
     def close(self) -> None:
         """Closes the files, then the directory and with it the lock (whatever the files do)."""
+        self._lease.fd = -1  # a write closing: its lock's record is stale from here
         try:
             for column in self._columns():
                 column.close()
         finally:
-            lock, self._lock = self._lock, -1
-            if lock >= 0:
-                _locks.release(lock)
+            _locks.release(self._lease)
 
     def _parts(self, values: list[Any], structure: Hashable) -> list[list[np.ndarray]]:
         """Each output leaf as the NumPy arrays of its parts; ArgumentError, naming the leaf,
@@ -836,10 +857,10 @@ class Store:
             return
         # A manifest of no batch yet is rewritten where this write makes other files (the
         # same function name, resumed with other outputs): it names those too.
-        if not self._on_disk and self._lock < 0:
+        if not self._on_disk and self._lease.fd < 0:
             os.makedirs(self.path, exist_ok=True)  # failing, it leaves `path` missing
             self._changed = True
-            self._lock = _locks.take(self.path, self._call)
+            _locks.take(self.path, self._call, self._lease)
             if os.listdir(self.path):
                 raise WriteError(
                     f"{self._call}: another write began in {self.path!r} while this one "
