@@ -196,7 +196,7 @@ def test_an_overwrite_that_commits_a_batch_during_load_gives_no_partial_result(t
         try:
             got, _ = _traced(lambda: tfshard.load(path), overwrite_one_batch, {at})
         except ArgumentError as error:
-            assert "has not finished (4 rows in 1 batches so far)" in str(error)
+            assert "has not finished (4 rows in 1 batches so far;" in str(error)
             outcomes.add("not finished")
         else:
             assert _which(got, (2.0,)) == 2.0

@@ -322,8 +322,12 @@ def test_load_refuses_a_write_that_has_not_finished_unless_partial(tmp_path):
     with pytest.raises(tf.errors.InvalidArgumentError) as caught:
         f.write(failing, tmp_path / "p")
     assert "tfshard: 6 rows (2 batches) are on disk" in "".join(caught.value.__notes__)
-    with pytest.raises(ArgumentError, match=r"has not finished \(6 rows in 2 batches"):
+    with pytest.raises(ArgumentError, match=r"has not finished \(6 rows in 2 batches") as not_yet:
         tfshard.load(tmp_path / "p")
+    # It cannot tell whether a write runs there now (whose lock refuses another write).
+    assert "a write may be running there); once none is, call <lambda>.write(" in str(
+        not_yet.value
+    )
     assert tfshard.load(tmp_path / "p", partial=True).tolist() == [1, 2, 3, 4, 5, 6]
     # The rows so far are a valid .npy for NumPy too: its header counts them.
     assert np.load(tmp_path / "p" / "output.npy").tolist() == [1, 2, 3, 4, 5, 6]
@@ -817,6 +821,16 @@ def test_every_wrong_argument_of_write_and_load_is_refused_before_anything_is_ma
         with pytest.raises(tfshard.TfshardError, match=message):
             run()
         assert sorted(os.listdir(tmp_path)) == before, message  # nothing made on disk
+
+
+def test_numpy_bools_are_taken_for_the_flags(tmp_path):
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2])
+    x = rng_data(6, 2)
+    ds = tf.data.Dataset.from_tensor_slices(x).batch(4)
+    assert f.write(ds, tmp_path / "w", overwrite=np.False_).computed_rows == 6
+    assert f.write(ds, tmp_path / "w", overwrite=np.True_).computed_rows == 6
+    np.testing.assert_array_equal(tfshard.load(tmp_path / "w", partial=np.False_), x * 2.0)
+    np.testing.assert_array_equal(tfshard.load(tmp_path / "w", partial=np.True_), x * 2.0)
 
 
 def _damage(path, how):

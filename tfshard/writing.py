@@ -228,8 +228,9 @@ def _directory(path: Any, call: str) -> str:
 
 
 def check_flag(value: Any, name: str, call: str) -> None:
-    """Refuses a flag that is not a bool (``overwrite="no"`` would read as true)."""
-    if not isinstance(value, bool):
+    """Refuses a flag that is not a bool or a NumPy bool (``overwrite="no"`` would read as
+    true)."""
+    if not isinstance(value, (bool, np.bool_)):
         kind = type(value).__name__
         raise ArgumentError(f"{call}: {name}={value!r} must be True or False, not a {kind}")
 
@@ -378,9 +379,9 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
         if not manifest["complete"] and not partial:
             raise ArgumentError(
                 f"{call}: the write there has not finished ({manifest['rows']} "
-                f"rows in {manifest['batches']} batches so far); call "
-                f"{manifest['function']}.write(dataset, path) again to finish it, or pass "
-                "partial=True for the rows so far"
+                f"rows in {manifest['batches']} batches so far; a write may be running there); "
+                f"once none is, call {manifest['function']}.write(dataset, path) again to "
+                "finish it, or pass partial=True for the rows so far"
             )
         if manifest["leaves"] is None:
             raise ArgumentError(
