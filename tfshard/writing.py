@@ -264,7 +264,7 @@ class _Locks:
         self._held: dict[tuple[int, int], tuple[int, weakref.ref[_Lease], threading.Thread]] = {}
 
     def take(self, path: str, call: str, lease: _Lease) -> None:
-        """The directory `path`, open and locked against other writes in `lease.fd` until
+        """Opens the directory `path` into `lease.fd`, locked against other writes until
         `release`; WriteError where another write, of this process or another, holds it."""
         fd = os.open(path, os.O_RDONLY)
         try:
