@@ -12,12 +12,14 @@ editable install points at. `environ` builds that on the library's own rule for 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from tfshard import processes
 
@@ -56,6 +58,18 @@ def python(code: str, *, timeout: float = 120, **variables: str) -> subprocess.C
         cwd=REPO,
         env=environ(**variables),
     )
+
+
+def printed_json(code: str, *, timeout: float = 120, **variables: str) -> Any:
+    """What `code`, run by `python` (TensorFlow quiet, no GPU), printed as JSON on its last
+    line; the child's failure fails the test with the end of its stderr."""
+    done = python(
+        code,
+        timeout=timeout,
+        **{"TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "", **variables},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def as_in_a_terminal() -> None:

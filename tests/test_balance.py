@@ -7,7 +7,6 @@ bed, with an unequal pair made honestly: shard 1 does three times the work per r
 weights are 3:1.
 """
 
-import json
 import re
 import threading
 import time
@@ -749,15 +748,7 @@ print(json.dumps(found))
 @pytest.fixture(scope="module")
 def out_of_memory():
     """What `_REAL_OUT_OF_MEMORY`'s child found."""
-    done = children.python(
-        _REAL_OUT_OF_MEMORY,
-        timeout=300,
-        TF_CPP_MIN_LOG_LEVEL="3",
-        CUDA_VISIBLE_DEVICES="",
-        TF_ENABLE_ONEDNN_OPTS="0",
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return children.printed_json(_REAL_OUT_OF_MEMORY, timeout=300, TF_ENABLE_ONEDNN_OPTS="0")
 
 
 def test_a_shard_out_of_its_devices_memory_caps_it_and_later_calls_plan_within_it(

@@ -6,7 +6,6 @@ References: the tensor path of the same ShardedFunction, and a single-device
 
 import collections
 import io
-import json
 import threading
 from fractions import Fraction
 
@@ -1353,15 +1352,7 @@ print(json.dumps(found))
 @pytest.fixture(scope="module")
 def stream_out_of_memory():
     """What `_STREAM_OUT_OF_MEMORY`'s child found."""
-    done = children.python(
-        _STREAM_OUT_OF_MEMORY,
-        timeout=300,
-        TF_CPP_MIN_LOG_LEVEL="3",
-        CUDA_VISIBLE_DEVICES="",
-        TF_ENABLE_ONEDNN_OPTS="0",
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return children.printed_json(_STREAM_OUT_OF_MEMORY, timeout=300, TF_ENABLE_ONEDNN_OPTS="0")
 
 
 _WITHIN = [[12, 4], [12, 4], [4, 4]]  # 16, 16, 8 rows with device 1 capped at 4

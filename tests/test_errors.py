@@ -7,7 +7,6 @@ running the check itself. Where a parser shows through a public call, the call
 is tested too.
 """
 
-import json
 import re
 
 import children
@@ -207,16 +206,8 @@ print(json.dumps(found))
 """
 
 
-def _child_json(script: str, **variables: str):
-    """What `script`, run by a Python child of its own from the repository root, printed
-    as JSON on its last line."""
-    done = children.python(script, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **variables)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_a_shard_out_of_memory_is_named_with_its_rows_and_the_remedies():
-    found = _child_json(_OUT_OF_MEMORY, TF_ENABLE_ONEDNN_OPTS="0")
+    found = children.printed_json(_OUT_OF_MEMORY, TF_ENABLE_ONEDNN_OPTS="0")
     for max_rows, at_once in (
         (
             "None",
@@ -475,7 +466,7 @@ def test_an_xla_compile_failure_is_one_line_and_the_root_cause_once():
     """TF repeats the cause and a 'Stack trace for op definition' per shard and per
     function it converted; the message says what XLA could not compile, the remedy,
     then TF's root cause once."""
-    found = _child_json(_XLA_FLIP)
+    found = children.printed_json(_XLA_FLIP)
     assert found["shard"] and found["tf"]
     message = found["message"]
     cause = "Reading input as constant from a dynamic tensor is not yet supported"
