@@ -996,6 +996,16 @@ def _refused_before_its_first_batch(fails, write):
     return message
 
 
+def _assert_the_uninterrupted_write(path, tmp_path, x, ds):
+    """`path` holds, byte for byte, what `_job` writes of `ds` uninterrupted, and loads as
+    NumPy computes it."""
+    _job().write(ds, tmp_path / "uninterrupted")
+    assert _files(path) == _files(tmp_path / "uninterrupted")
+    got = tfshard.load(path)
+    np.testing.assert_array_equal(got["y"], x * 2.0 + 1.0)
+    np.testing.assert_array_equal(got["row"], np.arange(20))
+
+
 @pytest.mark.parametrize("fails", FAILURES)
 def test_a_write_that_fails_before_its_first_batch_leaves_a_new_path_missing(tmp_path, fails):
     x, ds = _first_batch_data()
@@ -1008,11 +1018,7 @@ def test_a_write_that_fails_before_its_first_batch_leaves_a_new_path_missing(tmp
         assert "stopped in batch 0 of the dataset, whose rows start at row 0" in message
     # Fixed, it writes what an uninterrupted write writes, byte for byte.
     assert _job().write(ds, path).computed_rows == 20
-    _job().write(ds, tmp_path / "uninterrupted")
-    assert _files(path) == _files(tmp_path / "uninterrupted")
-    got = tfshard.load(path)
-    np.testing.assert_array_equal(got["y"], x * 2.0 + 1.0)
-    np.testing.assert_array_equal(got["row"], np.arange(20))
+    _assert_the_uninterrupted_write(path, tmp_path, x, ds)
 
 
 @pytest.mark.parametrize("fails", FAILURES)
@@ -1037,11 +1043,7 @@ def test_a_write_that_fails_before_its_first_batch_leaves_an_unfinished_write_un
     assert f"8 rows (2 batches) are on disk in {str(path)!r}, as before this call" in message
     # Fixed, it resumes to what an uninterrupted write writes, byte for byte.
     assert _job().write(ds, path).computed_rows == 12
-    _job().write(ds, tmp_path / "uninterrupted")
-    assert _files(path) == _files(tmp_path / "uninterrupted")
-    got = tfshard.load(path)
-    np.testing.assert_array_equal(got["y"], x * 2.0 + 1.0)
-    np.testing.assert_array_equal(got["row"], np.arange(20))
+    _assert_the_uninterrupted_write(path, tmp_path, x, ds)
 
 
 @pytest.mark.parametrize("fails", FAILURES)
@@ -1061,11 +1063,7 @@ def test_an_overwrite_that_fails_before_its_first_batch_leaves_the_old_write_who
     assert "again" not in message
     # Fixed, it replaces the old write with what an uninterrupted write writes, byte for byte.
     assert _job().write(ds, path, overwrite=True).computed_rows == 20
-    _job().write(ds, tmp_path / "uninterrupted")
-    assert _files(path) == _files(tmp_path / "uninterrupted")
-    got = tfshard.load(path)
-    np.testing.assert_array_equal(got["y"], x * 2.0 + 1.0)
-    np.testing.assert_array_equal(got["row"], np.arange(20))
+    _assert_the_uninterrupted_write(path, tmp_path, x, ds)
 
 
 def test_a_write_to_a_missing_path_that_another_takes_meanwhile_is_refused_at_its_first_batch(
