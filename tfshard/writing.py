@@ -1019,12 +1019,11 @@ def _header(dtype: np.dtype, rows: int, shape: tuple[int, ...]) -> bytes:
 
 def _read_part(directory: str, part: dict[str, Any]) -> np.ndarray:
     """A part's committed rows, memory-mapped read-only (an empty array for none)."""
-    dtype, shape, rows = _dtype(part["dtype"]), tuple(part["shape"]), part["rows"]
-    if rows == 0:
-        return np.zeros((0, *shape), dtype)
-    # np.load reads the header as written; it counts at least the committed rows.
-    array = np.load(os.path.join(directory, part["file"]), mmap_mode="r")[:rows]
-    return array if array.dtype == dtype else array.view(dtype)  # bfloat16 is stored as V2
+    fd = os.open(os.path.join(directory, part["file"]), os.O_RDONLY)
+    try:
+        return _mapped(part, fd)
+    finally:
+        os.close(fd)  # the map holds the file
 
 
 def _finfo(dtype: np.dtype) -> Any:
