@@ -348,8 +348,9 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
     of its name; the memory maps are of those open files, which a later
     ``overwrite=True`` removes but cannot change. So beside a write in
     progress it gives the rows committed when it read (``partial=True``), and
-    beside one that replaces the path, the old write or the new one whole,
-    trying again `LOAD_TRIES` times, never a mix.
+    beside one that replaces the path, the old write whole or the new one as a
+    load of it gives it (not finished: the error, or its committed rows with
+    ``partial=True``), trying again `LOAD_TRIES` times, never a mix.
 
     Raises:
       ArgumentError: `path` or `partial` is not what it should be, `path` holds
