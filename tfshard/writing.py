@@ -227,12 +227,16 @@ def _directory(path: Any, call: str) -> str:
     return path
 
 
-def check_flag(value: Any, name: str, call: str) -> None:
+def check_flag(value: Any, name: str, call: str, *, none: str = "") -> None:
     """Refuses a flag that is not a bool or a NumPy bool (``overwrite="no"`` would read as
-    true)."""
+    true): tfshard's one rule for flags. With `none`, what None means there, None is
+    taken too."""
+    if none and value is None:
+        return
     if not isinstance(value, (bool, np.bool_)):
         kind = type(value).__name__
-        raise ArgumentError(f"{call}: {name}={value!r} must be True or False, not a {kind}")
+        also = f", or None ({none})" if none else ""
+        raise ArgumentError(f"{call}: {name}={value!r} must be True or False{also}, not a {kind}")
 
 
 class _Lease:
