@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import children
+import numpy as np
 import pytest
 from fake_nvidia_smi import fake
 
@@ -121,6 +122,35 @@ def test_run_cli_exits_2_when_no_reading_can_be_taken(nvidia_smi_no_devices, cap
 def test_run_cli_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ArgumentError, match=message):
         run_cli(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # A float count never equals the number of refreshes: the loop would never end.
+        ({"count": 2.5}, r"count=2\.5; give a whole number of refreshes >= 0"),
+        ({"count": "3"}, r"count='3'; give a whole number"),
+        ({"count": None}, r"count=None; give a whole number"),
+        ({"count": True}, r"count=True; give a whole number"),
+        ({"as_json": "no"}, r"as_json='no' is a str; give True or False"),
+        ({"as_json": 1}, r"as_json=1 is a int; give True or False"),
+        ({"nvidia_smi": 3}, r"nvidia_smi=3 is a int; give the path of nvidia-smi as a str"),
+        ({"nvidia_smi": b"/usr/bin/nvidia-smi"}, r"nvidia_smi=b'/usr/bin/nvidia-smi' is a bytes"),
+    ],
+)
+def test_run_cli_rejects_wrong_types_before_running_nvidia_smi(
+    nvidia_smi_no_devices, kwargs, message
+):
+    # With no GPU listed the loop returns 2 at once; a wrong type must be refused before it.
+    with pytest.raises(ArgumentError, match=message):
+        run_cli(watch=0.01, **kwargs)
+    assert not (nvidia_smi_no_devices / "calls").exists()
+
+
+def test_run_cli_takes_a_numpy_count(nvidia_smi_utilization_changes, capsys):
+    assert run_cli(watch=0.01, count=np.int64(2), as_json=np.bool_(False)) == 1  # GPU 1 reads [N/A]
+    assert capsys.readouterr().out.count("gpu  tf device") == 2
+    assert _calls(nvidia_smi_utilization_changes) == 2
 
 
 def test_main_rejects_positional_arguments(capsys):

@@ -327,10 +327,12 @@ def query(
         lists no GPU.
 
     Raises:
-        ArgumentError: ``timeout`` is not a positive number.
+        ArgumentError: ``nvidia_smi`` is not a str or ``os.PathLike`` path, or ``timeout``
+            is not a positive number.
         UtilizationError: No ``nvidia-smi`` was found (no NVIDIA driver), it failed, hung or
             printed something that is not the expected CSV. The message quotes its output.
     """
+    check_executable(nvidia_smi)
     check_positive("timeout", timeout)
     command = [_find_executable(nvidia_smi), *_QUERY_ARGS]
     shown = shlex.join(command)
@@ -714,7 +716,19 @@ def _verdict(summary: GpuSummary, threshold: float) -> Verdict:
     return Verdict(summary, busy=False, reason=reason, hint=hint)
 
 
-# The two checks below are shared with the command line.
+# The three checks below are shared with the command line.
+
+
+def check_executable(nvidia_smi: object) -> None:
+    if nvidia_smi is None or isinstance(nvidia_smi, str):
+        return
+    if isinstance(nvidia_smi, os.PathLike) and isinstance(os.fspath(nvidia_smi), str):
+        return
+    raise ArgumentError(
+        f"nvidia_smi={nvidia_smi!r} is a {type(nvidia_smi).__name__}; give the path of "
+        "nvidia-smi as a str or os.PathLike (a bytes path decoded to str), or None for "
+        f"${_ENV_EXECUTABLE}, then PATH"
+    )
 
 
 def check_positive(name: str, value: float) -> None:

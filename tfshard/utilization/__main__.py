@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from tfshard.errors import ArgumentError, UtilizationError
 from tfshard.utilization import (
     DEFAULT_THRESHOLD,
     GpuReading,
+    check_executable,
     check_positive,
     check_threshold,
     format_table,
@@ -41,6 +43,26 @@ def _exit_status(readings: Sequence[GpuReading], threshold: float) -> int:
         return 2
     meets = all(r.utilization_gpu is not None and r.utilization_gpu >= threshold for r in readings)
     return 0 if meets else 1
+
+
+def _refreshes(count: object) -> int:
+    # A float count would never equal the number of refreshes, so the loop would not end.
+    try:
+        whole = None if _is_bool(count) else operator.index(count)
+    except TypeError:
+        whole = None
+    if whole is None or whole < 0:
+        raise ArgumentError(
+            f"count={count!r}; give a whole number of refreshes >= 0 together with watch "
+            "(0: until interrupted)"
+        )
+    return whole
+
+
+def _is_bool(value: object) -> bool:
+    # NumPy's bool is a flag too; this module reads it without importing NumPy.
+    kind = type(value)
+    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
 
 
 def run_cli(
@@ -66,13 +88,21 @@ def run_cli(
         no reading could be taken (the reason goes to stderr).
 
     Raises:
-        ArgumentError: ``threshold``, ``watch`` or ``count`` is out of range.
+        ArgumentError: ``threshold``, ``watch`` or ``count`` is out of range, ``count`` is
+            not a whole number (a NumPy integer is one; a bool is not), ``as_json`` is not
+            a bool, or ``nvidia_smi`` is not a path.
     """
     check_threshold(threshold)
     if watch is not None:
         check_positive("watch", watch)
-    if count < 0 or (count and watch is None):
+    count = _refreshes(count)
+    if count and watch is None:
         raise ArgumentError(f"count={count}; give a count >= 0 together with watch")
+    if not _is_bool(as_json):
+        raise ArgumentError(
+            f"as_json={as_json!r} is a {type(as_json).__name__}; give True or False"
+        )
+    check_executable(nvidia_smi)
     clear = watch is not None and not as_json and sys.stdout.isatty()
     status, refreshes = 2, 0
     try:
