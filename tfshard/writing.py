@@ -229,14 +229,19 @@ def _directory(path: Any, call: str) -> str:
 
 def check_flag(value: Any, name: str, call: str, *, none: str = "") -> None:
     """Refuses a flag that is not a bool or a NumPy bool (``overwrite="no"`` would read as
-    true): tfshard's one rule for flags. With `none`, what None means there, None is
-    taken too."""
+    true): tfshard's one rule for flags. With `none`, what None (the default) means
+    there, None is taken too. `call` begins the message (none where it is "")."""
     if none and value is None:
         return
     if not isinstance(value, (bool, np.bool_)):
+        start = f"{call}: " if call else ""
         kind = type(value).__name__
-        also = f", or None ({none})" if none else ""
-        raise ArgumentError(f"{call}: {name}={value!r} must be True or False{also}, not a {kind}")
+        if none:
+            raise ArgumentError(
+                f"{start}{name}={value!r} must be True, False or None, not a {kind} "
+                f"(None, the default: {none})"
+            )
+        raise ArgumentError(f"{start}{name}={value!r} must be True or False, not a {kind}")
 
 
 class _Lease:
