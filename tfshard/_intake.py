@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, TextIO
 
 import tensorflow as tf
 
-from tfshard import _autograph, _kinds, _stream, _trees, collect
+from tfshard import _autograph, _kinds, _stream, _trees, collect, writing
 from tfshard._arguments import Arguments, Call
 from tfshard.errors import ArgumentError, fields_differ
 
@@ -44,17 +44,13 @@ class Asked(NamedTuple):
     def checked(self) -> Asked:
         """Itself, once each keyword is of its kind; else ArgumentError naming it."""
         _stream.check_progress(self.progress)
-        if self.batched is not None and not isinstance(self.batched, bool):
-            raise ArgumentError(
-                f"batched={self.batched!r} must be True, False or None, not a "
-                f"{type(self.batched).__name__}"
-            )
+        writing.check_flag(self.batched, "batched", "", none="tell from the element spec")
         size = self.batch_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ArgumentError(
                 f"batch_size={size!r}: the number of samples per global batch, an int >= 1"
             )
-        return self
+        return self if self.batched is None else self._replace(batched=bool(self.batched))
 
 
 # Keywords that belong to tfshard, not to the function, in a call on a dataset.
@@ -218,7 +214,7 @@ def prepare(
                 f"{where} is a {type(spec).__name__}; tfshard splits tensors and ragged "
                 f"tensors along their first dimension: {fix}"
             )
-    Asked(batch_size, batched).checked()
+    batched = Asked(batch_size, batched).checked().batched
     if batch_size is not None:
         if batched:
             raise ArgumentError(
