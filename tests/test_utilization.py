@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fake_nvidia_smi import fake
 
@@ -271,6 +272,37 @@ def test_query_rejects_a_bad_timeout(timeout):
         utilization.query(timeout=timeout)
 
 
+@pytest.mark.parametrize(
+    ("nvidia_smi", "message"),
+    [
+        (3, r"nvidia_smi=3 is of type int; give the path of nvidia-smi as a str or os\.PathLike"),
+        ([str(FAKE)], r"nvidia_smi=\['.*nvidia-smi'\] is of type list"),
+        (os.fsencode(FAKE), r"nvidia_smi=b'.*nvidia-smi' is of type bytes; .*decoded to str"),
+    ],
+)
+def test_query_rejects_an_executable_that_is_not_a_path(
+    nvidia_smi_several_gpus_busy, nvidia_smi, message
+):
+    with pytest.raises(ArgumentError, match=message):
+        utilization.query(nvidia_smi)
+    assert not (nvidia_smi_several_gpus_busy / "calls").exists()
+    assert len(utilization.query(FAKE)) == 4  # a Path is one
+
+
+@pytest.mark.parametrize(
+    ("text", "environ", "message"),
+    [
+        (None, None, r"text=None is of type NoneType; pass nvidia-smi's output as one str"),
+        (b"0, GPU-1, A100, 1, 1, 1, 1", None, r"text=b'0, GPU-1.* is of type bytes; decode it"),
+        (["0, GPU-1, A100, 1, 1, 1, 1"], None, r"text=\['0, GPU-1.* is of type list"),
+        ("0, GPU-1, A100, 1, 1, 1, 1", ["CUDA_VISIBLE_DEVICES=0"], r"environ=\[.* of type list"),
+    ],
+)
+def test_parse_rejects_what_is_not_text(text, environ, message):
+    with pytest.raises(ArgumentError, match=message):
+        utilization.parse(text, environ)
+
+
 # --- which TensorFlow device is which GPU -------------------------------------------------
 
 
@@ -451,6 +483,8 @@ def test_monitor_fails_on_entry_without_a_driver(no_nvidia_driver):
         ("GPU:1", {}, [1]),
         (["/device:GPU:0", "gpu:1"], {"CUDA_VISIBLE_DEVICES": "3,2"}, [2, 3]),
         ("/job:localhost/replica:0/task:0/device:GPU:0", {"CUDA_VISIBLE_DEVICES": "2"}, [2]),
+        (np.int64(1), {}, [1]),  # a NumPy integer is an index, as 1 is
+        ([np.uint8(3), np.int32(0)], {}, [0, 3]),
     ],
 )
 def test_monitor_follows_only_the_given_devices(
@@ -488,9 +522,16 @@ def test_monitor_rejects_devices_that_name_no_gpu(
         ({"interval": 0}, r"interval=0; give a positive"),
         ({"interval": float("inf")}, r"interval=inf"),
         ({"timeout": 0}, r"timeout=0"),
-        ({"devices": [1.5]}, r"devices=\[1\.5\] holds 1\.5; give nvidia-smi indices"),
-        ({"devices": True}, r"holds True"),
+        ({"devices": [1.5]}, r"devices=\[1\.5\] holds 1\.5 of type float; give nvidia-smi "),
+        ({"devices": True}, r"devices=True is of type bool; give nvidia-smi indices"),
+        ({"devices": [False]}, r"holds False of type bool"),
         ({"devices": []}, r"devices=\[\] follows no GPU; pass None"),
+        ({"devices": 1.5}, r"devices=1\.5 is of type float; give nvidia-smi indices \(0\)"),
+        # bytes are no sequence of indices (b"0" is not GPU 48)
+        ({"devices": b"0"}, r"devices=b'0' is of type bytes; give nvidia-smi indices"),
+        ({"devices": [b"0"]}, r"devices=\[b'0'\] holds b'0' of type bytes"),
+        ({"devices": {0: "GPU:0"}}, r"devices=\{0: 'GPU:0'\} is of type dict"),
+        ({"nvidia_smi": 3}, r"nvidia_smi=3 is of type int; give the path of nvidia-smi"),
     ],
 )
 def test_monitor_rejects_bad_arguments(kwargs, message):
@@ -569,6 +610,8 @@ def test_check_fails_before_running_fn_without_a_driver(no_nvidia_driver):
         ((), {"threshold": -1}, r"threshold=-1; give a percentage from 0 to 100"),
         ((), {"threshold": 100.5}, r"threshold=100\.5"),
         ((), {"duration": -0.1}, r"duration=-0\.1; give the seconds to measure, >= 0"),
+        ((), {"duration": True}, r"duration=True; give the seconds to measure"),
+        ((), {"threshold": "90"}, r"threshold='90'; give a percentage"),
         ((), {"interval": -1}, r"interval=-1"),
         ((3,), {}, r"fn=3 is not callable"),
         ((None, 1), {}, r"arguments \(1,\) were given without fn"),
@@ -621,6 +664,28 @@ def test_check_a_real_h100_ramp_is_not_steadily_busy(fake_nvidia_smi):
 
 
 # --- the table -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("readings", "threshold", "message"),
+    [
+        (None, 90, r"readings=None is of type NoneType; pass a list of GpuReading"),
+        ("0, GPU-1, A100, 1, 1, 1, 1", 90, r"readings='0, GPU-1.* is of type str; pass a list"),
+        ([{"index": 0}], 90, r"readings holds \{'index': 0\} of type dict; pass a list"),
+        ([], "x", r"threshold='x'; give a percentage from 0 to 100"),
+        ([], 500, r"threshold=500; give a percentage from 0 to 100"),  # the bar is a percentage
+        ([], -1, r"threshold=-1; give a percentage"),
+        ([], True, r"threshold=True; give a percentage"),
+    ],
+)
+def test_format_table_rejects_what_it_cannot_show(readings, threshold, message):
+    with pytest.raises(ArgumentError, match=message):
+        utilization.format_table(readings, threshold)
+
+
+def test_format_table_takes_any_iterable_of_readings():
+    reading = GpuReading(0, U0, A100, 93.0, 41.0, 15012, 40960, "/device:GPU:0")
+    assert utilization.format_table(iter([reading])) == utilization.format_table((reading,))
 
 
 def test_format_table_shows_a_dash_for_a_gpu_tensorflow_does_not_see():

@@ -132,10 +132,10 @@ def test_run_cli_rejects_bad_arguments(kwargs, message):
         ({"count": "3"}, r"count='3'; give a whole number"),
         ({"count": None}, r"count=None; give a whole number"),
         ({"count": True}, r"count=True; give a whole number"),
-        ({"as_json": "no"}, r"as_json='no' is a str; give True or False"),
-        ({"as_json": 1}, r"as_json=1 is a int; give True or False"),
-        ({"nvidia_smi": 3}, r"nvidia_smi=3 is a int; give the path of nvidia-smi as a str"),
-        ({"nvidia_smi": b"/usr/bin/nvidia-smi"}, r"nvidia_smi=b'/usr/bin/nvidia-smi' is a bytes"),
+        ({"as_json": "no"}, r"as_json='no' is of type str; give True or False"),
+        ({"as_json": 1}, r"as_json=1 is of type int; give True or False"),
+        ({"nvidia_smi": 3}, r"nvidia_smi=3 is of type int; give the path of nvidia-smi as a str"),
+        ({"nvidia_smi": b"/bin/nvidia-smi"}, r"nvidia_smi=b'/bin/nvidia-smi' is of type bytes"),
     ],
 )
 def test_run_cli_rejects_wrong_types_before_running_nvidia_smi(

@@ -47,6 +47,7 @@ text lists every GPU on the machine.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -211,20 +212,56 @@ def _strtoul(text: str) -> int:
 # --- which GPUs a user names ------------------------------------------------------------
 
 
-def device_specs(devices: DeviceSpec | Sequence[DeviceSpec] | None) -> tuple[DeviceSpec, ...]:
-    """Checks the ``devices=`` of a Monitor: one spec or a sequence of them, or None (all)."""
+def device_specs(devices: Any) -> tuple[DeviceSpec, ...]:
+    """Checks the ``devices=`` of a Monitor: one spec or a sequence of them, or None (all).
+
+    A spec is a str or an integer (a NumPy integer is one, a bool is not); bytes are refused
+    rather than read as a sequence of integers. Integers come back as Python ints.
+    """
     if devices is None:
         return ()
-    specs = (devices,) if isinstance(devices, int | str) else tuple(devices)
-    for spec in specs:
-        if isinstance(spec, bool) or not isinstance(spec, int | str):
+    one = _spec(devices)
+    if one is not None:
+        return (one,)
+    if isinstance(devices, bytes | bytearray | Mapping) or not _iterable(devices):
+        raise ArgumentError(
+            f"devices={devices!r} is of type {type(devices).__name__}; {_SPECS}, one or a "
+            "list of them"
+        )
+    specs = []
+    for entry in devices:
+        spec = _spec(entry)
+        if spec is None:
             raise ArgumentError(
-                f"devices={devices!r} holds {spec!r}; give nvidia-smi indices (0), UUIDs "
-                "('GPU-8f3a...') or TensorFlow names ('GPU:1')"
+                f"devices={devices!r} holds {entry!r} of type {type(entry).__name__}; {_SPECS}"
             )
+        specs.append(spec)
     if not specs:
         raise ArgumentError("devices=[] follows no GPU; pass None to follow every GPU")
-    return specs
+    return tuple(specs)
+
+
+_SPECS = "give nvidia-smi indices (0), UUIDs ('GPU-8f3a...') or TensorFlow names ('GPU:1')"
+
+
+def _spec(value: Any) -> DeviceSpec | None:
+    """value as a spec (a str, or an integer as a Python int), or None when it is not one."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):  # NumPy's bool is no integer to operator.index either
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _iterable(value: Any) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
 
 
 def select(readings: Sequence[Gpu], specs: Sequence[DeviceSpec]) -> frozenset[int]:

@@ -231,9 +231,19 @@ def parse(text: str, environ: Mapping[str, str] | None = None) -> list[GpuReadin
         The readings, in the order of the text.
 
     Raises:
-        ArgumentError: A line does not have the seven columns, a value is not a number, or
-            a GPU index appears twice.
+        ArgumentError: ``text`` is not a str or ``environ`` not a mapping, a line does not
+            have the seven columns, a value is not a number, or a GPU index appears twice.
     """
+    if not isinstance(text, str):
+        fix = "decode it first (text.decode())" if isinstance(text, bytes | bytearray) else (
+            "pass nvidia-smi's output as one str"
+        )
+        raise ArgumentError(f"text={_short(text)} is of type {type(text).__name__}; {fix}")
+    if environ is not None and not isinstance(environ, Mapping):
+        raise ArgumentError(
+            f"environ={environ!r} is of type {type(environ).__name__}; pass a mapping of "
+            "environment variables (os.environ or a dict), or None for this process's"
+        )
     readings: list[GpuReading] = []
     seen: set[int] = set()
     for number, line in enumerate(text.splitlines(), start=1):
@@ -423,6 +433,11 @@ def _outputs(result: subprocess.CompletedProcess[str] | subprocess.TimeoutExpire
     return ". It printed " + "; ".join(parts) if parts else ". It printed nothing"
 
 
+def _short(value: object) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:80] + "..."
+
+
 def _quote(text: str) -> str:
     text = text.strip()
     if len(text) > _QUOTE_LIMIT:
@@ -522,8 +537,9 @@ class Monitor:
         timeout: Seconds before one ``nvidia-smi`` call counts as hung, as in `query`.
 
     Raises:
-        ArgumentError: ``interval`` or ``timeout`` is not positive, or ``devices`` holds
-            something that is not a device spec. On entry: a spec that names no GPU.
+        ArgumentError: ``interval`` or ``timeout`` is not positive, ``nvidia_smi`` is not a
+            path (as in `query`), or ``devices`` is or holds something that is not a device
+            spec (bytes included). On entry: a spec that names no GPU.
         UtilizationError: On entry or exit, as `query` raises, or the Monitor is already
             running.
     """
@@ -538,6 +554,7 @@ class Monitor:
     ) -> None:
         check_positive("interval", interval)
         check_positive("timeout", timeout)
+        check_executable(nvidia_smi)
         self._interval = float(interval)
         self._specs = _gpu_ids.device_specs(devices)
         self._nvidia_smi = nvidia_smi
@@ -662,7 +679,9 @@ def check(
     if fn is None and args:
         raise ArgumentError(f"arguments {args!r} were given without fn; pass fn first")
     check_threshold(threshold)
-    if not (isinstance(duration, int | float) and 0 <= duration < math.inf):
+    if isinstance(duration, bool) or not (
+        isinstance(duration, int | float) and 0 <= duration < math.inf
+    ):
         raise ArgumentError(f"duration={duration!r}; give the seconds to measure, >= 0")
     with Monitor(interval, devices, nvidia_smi=nvidia_smi) as monitor:
         if fn is None:
@@ -725,7 +744,7 @@ def check_executable(nvidia_smi: object) -> None:
     if isinstance(nvidia_smi, os.PathLike) and isinstance(os.fspath(nvidia_smi), str):
         return
     raise ArgumentError(
-        f"nvidia_smi={nvidia_smi!r} is a {type(nvidia_smi).__name__}; give the path of "
+        f"nvidia_smi={nvidia_smi!r} is of type {type(nvidia_smi).__name__}; give the path of "
         "nvidia-smi as a str or os.PathLike (a bytes path decoded to str), or None for "
         f"${_ENV_EXECUTABLE}, then PATH"
     )
@@ -761,7 +780,24 @@ def format_table(readings: Iterable[GpuReading], threshold: float = DEFAULT_THRE
 
     Returns:
         The table, one line per GPU under a header line, without a final newline.
+
+    Raises:
+        ArgumentError: ``readings`` is not an iterable of `GpuReading`, or ``threshold`` is
+            not a percentage from 0 to 100.
     """
+    check_threshold(threshold)
+    if isinstance(readings, str | bytes | Mapping | GpuReading) or not _iterable(readings):
+        raise ArgumentError(
+            f"readings={readings!r} is of type {type(readings).__name__}; pass a list of "
+            "GpuReading (what query or parse returns)"
+        )
+    readings = list(readings)
+    for reading in readings:
+        if not isinstance(reading, GpuReading):
+            raise ArgumentError(
+                f"readings holds {reading!r} of type {type(reading).__name__}; pass a list of "
+                "GpuReading (what query or parse returns)"
+            )
     rows = [
         ("gpu", "tf device", "name", "util %", "mem util %", "memory MiB", f"vs {threshold:g} %")
     ]
@@ -791,6 +827,14 @@ def format_table(readings: Iterable[GpuReading], threshold: float = DEFAULT_THRE
         ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def _iterable(value: object) -> bool:
+    try:
+        iter(value)  # type: ignore[call-overload]
+    except TypeError:
+        return False
+    return True
 
 
 def _show(value: float | None) -> str:

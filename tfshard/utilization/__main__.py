@@ -100,7 +100,7 @@ def run_cli(
         raise ArgumentError(f"count={count}; give a count >= 0 together with watch")
     if not _is_bool(as_json):
         raise ArgumentError(
-            f"as_json={as_json!r} is a {type(as_json).__name__}; give True or False"
+            f"as_json={as_json!r} is of type {type(as_json).__name__}; give True or False"
         )
     check_executable(nvidia_smi)
     clear = watch is not None and not as_json and sys.stdout.isatty()
