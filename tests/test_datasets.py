@@ -1170,6 +1170,15 @@ def test_flags_of_a_stream_that_are_not_what_they_say_are_refused(way):
         run(tf.data.Dataset.range(6), progress="yes")
 
 
+def test_batched_takes_a_numpy_bool_as_the_bool_it_is():
+    f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[:2])
+    assert f(tf.data.Dataset.range(6).batch(3), batched=np.True_).numpy().tolist() == [
+        0, 2, 4, 6, 8, 10,
+    ]  # fmt: skip
+    with pytest.raises(ArgumentError, match=r"batched=False: each element is one sample"):
+        f(tf.data.Dataset.range(6), batched=np.False_)
+
+
 # ------------------------------------------ weights="auto"'s caps in a stream
 
 
