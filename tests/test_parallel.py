@@ -609,6 +609,35 @@ def test_bad_options_fail_at_decoration(kwargs, message):
         tfshard.parallelize(fn, **kwargs)
 
 
+@pytest.mark.parametrize("name", ["per_sample", "ragged", "allow_duplicate_devices", "jit_compile"])
+@pytest.mark.parametrize("bad", ["False", "no", 0, 1, 0.0, [], np.array([False, False])])
+def test_flags_take_a_bool_not_another_values_truth(name, bad):
+    refused = rf"parallelize: {name}=.* must be True(, False or None| or False), not a"
+    with pytest.raises(ArgumentError, match=refused):
+        tfshard.parallelize(tf.identity, devices=CPUS[:2], **{name: bad})
+
+
+def test_flags_take_numpy_bools_and_none_where_none_has_a_meaning():
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    column_max = tfshard.parallelize(
+        lambda b: tf.reduce_max(b, 0), devices=CPUS[:2], per_sample=np.False_, reduce="max"
+    )
+    assert column_max(x).numpy().tolist() == [6.0, 7.0]  # the max of each column, per shard
+    with pytest.raises(ArgumentError, match=r"per_sample='False' must be True, False or None.*"
+                       r"\(None, the default: False for a Keras layer or model"):  # fmt: skip
+        tfshard.parallelize(tf.identity, per_sample="False")
+    with pytest.raises(ArgumentError, match=r"ragged='no' must be True or False, not a str"):
+        tfshard.parallelize(tf.identity, ragged="no", reduce="sum")
+    with pytest.raises(ArgumentError, match=r"allow_duplicate_devices=None must be True or False"):
+        tfshard.parallelize(tf.identity, allow_duplicate_devices=None)
+    doubled = tfshard.parallelize(
+        lambda s: s * 2, devices=["cpu:1", "cpu:1"], allow_duplicate_devices=np.True_,
+        jit_compile=None, ragged=np.False_,
+    )  # fmt: skip
+    assert doubled(x).numpy().tolist() == (x * 2).tolist()
+    assert isinstance(doubled(x), tf.Tensor)
+
+
 def test_weights_length_is_checked_against_default_devices():
     n = len(tf.config.list_logical_devices("GPU")) or len(CPUS)  # the defaults' count
     f = tfshard.parallelize(tf.identity, weights=[1] * (n + 1))

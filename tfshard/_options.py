@@ -14,10 +14,17 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _plan, collect, pinning
+from tfshard import _plan, collect, pinning, writing
 from tfshard._autograph import keras_of, tf_function_of
 from tfshard.errors import ArgumentError
 from tfshard.replicas import Replicas
+
+# What None means for the flags that take it (`writing.check_flag`'s none=).
+_PER_SAMPLE_NONE = "False for a Keras layer or model, True for anything else"
+_JIT_COMPILE_NONE = (
+    "what the function is, a Keras model's own model.jit_compile, False for anything else; "
+    "True compiles each shard with XLA"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +81,18 @@ class Options:
         allow_duplicate_devices: bool,
         max_rows: int | Sequence[int | None] | None = None,
     ) -> Options:
-        """`parallelize`'s arguments checked, as one value; ArgumentError names a bad one."""
+        """`parallelize`'s arguments checked, as one value; ArgumentError names a bad one.
+
+        The flags take a bool or a NumPy bool (`writing.check_flag`), never another
+        value's truth (``per_sample="False"`` is refused, not read as True).
+        """
+        for name, value, none in (
+            ("per_sample", per_sample, _PER_SAMPLE_NONE),
+            ("ragged", ragged, ""),
+            ("allow_duplicate_devices", allow_duplicate_devices, ""),
+            ("jit_compile", jit_compile, _JIT_COMPILE_NONE),
+        ):
+            writing.check_flag(value, name, "parallelize", none=none)
         op = collect.reduction(reduce)
         if ragged and op is not None:
             raise ArgumentError(
@@ -100,12 +118,6 @@ class Options:
                 "give one weight per device"
             )
         limits = _max_rows(max_rows)
-        if jit_compile is not None and not isinstance(jit_compile, bool | np.bool_):
-            raise ArgumentError(
-                f"jit_compile={jit_compile!r}: pass True to compile each shard with XLA, "
-                "False to run it without, or None (the default) for what the function is: a "
-                "Keras model's own model.jit_compile, False for anything else"
-            )
         if specs is not None and isinstance(limits, tuple) and len(specs) != len(limits):
             raise ArgumentError(
                 f"max_rows has {len(limits)} entries but devices has {len(specs)}; give "
