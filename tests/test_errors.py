@@ -7,6 +7,10 @@ running the check itself. Where a parser shows through a public call, the call
 is tested too.
 """
 
+import concurrent.futures
+import copy
+import multiprocessing
+import pickle
 import re
 
 import children
@@ -245,6 +249,109 @@ def test_a_failure_in_the_users_own_tf_function_names_a_shard_that_calls_the_sha
     x[3 * shard + 2] = -1.0
     with pytest.raises(ShardError, match=rf"^my_step: shard {shard} on {devices[shard]} \(rows "):
         f(x)
+
+
+# ------------------------------------------------ errors that cross processes
+
+
+def _each_error() -> dict[str, errors.TfshardError]:
+    """One error of each class of the family, with what each carries besides its message."""
+    op_error = tf.errors.InvalidArgumentError(None, None, "log of a negative")
+    made = {
+        "TfshardError": errors.TfshardError("tfshard failed"),
+        "DeviceError": errors.DeviceError("device 'gpu:9' does not exist"),
+        "ContextMapError": errors.ContextMapError("'dev0' is named twice"),
+        "ArgumentError": errors.ArgumentError("batch_size=0: pass an int >= 1"),
+        "DeviceSetupError": errors.DeviceSetupError("TensorFlow already started"),
+        "ShardError": errors.ShardError("shard 1 on /device:CPU:1 failed"),
+        "ShardInvalidArgumentError": errors.shard_error(op_error, "f: shard 1 failed: log"),
+        "UtilizationError": errors.UtilizationError("nvidia-smi hung"),
+        "ClusterError": errors.ClusterError("worker 1 at 127.0.0.1:2223 is down"),
+        "WriteError": errors.write_error(
+            OSError(28, "No space left on device", "/data/part-3.npy"), "f.write(ds, p)", "again"
+        ),
+        "WorkerError": errors.WorkerError(
+            "worker 1 failed", index=1, device="gpu:1", traceback="Traceback: boom"
+        ),
+    }
+    for error in made.values():
+        error.add_note("tfshard: a note")
+    return made
+
+
+def _carried(error: BaseException) -> dict:
+    """What an error carries: its type's name, message, arguments and attributes."""
+    carried = {"type": type(error).__name__, "str": str(error), "args": error.args}
+    carried.update(vars(error))
+    if isinstance(error, OSError):
+        carried.update(errno=error.errno, strerror=error.strerror, filename=error.filename)
+    if isinstance(error, tf.errors.OpError):
+        carried.update(message=error.message, error_code=error.error_code)
+    return carried
+
+
+def test_each_class_of_the_family_is_made_by_the_case_below():
+    family = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, errors.TfshardError)
+    }
+    assert family | {"ShardInvalidArgumentError"} == set(_each_error())
+
+
+@pytest.mark.parametrize("kind", list(_each_error()))
+@pytest.mark.parametrize("how", ["pickle", "copy"])
+def test_every_error_round_trips_through_pickle_and_copy(kind, how):
+    """A worker process sends its error back whole (multiprocessing, concurrent.futures,
+    joblib pickle it): the same type, message and attributes."""
+    error = _each_error()[kind]
+    again = pickle.loads(pickle.dumps(error)) if how == "pickle" else copy.copy(error)
+    assert type(again) is type(error)
+    assert _carried(again) == _carried(error)
+    assert again.__notes__ == ["tfshard: a note"]
+    if kind == "WriteError":
+        assert (again.errno, again.filename) == (28, "/data/part-3.npy")
+    if kind == "WorkerError":
+        assert (again.index, again.device, again.traceback) == (1, "gpu:1", "Traceback: boom")
+
+
+def test_a_shards_error_round_trips_through_pickle():
+    f = tfshard.parallelize(
+        lambda s: tf.debugging.check_numerics(tf.math.log(s), "log of a negative"),
+        devices=CPUS[:2],
+    )
+    with pytest.raises(ShardError) as raised:
+        f(np.array([1.0, 1.0, -1.0, 1.0], np.float32))
+    again = pickle.loads(pickle.dumps(raised.value))
+    assert type(again).__name__ == "ShardInvalidArgumentError"
+    assert isinstance(again, errors.TfshardError) and isinstance(again, ShardError)
+    assert isinstance(again, tf.errors.InvalidArgumentError)
+    assert again.message == raised.value.message and str(again) == str(raised.value)
+    assert again.message.startswith(f"<lambda>: shard 1 on {CPUS[1]} (rows [2:4) of 4) failed: ")
+    assert again.error_code == raised.value.error_code == tf.errors.INVALID_ARGUMENT
+
+
+# A worker of a process pool makes a failing call of its own; its error comes back through
+# pickle (the pool's own), to a process where its class was never made.
+_FAILS_IN_A_WORKER = """
+import numpy as np, tensorflow as tf, tfshard
+tfshard.virtual_devices(2)
+def log(s):
+    return tf.debugging.check_numerics(tf.math.log(s), "log of a negative")
+tfshard.parallelize(log, devices=["cpu:0", "cpu:1"])(np.array([1.0, 1.0, -1.0, 1.0], np.float32))
+"""
+
+
+def test_a_shards_error_comes_back_from_a_process_pools_worker(monkeypatch):
+    for name, value in children.environ(TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="").items():
+        monkeypatch.setenv(name, value)
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter, not a fork of this one
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        failed = pool.submit(exec, _FAILS_IN_A_WORKER, {}).exception(timeout=300)
+    assert type(failed).__name__ == "ShardInvalidArgumentError"
+    assert isinstance(failed, ShardError) and isinstance(failed, tf.errors.InvalidArgumentError)
+    assert failed.message.startswith(f"log: shard 1 on {CPUS[1]} (rows [2:4) of 4) failed: ")
+    assert "log of a negative" in failed.message
 
 
 # ------------------------------------------------ tfshard's in-graph checks

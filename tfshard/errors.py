@@ -92,7 +92,11 @@ _GATHER_SHAPES = re.compile(
 
 
 class TfshardError(Exception):
-    """Base class of every error tfshard raises."""
+    """Base class of every error tfshard raises.
+
+    Every one round-trips through `pickle` and `copy.copy` (a worker process sends
+    it back whole): the same type, message and attributes, notes included.
+    """
 
     # Autograph re-raises an error from inside a user's tf.function as its own type
     # only when that type's constructor is Exception's (else as a StagingError, which
@@ -121,8 +125,16 @@ class ShardError(TfshardError):
 
     The error raised is also an instance of the TensorFlow error the shard
     raised (for example `tf.errors.InvalidArgumentError`), so existing
-    ``except tf.errors.OpError`` handlers keep working.
+    ``except tf.errors.OpError`` handlers keep working. Its class is made when
+    first needed (one per TF error type); pickle makes it again from the TF
+    type.
     """
+
+    def __reduce__(self) -> tuple:
+        tf_type = getattr(type(self), "tf_type", None)
+        if tf_type is None:  # ShardError itself, or a subclass bound in a module
+            return super().__reduce__()
+        return (_shard_error_rebuilt, (tf_type, self.args, self.__dict__))
 
 
 class UtilizationError(TfshardError, RuntimeError):
@@ -146,6 +158,12 @@ class WriteError(TfshardError, OSError):
     # The message as written: OSError's own would print only "[Errno 28] ...: 'file'".
     __str__ = Exception.__str__
 
+    def __reduce__(self) -> tuple:
+        # OSError's own gives its errno, strerror and filename as the arguments, which
+        # would replace the message; they are attributes here, set after it.
+        os_error = {"errno": self.errno, "strerror": self.strerror, "filename": self.filename}
+        return (type(self), self.args, {**self.__dict__, **os_error})
+
 
 class WorkerError(TfshardError, RuntimeError):
     """A worker process failed, exited without a result, or outlived the timeout.
@@ -164,10 +182,24 @@ class WorkerError(TfshardError, RuntimeError):
         self.device = device
         self.traceback = traceback
 
+    def __reduce__(self) -> tuple:
+        keywords = {"index": self.index, "device": self.device, "traceback": self.traceback}
+        return (_with_keywords, (type(self), self.args, keywords), self.__dict__)
+
+
+def _with_keywords(cls: type, args: tuple, keywords: dict[str, Any]) -> Any:
+    """``cls(*args, **keywords)``: how pickle rebuilds an error whose constructor needs
+    keywords."""
+    return cls(*args, **keywords)
+
 
 class _ShardTypes:
     """One ShardError subclass per TF error type, made on first use, so that
-    ``except tf.errors.InvalidArgumentError`` still catches a `shard_error`."""
+    ``except tf.errors.InvalidArgumentError`` still catches a `shard_error`.
+
+    Each knows its TF type (``tf_type``), which is how pickle finds it again
+    (`ShardError.__reduce__`): it is bound in no module.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -180,7 +212,7 @@ class _ShardTypes:
             cls = self._types.get(error_type)
             if cls is None:
                 # The TF error's constructor, not TfshardError's plain one.
-                namespace = {"__init__": error_type.__init__}
+                namespace = {"__init__": error_type.__init__, "tf_type": error_type}
                 cls = type(f"Shard{error_type.__name__}", (ShardError, error_type), namespace)
                 cls.__module__ = __name__
                 self._types[error_type] = cls
@@ -188,6 +220,19 @@ class _ShardTypes:
 
 
 _shard_types = _ShardTypes()
+
+
+def _shard_error_rebuilt(tf_type: type, args: tuple, state: dict[str, Any]) -> Any:
+    """A pickled ShardError of `tf_type`, rebuilt: its class, then its arguments and
+    attributes as they were (TF's node_def, op, message, error code and payloads).
+
+    The TF error's constructor is not called: its arguments differ by type, and
+    every value it sets is in `state`.
+    """
+    cls = _shard_types.of(tf_type)
+    error = cls.__new__(cls, *args)
+    error.__setstate__(state)
+    return error
 
 
 def shard_error(error: Any, message: str) -> Any:
