@@ -701,6 +701,9 @@ class Engine:
             self.balance.drop()
             return
         rows, times = timing.rows.numpy().tolist(), timing.seconds.numpy().tolist()
+        # tf.timestamp reads the wall clock, which may step back between a shard's two
+        # stamps: that shard's time is 0, too short to count (`Balance.observe` refuses < 0).
+        times = [max(t, 0.0) for t in times]
         if shards is not None:
             count = len(self.devices)
             rows, times = _spread(rows, shards, count), _spread(times, shards, count)
