@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import children
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -480,6 +481,11 @@ def test_bad_arguments_fail_before_any_worker_starts(worker_pids, args, kwargs, 
 def test_placements_name_a_bad_count_or_devices(count, devices, match):
     with pytest.raises(ArgumentError, match=match):
         processes.placements(count, devices)
+
+
+@pytest.mark.parametrize("count", [np.int64(2), np.uint8(2)])
+def test_placements_take_a_numpy_count(count):
+    assert processes.placements(count, ["cpu", "cpu"]) == processes.placements(2, ["cpu", "cpu"])
 
 
 def test_devices_may_be_tensorflow_device_objects(monkeypatch, fake_gpus):

@@ -111,7 +111,7 @@ def placements(
     """Where `run_per_device` runs `count` workers on `devices`, without starting any.
 
     Args:
-      count: the number of workers, an int >= 1.
+      count: the number of workers, an int >= 1 (a NumPy integer is one).
       devices: as `run_per_device` takes them: None, or one device per worker.
 
     Returns:
@@ -121,8 +121,9 @@ def placements(
       ArgumentError: `count` or `devices` has the wrong type or length.
       DeviceError: a device is not a local GPU or the CPU, or does not exist.
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
         raise ArgumentError(f"count={count!r}: give the number of workers, an int >= 1")
+    count = int(count)
     _check_devices(devices, count, "count is")
     return _placements(devices, count)
 
