@@ -382,6 +382,133 @@ def test_the_plan_follows_a_device_that_changes_speed():
     assert _measured(balance, [50, 50], [0.05, 0.15], times=1) == (3.0, 1.0)
 
 
+# ------------------------------------------------- wrong arguments to the hook
+
+_NAN, _INF = float("nan"), float("inf")
+_WRONG_CALLS = {
+    "cap, a negative device": (
+        lambda b: b.cap(-1, 10), r"balance\.cap\(device=-1\): .* an int from 0 to 1"
+    ),
+    "cap, a device past the last": (lambda b: b.cap(2, 10), r"cap\(device=2\)"),
+    "cap, a bool device": (lambda b: b.cap(True, 10), r"cap\(device=True\)"),
+    "cap, a float device": (lambda b: b.cap(0.0, 10), r"cap\(device=0\.0\)"),
+    "cap, negative rows": (lambda b: b.cap(0, -4), r"balance\.cap: rows=-4 .* an int >= 0"),
+    "cap, fractional rows": (lambda b: b.cap(0, 2.5), r"rows=2\.5 "),
+    "cap, rows as a string": (lambda b: b.cap(0, "4"), r"rows='4' "),
+    "observe, too few rows": (
+        lambda b: b.observe([2], [0.1, 0.2], warm_up=False),
+        r"balance\.observe: rows=\[2\] must be a list of 2 values \(not 1\)",
+    ),
+    "observe, too many seconds": (
+        lambda b: b.observe([2, 2], [0.1, 0.2, 0.3], warm_up=False),
+        r"seconds=\[0\.1, 0\.2, 0\.3\] must be a list of 2 values \(not 3\)",
+    ),
+    "observe, rows as a string": (
+        lambda b: b.observe("22", [0.1, 0.2], warm_up=False), r"rows='22' must be a list"
+    ),
+    "observe, negative rows": (
+        lambda b: b.observe([-5, 2], [0.1, 0.2], warm_up=False), r"rows\[0\]=-5 .* int >= 0"
+    ),
+    "observe, a string for seconds": (
+        lambda b: b.observe([2, 2], ["a", 0.1], warm_up=False),
+        r"seconds\[0\]='a' .* a finite number >= 0",
+    ),
+    "observe, NaN seconds": (
+        lambda b: b.observe([2, 2], [0.1, _NAN], warm_up=False), r"seconds\[1\]=nan "
+    ),
+    "observe, infinite seconds": (
+        lambda b: b.observe([2, 2], [_INF, 0.1], warm_up=False), r"seconds\[0\]=inf "
+    ),
+    "observe, negative seconds": (
+        lambda b: b.observe([2, 2], [-0.1, 0.1], warm_up=False), r"seconds\[0\]=-0\.1 "
+    ),
+    "observe, warm_up not a bool": (
+        lambda b: b.observe([2, 2], [0.1, 0.2], warm_up="no"), r"warm_up='no' must be True"
+    ),
+    "observe, negative call_seconds": (
+        lambda b: b.observe([2, 2], [0.1, 0.2], warm_up=False, call_seconds=-1.0),
+        r"call_seconds=-1\.0 ",
+    ),
+    "observe, a warm-up's wrong rows": (
+        lambda b: b.observe([2], [0.1, 0.2], warm_up=True), r"rows=\[2\] must be a list"
+    ),
+    "observe_alone, a negative device": (
+        lambda b: b.observe_alone(-1, 8, 0.1, warm_up=False),
+        r"balance\.observe_alone\(device=-1\)",
+    ),
+    "observe_alone, negative rows": (
+        lambda b: b.observe_alone(0, -8, 0.1, warm_up=False), r"observe_alone: rows=-8 "
+    ),
+    "observe_alone, NaN seconds": (
+        lambda b: b.observe_alone(0, 8, _NAN, warm_up=False), r"observe_alone: seconds=nan "
+    ),
+    "observe_alone, warm_up not a bool": (
+        lambda b: b.observe_alone(0, 8, 0.1, warm_up="False"), r"warm_up='False' "
+    ),
+    "plan_for, an unknown kind": (
+        lambda b: b.plan_for("both"), r"plan_for\(kind='both'\): .* 'split' or 'alone'"
+    ),
+}
+
+
+def _state(balance):
+    """All a balance shows of what it learned."""
+    return (
+        balance.weights,
+        balance.in_use(),
+        balance.caps(),
+        balance.per_row(),
+        balance.measured,
+        balance.changes,
+        balance.settled,
+        balance.due(),
+    )
+
+
+@pytest.mark.parametrize("case", _WRONG_CALLS)
+def test_a_wrong_argument_to_the_hook_is_named_and_changes_nothing(case):
+    call, named = _WRONG_CALLS[case]
+    balance = Balance(2)
+    _measured(balance, [50, 50], [0.05, 0.15], times=_balance.MIN_SAMPLES)  # 3:1
+    balance.cap(1, 80)
+    before, twin = _state(balance), Balance(2)
+    with pytest.raises(ArgumentError, match=named):
+        call(balance)
+    assert _state(balance) == before
+    # Measured the same, a balance no wrong call reached takes the next ones alike.
+    _measured(twin, [50, 50], [0.05, 0.15], times=_balance.MIN_SAMPLES)
+    twin.cap(1, 80)
+    twin.due()
+    for b in (balance, twin):
+        b.observe([60, 20], [0.06, 0.06], warm_up=False, call_seconds=0.07)
+        b.observe_alone(0, 80, 0.1, warm_up=False)
+        b.cap(0, 100)
+    assert _state(balance) == _state(twin)
+
+
+def test_the_hook_takes_numpy_values_as_python_ones():
+    given, listed = Balance(2), Balance(2)
+    for _ in range(_balance.MIN_SAMPLES):
+        given.observe(np.array([50, 50]), np.array([0.05, 0.15]), warm_up=np.bool_(False))
+        given.observe_alone(np.int64(0), np.int32(100), np.float32(0.1), warm_up=np.False_)
+        listed.observe([50, 50], [0.05, 0.15], warm_up=False)
+        listed.observe_alone(0, 100, float(np.float32(0.1)), warm_up=False)
+    assert given.cap(np.int64(1), np.int64(9)) == listed.cap(1, 9) == 4
+    assert _state(given) == _state(listed) and given.weights == (3.0, 1.0)
+
+
+def test_a_functions_hook_refuses_a_wrong_cap_and_the_function_runs_as_before():
+    f = tfshard.parallelize(lambda s: s * 2.0, devices=CPUS[:2], per_sample=False, weights="auto")
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    np.testing.assert_array_equal(f(x).numpy(), x * 2)
+    for device, rows in [(-1, 10), (5, 10), (0, -4)]:
+        with pytest.raises(ArgumentError, match=r"balance\.cap"):
+            f.balance.cap(device, rows)
+    assert f.balance.caps() is None
+    np.testing.assert_array_equal(f(x).numpy(), x * 2)
+    np.testing.assert_array_equal(f(x[:1]).numpy(), x[:1] * 2)
+
+
 # ------------------------------------------------- measured on the CPU bed
 
 # Two devices whose speeds are their own: a shard waits 10 us per row on device 0 and

@@ -103,14 +103,17 @@ nothing), its call taking a turn (`Turns`) as a call does.
 from __future__ import annotations
 
 import collections
+import math
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tfshard import _plan, _sharding
+from tfshard import _plan, _sharding, writing
 from tfshard._plan import Caps
+from tfshard.errors import ArgumentError
 
 # Measurements per device whose lower quartile is its time per row.
 WINDOW = 9
@@ -428,7 +431,10 @@ class Balance:
     """The weights of ``weights="auto"`` for K devices, from their measured time per row.
 
     The rules are in the module docstring. Thread-safe: calls from several
-    threads observe in turn.
+    threads observe in turn. A method given a wrong argument (a device index
+    out of range, negative rows, a count per device of the wrong length, a
+    time that is not a finite number >= 0) raises `ArgumentError` naming it,
+    and changes nothing.
 
     Args:
       count: the number of devices.
@@ -498,7 +504,16 @@ class Balance:
         """The integer weights a measured call of this `kind` (`due`) plans by, and the
         caps, read at once: the split's weights ("split", also while the fastest device
         holds every row), or the fastest device alone's ("alone"; those in use until one
-        is weighed)."""
+        is weighed).
+
+        Raises:
+          ArgumentError: `kind` is neither.
+        """
+        if kind not in ("split", "alone"):
+            raise ArgumentError(
+                f"balance.plan_for(kind={kind!r}): kind must be 'split' or 'alone', what "
+                "Balance.due says a measured call measures"
+            )
         with self._lock:
             if kind == "split":
                 return _integer(self._split, self._count), self._caps
@@ -522,7 +537,17 @@ class Balance:
         had if that is fewer (caps only go down). Where it held every row alone,
         the split is the plan again; it is not weighed alone from then on. A
         device capped at 0 takes no rows again, as one found useless.
+
+        Args:
+          device: the device's index in the function's devices (``f.devices``).
+          rows: the rows it held at once, an int >= 0.
+
+        Raises:
+          ArgumentError: `device` is not an index of a device, or `rows` not an
+            int >= 0 (no cap changes).
         """
+        device = self._index(device, "balance.cap")
+        rows = _count(rows, "rows", "balance.cap", "the rows the device held at once")
         with self._lock:
             caps = list(self._caps or (None,) * self._count)
             had = caps[device]
@@ -629,7 +654,18 @@ class Balance:
             kernels and memory: not counted.
           call_seconds: the whole call's seconds, from before it started to its
             outputs ready (a call of the split in use), or None: not known (a stream).
+
+        Raises:
+          ArgumentError: `rows` or `seconds` is not one value per device (an int
+            >= 0, a finite number >= 0), `warm_up` not a bool, or `call_seconds`
+            neither None nor a finite number >= 0 (nothing is counted).
         """
+        call = "balance.observe"
+        rows = self._per_device(rows, "rows", call, _count, "a shard's rows")
+        seconds = self._per_device(seconds, "seconds", call, _seconds, "a shard's seconds")
+        writing.check_flag(warm_up, "warm_up", call)
+        if call_seconds is not None:
+            call_seconds = _seconds(call_seconds, "call_seconds", call, "the whole call's seconds")
         if warm_up:
             return
         with self._lock:
@@ -644,7 +680,18 @@ class Balance:
 
     def observe_alone(self, device: int, rows: int, seconds: float, warm_up: bool) -> None:
         """Counts one whole call of `rows` rows on `device` alone, which took `seconds`
-        from before it started to its outputs ready (the first run of its graph: not)."""
+        from before it started to its outputs ready (the first run of its graph: not).
+
+        Raises:
+          ArgumentError: `device` is not an index of a device, `rows` not an int
+            >= 0, `seconds` not a finite number >= 0, or `warm_up` not a bool
+            (nothing is counted).
+        """
+        call = "balance.observe_alone"
+        device = self._index(device, call)
+        rows = _count(rows, "rows", call, "the call's rows")
+        seconds = _seconds(seconds, "seconds", call, "the whole call's seconds")
+        writing.check_flag(warm_up, "warm_up", call)
         if warm_up or rows <= 0:
             return
         with self._lock:
@@ -661,6 +708,38 @@ class Balance:
         and when the next call is measured (`due`), stay as they are."""
         with self._lock:
             self.dropped += 1
+
+    def _index(self, device: Any, call: str) -> int:
+        """`device` as an index of one of the devices, else ArgumentError naming `call`."""
+        if (
+            isinstance(device, bool)
+            or not isinstance(device, numbers.Integral)
+            or not 0 <= device < self._count
+        ):
+            raise ArgumentError(
+                f"{call}(device={device!r}): device must be the index of one of the "
+                f"function's {self._count} devices, an int from 0 to {self._count - 1} "
+                "(its position in f.devices)"
+            )
+        return int(device)
+
+    def _per_device(
+        self, values: Any, name: str, call: str, check: Callable[..., Any], what: str
+    ) -> list:
+        """`values` (a list, a tuple, a 1-D NumPy array) as a list of one value per device,
+        each `check`ed as `what`, else ArgumentError."""
+        listed = None
+        if isinstance(values, Sequence) and not isinstance(values, str | bytes):
+            listed = list(values)
+        elif getattr(values, "ndim", None) == 1 and hasattr(values, "tolist"):
+            listed = values.tolist()  # a NumPy array
+        if listed is None or len(listed) != self._count:
+            held = "" if listed is None else f" (not {len(listed)})"
+            raise ArgumentError(
+                f"{call}: {name}={values!r} must be a list of {self._count} values{held}, "
+                f"{what} for each device in the order of f.devices"
+            )
+        return [check(v, f"{name}[{k}]", call, what) for k, v in enumerate(listed)]
 
     def _count_one(self, decide: Callable[[], None]) -> None:
         before, split = self._in_use[0], self._split
@@ -776,6 +855,25 @@ class Balance:
         if self._leaning >= MIN_SAMPLES:
             self._alone = fastest if self._alone is None else None
             self._leaning = 0
+
+
+def _count(value: Any, name: str, call: str, what: str) -> int:
+    """`value` as a count of rows, an int >= 0 (a NumPy int too), else ArgumentError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ArgumentError(f"{call}: {name}={value!r} must be {what}, an int >= 0")
+    return int(value)
+
+
+def _seconds(value: Any, name: str, call: str, what: str) -> float:
+    """`value` as seconds, a finite number >= 0 (a NumPy number too), else ArgumentError."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ArgumentError(f"{call}: {name}={value!r} must be {what}, a finite number >= 0")
+    return float(value)
 
 
 def _integer(weights: tuple[float, ...] | None, count: int) -> tuple[int, ...]:
