@@ -101,6 +101,33 @@ def test_result_lands_on_the_output_device():
     assert g(np.ones([5, 2])).device.endswith("/device:CPU:3")
 
 
+@pytest.mark.parametrize("index", [0, 1])
+def test_an_int_output_device_is_a_gpu_index_even_zero(index):
+    # The oracle is resolve_device: GPU `index` where it exists, else its DeviceError.
+    f = tfshard.parallelize(lambda s: s * 2, devices=["cpu:2", "cpu:3"], output_device=index)
+    try:
+        want = tfshard.resolve_device(index)
+    except DeviceError:
+        with pytest.raises(DeviceError, match=rf"^output_device={index}: device {index} "):
+            f(np.ones([5, 2]))
+    else:
+        assert f(np.ones([5, 2])).device == want
+
+
+@pytest.mark.parametrize("bad", [False, [], (), np.array([0, 1]), b"cpu", 1.0])
+def test_an_output_device_that_is_no_device_is_refused_at_decoration(bad):
+    with pytest.raises(
+        ArgumentError, match=r"^output_device=.* is of type \w+, not a device: .*None \(the default"
+    ):
+        tfshard.parallelize(tf.identity, devices=["cpu:2", "cpu:3"], output_device=bad)
+
+
+def test_an_empty_output_device_name_is_refused_not_read_as_the_default():
+    f = tfshard.parallelize(lambda s: s * 2, devices=["cpu:2", "cpu:3"], output_device="")
+    with pytest.raises(DeviceError, match=r"^output_device='': device '' is not a device name"):
+        f(np.ones([5, 2]))
+
+
 def test_per_batch_equals_one_device():
     def block(x):
         return tf.tanh(x @ W) * tf.cast(tf.shape(x)[0] >= 0, tf.float32)

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tfshard import _plan, collect, pinning, writing
 from tfshard._autograph import keras_of, tf_function_of
-from tfshard.errors import ArgumentError
+from tfshard.errors import ArgumentError, DeviceError
 from tfshard.replicas import Replicas
 
 # What None means for the flags that take it (`writing.check_flag`'s none=).
@@ -105,6 +105,8 @@ class Options:
                 "returns its shard's rows itself (return a tf.RaggedTensor to get one)"
             )
         specs = _device_specs(devices)
+        if output_device is not None:  # 0 is GPU 0, as everywhere: None alone is the default
+            output_device = _device(output_device, "output_device")
         balanced = isinstance(weights, str) and weights == "auto"
         if isinstance(weights, str) and not balanced:
             raise ArgumentError(
@@ -168,8 +170,12 @@ class Options:
                 f"devices ({', '.join(devices)}); give one per device (None for no limit "
                 "there), or one int for every device"
             )
-        output = pinning.resolve_device(self.output_device) if self.output_device else devices[0]
-        return devices, output
+        if self.output_device is None:
+            return devices, devices[0]
+        try:
+            return devices, pinning.resolve_device(self.output_device)
+        except DeviceError as error:
+            raise DeviceError(f"output_device={self.output_device!r}: {error}") from None
 
     def for_function(self, fn: Any, devices: Sequence[str]) -> Options:
         """These options with `jit_compile` decided for `fn` on `devices` (always a bool).
@@ -238,6 +244,21 @@ def _device_specs(devices: Any) -> tuple[Any, ...] | None:
             "GPU (else every CPU device)"
         )
     return tuple(devices)
+
+
+def _device(spec: Any, where: str) -> pinning.DeviceSpecLike:
+    """One device spec of `where` checked for its type (`pinning.resolve_device` resolves it
+    when the function first runs); else ArgumentError."""
+    if isinstance(spec, int | str | tf.config.LogicalDevice | tf.DeviceSpec) and not isinstance(
+        spec, bool
+    ):
+        return spec
+    default = "; None (the default) for the first device" if where == "output_device" else ""
+    raise ArgumentError(
+        f"{where}={spec!r} is of type {type(spec).__name__}, not a device: pass an int (GPU "
+        "index), a name such as 'GPU:1' or 'cpu', a context name, a tf.config.LogicalDevice or a "
+        f"tf.DeviceSpec{default}"
+    )
 
 
 def _max_rows(max_rows: Any) -> int | tuple[int | None, ...] | None:
