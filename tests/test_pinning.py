@@ -31,6 +31,29 @@ def test_list_devices_reports_the_four_logical_cpus():
     assert tfshard.list_devices() == [d.name for d in tf.config.list_logical_devices()]
 
 
+def test_list_devices_takes_any_device_type():
+    assert tfshard.list_devices(" Cpu ") == CPUS
+    assert tfshard.list_devices("tpu") == []  # a type this machine has none of
+    assert tfshard.list_devices() == tfshard.list_devices("CPU") + tfshard.list_devices("GPU")
+
+
+@pytest.mark.parametrize(
+    "device_type, message",
+    [
+        (1, r"device_type=1\): a device type is one of 'CPU', 'GPU', .*or None for every device$"),
+        # a device is not a device type (it used to list no device)
+        ("gpu:0", r"device_type='gpu:0'\): .*; 'gpu:0' names one device: tfshard.resolve_device"),
+        ("cpu:1", r"'cpu:1' names one device"),
+        ("TPUX", r"device_type='TPUX'\): a device type is one of .*'TPU'.*device$"),
+        ("", r"device_type=''\): a device type is one of"),
+        (tf.config.LogicalDevice("/device:CPU:0", "CPU"), r"device_type=LogicalDevice\("),
+    ],
+)
+def test_list_devices_refuses_what_is_not_a_device_type(device_type, message):
+    with pytest.raises(ArgumentError, match=message):
+        tfshard.list_devices(device_type)
+
+
 def test_num_gpus_counts_logical_gpus():
     # That it does not start TF: test_virtual_devices_before_start_splits_the_cpu.
     assert tfshard.num_gpus() == len(tf.config.list_logical_devices("GPU"))
@@ -64,6 +87,17 @@ def test_gpu_that_does_not_exist_says_how_to_fall_back():
 def test_gpu_index_must_be_a_non_negative_int(bad):
     with pytest.raises(DeviceError, match="index is an int >= 0"):
         tfshard.gpu(bad)
+
+
+def test_numpy_integers_are_device_indices():
+    assert tfshard.try_gpu(np.int64(99)) == "/device:CPU:0"
+    assert tfshard.try_gpu(np.int32(0)) == tfshard.try_gpu(0)
+    with pytest.raises(DeviceError, match=r"\(/device:GPU:99\) does not exist"):
+        tfshard.resolve_device(np.int64(99))
+    with pytest.raises(DeviceError, match=r"gpu\(99\): this process has"):
+        tfshard.gpu(np.uint16(99))
+    with pytest.raises(DeviceError, match="index is an int >= 0"):
+        tfshard.gpu(np.bool_(True))
 
 
 def test_gpu_zero_on_a_gpu_machine(one_gpu):
@@ -236,6 +270,28 @@ def test_context_map_from_a_dict_checks_the_same_rules():
         tfshard.ContextMap({"gpu0": "cpu:1"})
 
 
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        (3, r"ContextMap\(3\): pass a mapping of context names to device specs"),
+        ("dev0->cpu:1", r"or None for an empty map; for a string use ContextMap.parse"),
+        (["dev0", "cpu:1"], r"ContextMap\(\['dev0', 'cpu:1'\]\): pass a mapping"),
+        # 1 is no empty device: it is an int, where a context map holds names
+        ({"dev0": 1}, r"the device of 'dev0' is 1 of type int; .* such as 'GPU:1'"),
+        ({"dev0": None}, r"the device of 'dev0' is None of type NoneType"),
+        ({"dev0": ""}, r"the device of 'dev0' is empty"),
+        ({1: "cpu:1"}, r"the context name 1 is of type int; a context name is a non-empty"),
+    ],
+)
+def test_context_map_refuses_what_is_not_a_map_of_names(mapping, message):
+    with pytest.raises(ContextMapError, match=message):
+        tfshard.ContextMap(mapping)
+    if isinstance(mapping, dict):
+        with pytest.raises(ContextMapError, match=message):
+            tfshard.set_contexts(mapping, log=False)
+        assert tfshard.active_contexts() is None
+
+
 def test_context_names_resolve_inside_use_contexts():
     with tfshard.use_contexts("dev0->cpu:2;dev1->/device:CPU:3", log=False) as active:
         assert tfshard.active_contexts() is active
@@ -378,6 +434,7 @@ def test_virtual_devices_after_start_explains_the_ordering():
 
 def test_virtual_devices_repeating_the_current_split_is_harmless():
     assert tfshard.virtual_devices(4) == CPUS
+    assert tfshard.virtual_devices(np.int64(4), " cpu ") == CPUS  # a NumPy integer is an int
 
 
 @pytest.mark.parametrize(
@@ -388,6 +445,15 @@ def test_virtual_devices_repeating_the_current_split_is_harmless():
         ((2.0,), {}, r"n=2.0\)"),
         ((2, "GPU"), {}, "splitting a GPU needs memory_limit_mb"),
         ((2, "CPU"), {"memory_limit_mb": 100}, "a memory limit applies to GPUs only"),
+        ((2, None), {}, r"virtual_devices\(2, device_type=None\): TensorFlow splits a 'CPU' or"),
+        ((2, 3), {}, r"device_type=3\): TensorFlow splits a 'CPU' or a 'GPU'"),
+        ((2, "TPU"), {}, r"device_type='TPU'\)"),
+        ((2, "GPU", "1024"), {}, r"memory_limit_mb='1024'\): give the memory of each logical"),
+        ((2, "GPU", -5), {}, r"memory_limit_mb=-5\): give the memory .* an int >= 1"),
+        ((2, "GPU", 0), {}, r"memory_limit_mb=0\)"),
+        ((2, "GPU", 1024.0), {}, r"memory_limit_mb=1024\.0\)"),
+        ((2, "GPU", True), {}, r"memory_limit_mb=True\)"),
+        ((np.bool_(True),), {}, r"n=np\.True_\): n is the number"),
     ],
 )
 def test_virtual_devices_rejects_bad_arguments(args, kwargs, message):
@@ -448,6 +514,21 @@ def test_to_device_converts_numpy_and_copies_variables_and_ragged():
     moved = tfshard.to_device(rt, "cpu:3")
     assert moved.flat_values.device.endswith("CPU:3")
     assert moved.to_list() == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize(
+    "x, message",
+    [
+        (None, r"to_device: x is of type NoneType, which is no tensor; pass a tensor"),
+        ({1, 2}, r"x is of type set, which is no tensor"),
+        (lambda: 0, r"x is of type function, which is no tensor"),
+        ([1.0, None], r"x holds None, which is of type NoneType, which is no tensor"),
+        ({"a": object()}, r"x holds <object object .*>, which is of type object"),
+    ],
+)
+def test_to_device_refuses_what_is_no_tensor(x, message):
+    with pytest.raises(ArgumentError, match=message):
+        tfshard.to_device(x, "cpu:1")
 
 
 def test_to_device_inside_a_function_places_an_identity():

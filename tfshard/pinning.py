@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tfshard._device_names import (
@@ -70,6 +72,11 @@ CONTEXTS_ENV = "TFSHARD_CONTEXTS"
 _RESERVED_PREFIXES = ("cuda", "opencl", "gpu", "cpu")
 # Device types TensorFlow places ops on, besides those of this machine's devices.
 _DEVICE_TYPES = frozenset({"CPU", "GPU", "TPU", "TPU_SYSTEM", "XLA_CPU", "XLA_GPU"})
+# The device types TensorFlow splits into logical devices.
+_SPLITTABLE = ("CPU", "GPU")
+# What to_device copies as it is: tensors, arrays and Python scalars.
+_TENSOR_LIKE = (tf.Tensor, tf.Variable, np.ndarray, np.generic)
+_SCALARS = (bool, int, float, complex, str, bytes)
 
 
 def _local_count(device_type: str) -> int:
@@ -117,7 +124,7 @@ def gpu(i: int = 0) -> str:
     Raises:
       DeviceError: there is no GPU ``i``; use `try_gpu` to fall back to the CPU.
     """
-    _check_index(i, "i")
+    i = _check_index(i, "i")
     count = num_gpus()
     if i >= count:
         raise DeviceError(
@@ -135,7 +142,7 @@ def try_gpu(i: int = 0) -> str:
     >>> tfshard.try_gpu(99)
     '/device:CPU:0'
     """
-    _check_index(i, "i")
+    i = _check_index(i, "i")
     return f"/device:GPU:{i}" if i < num_gpus() else cpu()
 
 
@@ -152,9 +159,21 @@ def _gpu_names(count: int) -> list[str]:
     return [f"/device:GPU:{i}" for i in range(count)]
 
 
-def _check_index(i: Any, name: str) -> None:
-    if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+def _whole(value: Any) -> int | None:
+    """value as a Python int when it is an integer (a NumPy integer is one, a bool is not)."""
+    if isinstance(value, bool | str | bytes):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_index(i: Any, name: str) -> int:
+    index = _whole(i)
+    if index is None or index < 0:
         raise DeviceError(f"{name}={i!r}: a device index is an int >= 0")
+    return index
 
 
 def list_devices(device_type: str | None = None) -> list[str]:
@@ -163,16 +182,36 @@ def list_devices(device_type: str | None = None) -> list[str]:
     Starts the TensorFlow runtime.
 
     Args:
-      device_type: ``"CPU"``, ``"GPU"``, ... (any case), or None for all.
+      device_type: ``"CPU"``, ``"GPU"``, ... (any case), or None for all. A type
+        this machine has no device of gives an empty list.
 
     Returns:
       Names exactly as `tf.config.list_logical_devices` reports them.
 
+    Raises:
+      ArgumentError: `device_type` is not a device type (a device name such as
+        ``"gpu:0"`` is one device: `resolve_device` names it); the message lists
+        the types.
+
     >>> tfshard.list_devices("cpu")[:2]
     ['/device:CPU:0', '/device:CPU:1']
     """
-    kind = device_type.upper() if device_type else None
-    return [d.name for d in tf.config.list_logical_devices(kind)]
+    if device_type is None:
+        return [d.name for d in tf.config.list_logical_devices()]
+    devices = tf.config.list_logical_devices()
+    types = _DEVICE_TYPES | {d.device_type for d in devices}
+    kind = device_type.strip().upper() if isinstance(device_type, str) else None
+    if kind not in types:
+        hint = ""
+        named = parse_spec(device_type.strip()) if isinstance(device_type, str) else None
+        if named is not None and named.device_type in types:
+            hint = f"; {device_type!r} names one device: tfshard.resolve_device gives its name"
+        raise ArgumentError(
+            f"list_devices(device_type={device_type!r}): a device type is one of "
+            f"{', '.join(repr(t) for t in sorted(types))} (any case), or None for every "
+            f"device{hint}"
+        )
+    return [d.name for d in devices if d.device_type == kind]
 
 
 # ---------------------------------------------------------------- resolution
@@ -269,9 +308,8 @@ def _parse_request(spec: Any) -> tf.DeviceSpec:
     """What `resolve_device` was asked for, or a DeviceError saying why it is no device."""
     if isinstance(spec, bool):
         raise DeviceError(f"device {spec!r}: a bool is not a device")
-    if isinstance(spec, int):
-        _check_index(spec, "device")
-        return tf.DeviceSpec(device_type="GPU", device_index=spec)
+    if _whole(spec) is not None:
+        return tf.DeviceSpec(device_type="GPU", device_index=_check_index(spec, "device"))
     if isinstance(spec, str):
         text = spec.strip().lower()
         if text.startswith("opencl"):
@@ -348,6 +386,12 @@ class ContextMap(Mapping[str, str]):
     """
 
     def __init__(self, mapping: Mapping[str, str] | None = None) -> None:
+        if mapping is not None and not isinstance(mapping, Mapping):
+            hint = "; for a string use ContextMap.parse" if isinstance(mapping, str) else ""
+            raise ContextMapError(
+                f"ContextMap({mapping!r}): pass a mapping of context names to device specs "
+                f"such as {{'dev0': 'GPU:0'}}, or None for an empty map{hint}"
+            )
         self._map: dict[str, str] = {}
         for position, (name, device) in enumerate((mapping or {}).items()):
             _check_context_entry(name, device, f"entry {position} {name!r}->{device!r}")
@@ -441,7 +485,12 @@ class ContextMap(Mapping[str, str]):
 
 
 def _check_context_entry(name: str, device: str, where: str) -> None:
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str):
+        raise ContextMapError(
+            f"{where}: the context name {name!r} is of type {type(name).__name__}; a "
+            "context name is a non-empty string such as 'dev0'"
+        )
+    if not name:
         raise ContextMapError(f"{where}: the context name is empty")
     if "->" in name or ";" in name:
         raise ContextMapError(f"{where}: a context name cannot contain '->' or ';'")
@@ -459,7 +508,13 @@ def _check_context_entry(name: str, device: str, where: str) -> None:
             f"{where}: context name {name!r} reads as the device {spec.to_string()} and would "
             "hide it from resolve_device and output_device=; choose another name (e.g. 'dev0')"
         )
-    if not isinstance(device, str) or not device:
+    if not isinstance(device, str):
+        example = f"'GPU:{device}'" if _whole(device) is not None else "'GPU:1'"
+        raise ContextMapError(
+            f"{where}: the device of {name!r} is {device!r} of type {type(device).__name__}; "
+            f"a context map's device is a device name string such as {example}"
+        )
+    if not device:
         raise ContextMapError(f"{where}: the device of {name!r} is empty")
 
 
@@ -645,27 +700,42 @@ def virtual_devices(
     first TensorFlow op; calling it again with the same arguments is harmless.
 
     Args:
-      n: how many logical devices, >= 1.
-      device_type: ``"CPU"`` or ``"GPU"``.
-      memory_limit_mb: memory of each logical GPU, required for GPUs (TF needs
-        it to split one); not accepted for CPUs.
+      n: how many logical devices, an int >= 1 (a NumPy integer is one).
+      device_type: ``"CPU"`` or ``"GPU"`` (any case).
+      memory_limit_mb: memory of each logical GPU in MiB, an int >= 1, required
+        for GPUs (TF needs it to split one); not accepted for CPUs.
 
     Returns:
       The names of the new logical devices.
 
     Raises:
-      ArgumentError: `n` or `memory_limit_mb` is invalid.
+      ArgumentError: `n`, `device_type` or `memory_limit_mb` is invalid.
       DeviceError: there is no physical device of that type.
       DeviceSetupError: TensorFlow has already started with another split.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    count = _whole(n)
+    if count is None or count < 1:
         raise ArgumentError(f"virtual_devices(n={n!r}): n is the number of devices, an int >= 1")
-    kind = device_type.upper()
-    if kind == "GPU" and (memory_limit_mb is None or memory_limit_mb <= 0):
+    n = count
+    if not (isinstance(device_type, str) and device_type.strip().upper() in _SPLITTABLE):
+        raise ArgumentError(
+            f"virtual_devices({n}, device_type={device_type!r}): TensorFlow splits a 'CPU' "
+            "or a 'GPU' into logical devices; give one of them"
+        )
+    kind = device_type.strip().upper()
+    if kind == "GPU" and memory_limit_mb is None:
         raise ArgumentError(
             f"virtual_devices({n}, 'GPU'): splitting a GPU needs memory_limit_mb, "
             "the memory of each logical GPU (e.g. memory_limit_mb=2048)"
         )
+    if kind == "GPU":
+        limit = _whole(memory_limit_mb)
+        if limit is None or limit < 1:
+            raise ArgumentError(
+                f"virtual_devices({n}, 'GPU', memory_limit_mb={memory_limit_mb!r}): give the "
+                "memory of each logical GPU in MiB, an int >= 1 (e.g. memory_limit_mb=2048)"
+            )
+        memory_limit_mb = limit
     if kind != "GPU" and memory_limit_mb is not None:
         raise ArgumentError(
             f"virtual_devices({n}, {device_type!r}, memory_limit_mb={memory_limit_mb}): "
@@ -712,6 +782,11 @@ def to_device(x: Any, device: DeviceSpecLike) -> Any:
     Returns:
       `x` or a copy of it on `device`, with the same structure.
 
+    Raises:
+      ArgumentError: `x` is or holds something that is no tensor (None, a set,
+        a function).
+      DeviceError: as `resolve_device` raises.
+
     >>> x = tf.constant([1.0, 2.0])
     >>> tfshard.to_device(x, "cpu:0") is x
     True
@@ -720,6 +795,11 @@ def to_device(x: Any, device: DeviceSpecLike) -> Any:
     """
     name = resolve_device(device)
     leaves = tf.nest.flatten(x, expand_composites=True)
+    for leaf in leaves:
+        if leaf is None or isinstance(leaf, set | frozenset) or (
+            callable(leaf) and not isinstance(leaf, _TENSOR_LIKE)
+        ):
+            raise _no_tensor(x, leaf)
     if leaves and all(
         isinstance(leaf, (tf.Tensor, tf.Variable)) and same_device(leaf.device, name)
         for leaf in leaves
@@ -730,9 +810,23 @@ def to_device(x: Any, device: DeviceSpecLike) -> Any:
         if isinstance(leaf, tf.Tensor) and same_device(leaf.device, name):
             return leaf
         with tf.device(name):
-            return tf.identity(leaf)
+            try:
+                return tf.identity(leaf)
+            except (TypeError, ValueError):
+                if isinstance(leaf, _TENSOR_LIKE + _SCALARS):
+                    raise  # about the value itself (a Python int too big for int32)
+                raise _no_tensor(x, leaf) from None  # an object TF cannot convert
 
     return tf.nest.map_structure(copy, x, expand_composites=True)
+
+
+def _no_tensor(x: Any, leaf: Any) -> ArgumentError:
+    where = "x" if leaf is x else f"x holds {leaf!r}, which"
+    return ArgumentError(
+        f"to_device: {where} is of type {type(leaf).__name__}, which is no tensor; pass a "
+        "tensor, a variable, a NumPy array, a Python number or string, or a nested list, "
+        "tuple or dict of them"
+    )
 
 
 @contextlib.contextmanager
