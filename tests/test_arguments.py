@@ -117,6 +117,7 @@ def test_bad_arguments_name_the_path_and_the_fix(args, kwargs, message):
         ((2,), r"broadcast=2: a position must be 0\.\.1"),
         ((True,), r"broadcast entry True: name an argument"),
         (object(), r"broadcast=<object.*pass a tuple of argument names"),
+        (b"y", r"broadcast=b'y' is bytes; name arguments with str, e\.g\. broadcast=\('y',\)"),
     ],
 )
 def test_bad_broadcast_names_the_fix(broadcast, message):

@@ -665,6 +665,21 @@ def test_flags_take_numpy_bools_and_none_where_none_has_a_meaning():
     assert isinstance(doubled(x), tf.Tensor)
 
 
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        (b"cpu", r"devices=b'cpu' is of type bytes: pass a list of devices"),
+        (b"\x00\x01", r"devices=b'\\x00\\x01' is of type bytes: pass a list of devices"),
+        (["cpu:0", b"cpu:1"], r"devices\[1\]=b'cpu:1' is of type bytes, not a device"),
+        ({"cpu:0"}, r"devices=\{'cpu:0'\} is of type set: pass a list of devices"),
+        ([0, True], r"devices\[1\]=True is of type bool, not a device"),
+    ],
+)
+def test_devices_that_are_no_devices_are_refused_at_decoration(devices, message):
+    with pytest.raises(ArgumentError, match=message):
+        tfshard.parallelize(tf.identity, devices=devices)
+
+
 def test_weights_length_is_checked_against_default_devices():
     n = len(tf.config.list_logical_devices("GPU")) or len(CPUS)  # the defaults' count
     f = tfshard.parallelize(tf.identity, weights=[1] * (n + 1))

@@ -148,6 +148,12 @@ class Arguments:
             broadcast = ()
         if isinstance(broadcast, str | int):
             broadcast = (broadcast,)
+        if isinstance(broadcast, bytes | bytearray):  # not a sequence of positions
+            raise ArgumentError(
+                f"broadcast={broadcast!r} is bytes; name arguments with str, e.g. "
+                f"broadcast=({bytes(broadcast).decode(errors='replace')!r},), or give "
+                "their positions as ints"
+            )
         if not isinstance(broadcast, Sequence | set | frozenset):
             raise ArgumentError(
                 f"broadcast={broadcast!r}: pass a tuple of argument names or positions, "

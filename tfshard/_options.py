@@ -234,16 +234,25 @@ def _model_compiles(fn: Any, devices: Sequence[str]) -> bool:
 
 
 def _device_specs(devices: Any) -> tuple[Any, ...] | None:
+    """`devices` as a tuple of specs, each checked for its type (`_device`): one device or a
+    sequence of them; None for every GPU. Bytes are refused, as `pinning.resolve_device`
+    refuses them, not read as a sequence of ints (GPU indices)."""
     if devices is None:
         return None
-    if isinstance(devices, str | int) or not isinstance(devices, Sequence):
-        devices = [devices]
-    if not devices:
+    if isinstance(devices, int | str | tf.config.LogicalDevice | tf.DeviceSpec):
+        return (_device(devices, "devices"),)
+    if isinstance(devices, bytes | bytearray) or not isinstance(devices, Sequence | np.ndarray):
+        raise ArgumentError(
+            f"devices={devices!r} is of type {type(devices).__name__}: pass a list of devices "
+            "(ints for GPU indices, names such as 'GPU:1' or 'cpu' as str), one device, or "
+            "None for every GPU (else every CPU device)"
+        )
+    if len(devices) == 0:
         raise ArgumentError(
             "devices=[]: give at least one device, or devices=None for every "
             "GPU (else every CPU device)"
         )
-    return tuple(devices)
+    return tuple(_device(d, f"devices[{i}]") for i, d in enumerate(devices))
 
 
 def _device(spec: Any, where: str) -> pinning.DeviceSpecLike:
