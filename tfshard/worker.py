@@ -64,7 +64,7 @@ def main(argv: list[str]) -> None:
     try:
         serve(values.cluster, values.job, values.task)
     except TfshardError as error:
-        sys.exit(f"tfshard.worker: error: {error}")
+        sys.exit(f"tfshard.worker: error: {cluster.as_flags(str(error))}")
 
 
 def serve(cluster_spec: str | None = None, job: str | None = None, task: int | None = None) -> None:
