@@ -24,6 +24,7 @@ import types
 from pathlib import Path
 
 import children
+import numpy as np
 import pytest
 import tensorflow as tf
 from ports import free_ports
@@ -296,15 +297,36 @@ def test_a_task_found_down_stays_down_until_connect_and_is_not_probed_again():
 @pytest.mark.parametrize(
     "job, task, message",
     [
-        (None, None, r"which task of job 'worker' is this\? pass --task=N \(N in \[0, 1\]\)"),
-        (None, 5, r"--task=5: job 'worker' has tasks \[0, 1\] \(0: 127.0.0.1:2222, 1: "),
-        ("ps", 0, r"job 'ps' is not in the cluster \(its jobs: worker\); pass --job"),
+        (None, None, r"^which task of job 'worker' is this\? pass task=N \(N in \[0, 1\]\)"),
+        (None, 5, r"^task=5: job 'worker' has tasks \[0, 1\] \(0: 127.0.0.1:2222, 1: "),
+        ("ps", 0, r"job 'ps' is not in the cluster \(its jobs: worker\); pass job=NAME with one"),
+        # "0" would print as the task 0 the cluster has
+        (None, "0", r"^task='0' is of type str; pass this task's index in its job, an int$"),
+        (None, 0.0, r"^task=0\.0 is of type float"),
+        (None, True, r"^task=True is of type bool"),
+        (3, 0, r"^job=3 is of type int; pass the job's name, a str such as 'worker'$"),
     ],
 )
 def test_worker_names_a_bad_task_before_starting(monkeypatch, job, task, message):
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    with pytest.raises(ArgumentError, match=message):
+    with pytest.raises(ArgumentError, match=message) as raised:
         cluster.start_server("127.0.0.1:2222,127.0.0.1:2223", job, task)
+    # A call names the function's arguments; the command's flags are python -m tfshard.worker's.
+    assert "--" not in str(raised.value)
+
+
+def test_a_start_server_message_said_as_the_command_s_flags():
+    said = cluster.as_flags("task=5: job 'worker' has tasks [0, 1]; pass job=NAME, cluster=X")
+    assert said == "--task=5: job 'worker' has tasks [0, 1]; pass --job=NAME, --cluster=X"
+    assert cluster.as_flags("--task=5 of /job:worker/task:1, TF_CONFIG's task_index=1") == (
+        "--task=5 of /job:worker/task:1, TF_CONFIG's task_index=1"
+    )
+
+
+def test_a_numpy_task_index_is_an_index(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ArgumentError, match=r"^task=5: job 'worker' has tasks \[0, 1\]"):
+        cluster.start_server("127.0.0.1:2222,127.0.0.1:2223", None, np.int64(5))
 
 
 def test_worker_on_a_busy_port_says_which():

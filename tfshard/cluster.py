@@ -756,9 +756,24 @@ def start_server(cluster: Any = None, job: str | None = None, task: int | None =
       The running `tf.distribute.Server`.
 
     Raises:
-      ArgumentError: the cluster is malformed, the job or task is not in it, or
-        the task's port is in use.
+      ArgumentError: the cluster is malformed, the job is not a str or the task
+        not an int (a NumPy integer is one), the job or task is not in the
+        cluster, or the task's port is in use. The messages name the fix as this
+        function's arguments (``task=N``); `as_flags` says them as
+        ``python -m tfshard.worker``'s flags.
     """
+    if job is not None and not isinstance(job, str):
+        raise ArgumentError(
+            f"job={job!r} is of type {type(job).__name__}; pass the job's name, a str such as "
+            "'worker'"
+        )
+    if task is not None:
+        if isinstance(task, bool) or not isinstance(task, numbers.Integral):
+            raise ArgumentError(
+                f"task={task!r} is of type {type(task).__name__}; pass this task's index in "
+                "its job, an int"
+            )
+        task = int(task)
     config_task: dict[str, Any] = {}
     if os.environ.get(TF_CONFIG_ENV, "").strip():
         _, config_task = _read_tf_config()
@@ -768,17 +783,18 @@ def start_server(cluster: Any = None, job: str | None = None, task: int | None =
         task = config_task.get("index")
     if job not in jobs:
         raise ArgumentError(
-            f"job {job!r} is not in the cluster (its jobs: {', '.join(jobs)}); pass --job"
+            f"job {job!r} is not in the cluster (its jobs: {', '.join(jobs)}); pass job=NAME "
+            "with one of them"
         )
     if task is None:
         raise ArgumentError(
-            f"which task of job {job!r} is this? pass --task=N (N in {sorted(jobs[job])}), "
+            f"which task of job {job!r} is this? pass task=N (N in {sorted(jobs[job])}), "
             "or set TF_CONFIG's task index"
         )
     if task not in jobs[job]:
         described = ", ".join(f"{i}: {a}" for i, a in jobs[job].items())
         raise ArgumentError(
-            f"--task={task}: job {job!r} has tasks {sorted(jobs[job])} ({described}); "
+            f"task={task}: job {job!r} has tasks {sorted(jobs[job])} ({described}); "
             "pass one of them"
         )
     address = jobs[job][task]
@@ -790,6 +806,22 @@ def start_server(cluster: Any = None, job: str | None = None, task: int | None =
     return tf.distribute.Server(
         tf.train.ClusterSpec(jobs), job_name=job, task_index=task, protocol="grpc", start=True
     )
+
+
+def as_flags(message: str) -> str:
+    """A `start_server` message as ``python -m tfshard.worker`` says it.
+
+    The arguments it names (``cluster=``, ``job=``, ``task=``) become the
+    command's flags (``--cluster=``, ``--job=``, ``--task=``).
+
+    >>> as_flags("which task of job 'worker' is this? pass task=N (N in [0, 1])")
+    "which task of job 'worker' is this? pass --task=N (N in [0, 1])"
+    """
+    return _ARGUMENT.sub(r"--\1=", message)
+
+
+# An argument of start_server named in a message: not a flag already, nor part of a word.
+_ARGUMENT = re.compile(r"(?<![\w-])(cluster|job|task)=")
 
 
 def _check_port_free(address: str) -> None:
