@@ -220,7 +220,7 @@ def test_another_function_or_dataset_is_refused_and_overwrite_replaces(reference
     f.write(write_job.dataset(), target)
     fix = "pass overwrite=True to replace it, or write to another path"
     other = tfshard.parallelize(lambda x: x, per_sample=False, devices=CPUS[:2])
-    theirs = f"the write there is 'scored''s, not '<lambda>''s; {fix}"
+    theirs = f"the write there was made by the function 'scored', not by '<lambda>'; {fix}"
     with pytest.raises(ArgumentError, match=theirs):
         other.write(write_job.dataset(), target)
     six = write_job.dataset(features=6)
@@ -1209,7 +1209,7 @@ def test_a_write_killed_at_any_statement_of_its_make_leaves_the_old_write_or_the
             assert not new
             np.testing.assert_array_equal(loaded["old"], -x)
             np.testing.assert_array_equal(loaded["y"], x)
-            with pytest.raises(ArgumentError, match=r"the write there is '<lambda>''s, not 'j"):
+            with pytest.raises(ArgumentError, match="made by the function '<lambda>', not by 'j"):
                 _job().write(ds, killed)  # another function's write: overwrite=True replaces it
         else:
             assert new or manifest is None  # the new write, or no write there

@@ -1410,7 +1410,8 @@ def _check_same(manifest: dict[str, Any], function: str, source: dict[str, Any],
     fix = "pass overwrite=True to replace it, or write to another path"
     if manifest["function"] != function:
         raise ArgumentError(
-            f"{call}: the write there is {manifest['function']!r}'s, not {function!r}'s; {fix}"
+            f"{call}: the write there was made by the function {manifest['function']!r}, not by "
+            f"{function!r}; {fix}"
         )
     old = manifest["dataset"]
     if old["element"] != source["element"]:
