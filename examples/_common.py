@@ -183,8 +183,8 @@ def setup_devices(
       The devices and a note saying what was chosen.
 
     Raises:
-      TfshardError: a bad context map or device, or TensorFlow already started
-        with another split.
+      TfshardError: a bad context map or device, a device named twice in
+        `devices`, or TensorFlow already started with another split.
     """
     gpus = tfshard.num_gpus()
     if virtual_devices is None and not gpus:
@@ -209,6 +209,14 @@ def setup_devices(
         tfshard.set_contexts(contexts)
     if devices:
         names = [tfshard.resolve_device(spec) for spec in devices]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                first = devices[names.index(name)]
+                raise tfshard.ArgumentError(
+                    f"--devices={','.join(devices)}: {first!r} and {devices[i]!r} are both "
+                    f"{name}, and two shards on one device run one after the other; list "
+                    "each device once"
+                )
     elif virtual_devices is not None:
         names = tfshard.list_devices("CPU")
     else:
@@ -229,12 +237,20 @@ def ideal_speedup(devices: Sequence[str]) -> str:
 
 
 @contextlib.contextmanager
-def exit_on_error() -> Iterator[None]:
-    """Turns a `tfshard.TfshardError` into a one-line message and exit status 1."""
+def exit_on_error(flag_words: Sequence[tuple[str, str]] = ()) -> Iterator[None]:
+    """Turns a `tfshard.TfshardError` into a one-line message and exit status 1.
+
+    `flag_words` are (what tfshard's message says, what the command line says)
+    pairs, replaced in order, so a fix tfshard words as a Python argument
+    (``overwrite=True``) is said as the script's flag (``--overwrite``).
+    """
     try:
         yield
     except tfshard.TfshardError as error:
-        sys.exit(f"error: {error}")
+        message = str(error)
+        for python, flag in flag_words:
+            message = message.replace(python, flag)
+        sys.exit(f"error: {message}")
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int) -> float:

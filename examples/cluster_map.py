@@ -204,6 +204,12 @@ def main(argv: list[str]) -> None:
     del argv
     with _common.exit_on_error(), contextlib.ExitStack() as stack:
         addresses = _CLUSTER.value
+        if not (addresses or _START_LOCAL_WORKERS.value or os.environ.get("TF_CONFIG", "").strip()):
+            raise tfshard.ArgumentError(
+                "no cluster given and TF_CONFIG is not set: pass --cluster=host1:2222,host2:2222 "
+                "(workers started with python -m tfshard.worker), --start_local_workers=2 for a "
+                "demo on this machine, or set TF_CONFIG"
+            )
         if _START_LOCAL_WORKERS.value:
             print(f"starting {_START_LOCAL_WORKERS.value} local worker(s) on 127.0.0.1")
             addresses = stack.enter_context(local_workers(_START_LOCAL_WORKERS.value))

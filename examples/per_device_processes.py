@@ -20,6 +20,7 @@ share of the cores.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -49,7 +50,9 @@ _LEARNING_RATES = flags.DEFINE_list(
 )
 _STEPS = flags.DEFINE_integer("steps", 300, "Training steps of each trial.", lower_bound=1)
 _TIMEOUT = flags.DEFINE_float(
-    "timeout", 600.0, "Seconds the whole sweep may take before every worker is stopped."
+    "timeout",
+    600.0,
+    "Seconds the whole sweep may take before every worker is stopped; inf for no limit.",
 )
 
 
@@ -65,6 +68,11 @@ def _check_learning_rates(values: list[str] | None) -> bool:
 
 
 flags.register_validator("learning_rates", _check_learning_rates)
+flags.register_validator(
+    "timeout",
+    lambda seconds: seconds > 0,  # nan is not
+    "give a number of seconds > 0, or --timeout=inf for no limit",
+)
 
 
 def train_trial(
@@ -208,7 +216,8 @@ def main(argv: list[str]) -> None:
         print(f"workers: {', '.join(devices)} ({note})")
         print(f"each imports TensorFlow in its own process and trains for {_STEPS.value} steps")
         start = time.perf_counter()
-        results = run_sweep(devices, rates, _STEPS.value, timeout=_TIMEOUT.value)
+        timeout = None if math.isinf(_TIMEOUT.value) else _TIMEOUT.value
+        results = run_sweep(devices, rates, _STEPS.value, timeout=timeout)
         elapsed = time.perf_counter() - start
     for i, (device, result) in enumerate(zip(devices, results)):
         print(

@@ -13,6 +13,10 @@ rows of it against NumPy's own embedding.
     python examples/write_embeddings.py                       # 200,000 rows to ./embeddings
     python examples/write_embeddings.py --rows=2000000 --path=/data/emb --progress
     python examples/write_embeddings.py --virtual_devices=4 --batch_size=8192
+    python examples/write_embeddings.py --overwrite           # replace what ./embeddings holds
+
+A path that holds another write (another function's, or of other ``--rows``
+or ``--batch_size``) is refused, not mixed: ``--overwrite`` replaces it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ _VIRTUAL_DEVICES = _common.define_virtual_devices_flag()
 _ROWS = flags.DEFINE_integer("rows", 200_000, "How many samples to embed.", lower_bound=0)
 _PATH = flags.DEFINE_string(
     "path", "embeddings", "The directory to write (made if missing; run again to resume)."
+)
+_OVERWRITE = flags.DEFINE_bool(
+    "overwrite",
+    False,
+    "Replace a write --path holds (another function's, or of other --rows or --batch_size) "
+    "instead of refusing it; the default resumes or checks the same write.",
 )
 _BATCH_SIZE = _common.define_batch_size_flag(
     4096, "Samples per global batch, split across the devices."
@@ -84,10 +94,14 @@ def write_embeddings(
     path: str,
     batch_size: int,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> tfshard.writing.Written:
-    """Embeds `rows` samples to `path` (resuming a write there); what was written."""
+    """Embeds `rows` samples to `path` (resuming a write there, or replacing it with
+    `overwrite`); what was written."""
     params = {name: tf.constant(value) for name, value in params.items()}
-    return f.write(samples(rows, batch_size), path, params, progress=progress)
+    return f.write(
+        samples(rows, batch_size), path, params, progress=progress, overwrite=overwrite
+    )
 
 
 def check(path: str, params: dict[str, np.ndarray], batch_size: int, count: int = 3) -> float:
@@ -105,24 +119,36 @@ def check(path: str, params: dict[str, np.ndarray], batch_size: int, count: int 
     return float(np.max(np.abs(embeddings[indices] - want)))
 
 
+# tfshard's fixes for a path that holds another write, said as this script's flags.
+FLAG_WORDS = (
+    ("write it again with overwrite=True (f.write(dataset, path, overwrite=True))",
+     "run again with --overwrite"),
+    ("overwrite=True", "--overwrite"),
+    ("write to another path", "give another --path"),
+)  # fmt: skip
+
+
 def main(argv: list[str]) -> None:
     del argv
-    with _common.exit_on_error():
+    with _common.exit_on_error(FLAG_WORDS):
         setup = _common.setup_devices(_VIRTUAL_DEVICES.value)
         print(setup.note)
         print(f"devices: {', '.join(setup.devices)}")
         f, params = build(setup.devices), make_params()
         rows, path = _ROWS.value, _PATH.value
+        again = " without --overwrite" if _OVERWRITE.value else ""
         print(
             f"embedding {rows} samples with an MLP {FEATURES} -> {HIDDEN} -> {DIM} into "
-            f"{path}/ in global batches of {_BATCH_SIZE.value} (Ctrl-C, then run again: "
-            "it resumes)"
+            f"{path}/ in global batches of {_BATCH_SIZE.value} (Ctrl-C, then run again"
+            f"{again}: it resumes)"
         )
         start = time.perf_counter()
         try:
-            written = write_embeddings(f, params, rows, path, _BATCH_SIZE.value, _PROGRESS.value)
+            written = write_embeddings(
+                f, params, rows, path, _BATCH_SIZE.value, _PROGRESS.value, _OVERWRITE.value
+            )
         except KeyboardInterrupt:  # what is on disk stays: the progress lines say how much
-            sys.exit("interrupted; run the same command again to resume")
+            sys.exit(f"interrupted; run the same command again{again} to resume")
         seconds = time.perf_counter() - start
         size = os.path.getsize(os.path.join(path, "output.npy"))
         if written.computed_rows == 0 and written.rows:

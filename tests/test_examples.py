@@ -18,6 +18,7 @@ import children
 import numerics
 import numpy as np
 import pytest
+import tensorflow as tf
 from absl import flags
 from absl.testing import flagsaver
 
@@ -86,7 +87,7 @@ EXPECTED_FLAGS = {
         "batch",
         "width",
     ),
-    "write_embeddings": ("virtual_devices", "rows", "path", "batch_size", "progress"),
+    "write_embeddings": ("virtual_devices", "rows", "path", "overwrite", "batch_size", "progress"),
 }
 
 
@@ -161,6 +162,8 @@ def cli_runs(tmp_path_factory):
     started["no_nvidia_smi"] = _run(
         "check_utilization", "--duration=0", "--matrix_size=8", env=no_driver
     )
+    no_cluster = children.environ(without=("TF_CONFIG",))
+    started["no_cluster"] = _run("cluster_map", env=no_cluster)
     quiet = children.environ(no_driver, without=("TF_CPP_MIN_LOG_LEVEL",))
     started["no_driver_log"] = _run("matmul_scaling", "--size=8", "--repeats=1", env=quiet)
     return children.finished(started)
@@ -238,6 +241,18 @@ def test_unknown_device_stops_with_one_line(cli_runs):
     assert lines[0].startswith("error: device 'gpu:9' (/device:GPU:9) does not exist")
 
 
+def test_cluster_map_without_a_cluster_names_the_flags(cli_runs):
+    code, _, stderr = cli_runs["no_cluster"]
+    assert code == 1
+    assert "Traceback" not in stderr
+    lines = _user_lines(stderr)
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        "error: no cluster given and TF_CONFIG is not set: pass --cluster=host1:2222,host2:2222 "
+    )
+    assert "--start_local_workers=2" in lines[0] and "tfshard.connect" not in lines[0]
+
+
 def test_check_utilization_without_nvidia_smi_says_so_and_fails(cli_runs):
     code, stdout, stderr = cli_runs["no_nvidia_smi"]
     assert code == 2
@@ -259,6 +274,8 @@ def test_check_utilization_without_nvidia_smi_says_so_and_fails(cli_runs):
         (dict(weights="3,x"), "'x' is not a number"),
         (dict(progress="true"), "give --batch_size too"),
         (dict(learning_rates="0.1,-1"), "a learning rate is > 0"),
+        (dict(timeout="0"), "give a number of seconds > 0, or --timeout=inf for no limit"),
+        (dict(timeout="nan"), "give a number of seconds > 0, or --timeout=inf for no limit"),
     ],
     ids=[
         "zero_virtual_devices",
@@ -267,6 +284,8 @@ def test_check_utilization_without_nvidia_smi_says_so_and_fails(cli_runs):
         "weights_not_numbers",
         "progress_without_batch_size",
         "negative_learning_rate",
+        "zero_timeout",
+        "nan_timeout",
     ],
 )
 def test_bad_flag_values_are_rejected_with_their_reason(overrides, match):
@@ -278,6 +297,16 @@ def test_setup_devices_resolves_context_names(ex):
     setup = ex._common.setup_devices(4, ["dev1", "dev0"], "dev0->cpu:3;dev1->cpu:1")
     assert setup.devices == ["/device:CPU:1", "/device:CPU:3"]
     assert "split the CPU into 4" in setup.note
+
+
+def test_setup_devices_refuses_a_device_named_twice_in_flag_words(ex):
+    with pytest.raises(tfshard.ArgumentError) as caught:
+        ex._common.setup_devices(4, ["cpu:1", "cpu:0", "/device:CPU:1"])
+    assert str(caught.value) == (
+        "--devices=cpu:1,cpu:0,/device:CPU:1: 'cpu:1' and '/device:CPU:1' are both "
+        "/device:CPU:1, and two shards on one device run one after the other; list each "
+        "device once"
+    )
 
 
 # ----------------------------------------------------------- parallel_map
@@ -582,3 +611,29 @@ def test_write_embeddings_main_writes_then_finds_it_written(ex, capsys, tmp_path
     assert "output.npy holds 40 embeddings (0.1 MiB, 3 batches); it was written already" in out
     assert "rows match NumPy's embedding to" in out
     assert "embed: batch 3/3  40 samples" in captured.err  # --progress
+
+
+def test_write_embeddings_over_another_write_says_overwrite_as_a_flag_and_it_replaces(
+    ex, capsys, tmp_path
+):
+    # README's "Long jobs" block writes "embeddings", the script's default --path.
+    path = tmp_path / "embeddings"
+    other = tfshard.parallelize(lambda s: s * 2.0, devices=THREE)
+    other.write(tf.data.Dataset.from_tensor_slices(np.ones([10, 4], np.float32)).batch(4), path)
+    flags_ = dict(virtual_devices="4", rows="40", batch_size="16", path=str(path))
+    with flagsaver.as_parsed(**flags_), pytest.raises(SystemExit) as caught:
+        ex.write_embeddings.main(["write_embeddings.py"])
+    message = str(caught.value.code)
+    assert message == (
+        f"error: embed.write(dataset, {str(path)!r}): the write there was made by the "
+        "function '<lambda>', not by 'embed'; pass --overwrite to replace it, or give "
+        "another --path"
+    )
+    with flagsaver.as_parsed(**flags_, overwrite="true"):
+        ex.write_embeddings.main(["write_embeddings.py"])
+    out = capsys.readouterr().out
+    assert "(Ctrl-C, then run again without --overwrite: it resumes)" in out
+    assert "output.npy holds 40 embeddings (0.1 MiB, 3 batches); computed all of them" in out
+    params = ex.write_embeddings.make_params()
+    x = ex.write_embeddings.sample_rows(list(range(40)), 16)
+    numerics.assert_close(np.asarray(tfshard.load(path)), _embed_numpy(x, params))
