@@ -128,6 +128,57 @@ def test_bad_broadcast_names_the_fix(broadcast, message):
         _arguments.Arguments(g, broadcast, "g")
 
 
+def test_an_unknown_keyword_is_named_beside_a_missing_argument():
+    def g(a, b):
+        return a
+
+    # Python's own call names the unknown keyword (TypeError: g() got an unexpected ...).
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'c'"):
+        g(np.zeros([3]), c=np.zeros([3]))
+    with pytest.raises(
+        ArgumentError,
+        match=r"^g\(\.\.\.\): got an unexpected keyword argument 'c'; missing a required "
+        r"argument: 'b' \(its parameters: a, b\)$",
+    ):
+        _arguments.Arguments(g, (), "g").classify((np.zeros([3]),), {"c": np.zeros([3])})
+
+
+def test_broadcasting_the_only_tensor_says_broadcast_took_it():
+    def g(x, scale=1.0):
+        return x
+
+    with pytest.raises(
+        ArgumentError,
+        match=r"no tensor or array to split across devices: broadcast= sends 'x' whole to "
+        r"every shard, so no argument is left to split; keep the batch out of broadcast=",
+    ):
+        _arguments.Arguments(g, 0, "g").classify((np.zeros([3]),), {"scale": 2.0})
+
+
+@pytest.mark.parametrize("broadcast", [np.int64(1), (np.int32(1),), [np.uint8(1)]])
+def test_a_numpy_integer_broadcasts_the_position_it_holds(broadcast):
+    arguments = _arguments.Arguments(fn, broadcast, "fn")
+    assert arguments.broadcast == frozenset({1})
+    call = arguments.classify((np.zeros([3, 2]), np.ones([7, 2])), {})
+    assert [leaf.kind for leaf in call.key.leaves] == ["split", "broadcast"]
+
+
+@pytest.mark.parametrize("broadcast", [np.True_, (np.True_,), [["y"]]])
+def test_a_broadcast_entry_that_is_no_name_or_position_is_refused(broadcast):
+    with pytest.raises(ArgumentError, match=r"broadcast.*(name an argument|pass a tuple)"):
+        _arguments.Arguments(fn, broadcast, "fn")
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [(2, 2), (np.int64(2), 2), (np.uint8(0), 0), (True, None), (np.True_, None), (2.0, None),
+     ("2", None), (np.array(2), None), (None, None)],
+)  # fmt: skip
+def test_integer_is_a_python_or_numpy_integer_and_never_a_bool(value, want):
+    got = _arguments.integer(value)
+    assert got == want and type(got) is type(want)
+
+
 def test_broadcast_none_broadcasts_nothing():
     assert _arguments.Arguments(fn, None, "fn").broadcast == frozenset()
 

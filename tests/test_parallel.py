@@ -680,6 +680,59 @@ def test_devices_that_are_no_devices_are_refused_at_decoration(devices, message)
         tfshard.parallelize(tf.identity, devices=devices)
 
 
+def test_numpy_integers_are_the_ints_they_hold_in_devices_and_max_rows():
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    # devices=[np.int64(0)] is GPU 0, as devices=[0] (the oracle: resolve_device(0)).
+    f = tfshard.parallelize(lambda s: s * 2, devices=[np.int64(0)], output_device=np.int64(0))
+    try:
+        want = tfshard.resolve_device(0)
+    except DeviceError:
+        with pytest.raises(DeviceError, match=r"^device 0 \(/device:GPU:0\) does not exist"):
+            f(x)
+    else:
+        assert f.devices == (want,) and f.output_device == want
+    # max_rows as a NumPy array is one per device, as a list is.
+    per_device = tfshard.parallelize(
+        lambda b: b * 2, devices=CPUS[:2], per_sample=False, max_rows=np.array([1, 2])
+    )
+    assert per_device(x).numpy().tolist() == (x * 2).tolist()
+    with pytest.raises(ArgumentError, match=r"max_rows has 2 entries but devices has 3"):
+        tfshard.parallelize(tf.identity, devices=CPUS[:3], max_rows=np.array([1, 2]))
+    with pytest.raises(ArgumentError, match=r"max_rows\[0\]=np.float64\(1.0\): each entry is an"):
+        tfshard.parallelize(tf.identity, devices=CPUS[:2], max_rows=np.array([1.0, 2.0]))
+    assert tfshard.parallelize(tf.identity, devices=CPUS[:3]).plan(np.int64(7)) == [3, 2, 2]
+
+
+def test_methods_that_take_tensors_refuse_a_dataset_with_the_fix():
+    @tfshard.parallelize(devices=CPUS[:2])
+    def double(s):
+        return s * 2
+
+    ds = tf.data.Dataset.from_tensor_slices(np.zeros([4, 2], np.float32)).batch(2)
+    refused = (
+        r"^double.explain\(\) takes tensors and arrays, not a tf.data.Dataset; explain one of "
+        r"its batches, double.explain\(next\(iter\(dataset\)\)\), or record one as it runs "
+        r"with double.timeline\(dataset\)$"
+    )
+    with pytest.raises(ArgumentError, match=refused):
+        double.explain(ds)
+    for method in ("get_concrete_function", "get_measured_function"):
+        refused = (
+            rf"^double.{method}\(\) takes tensors and arrays, not a tf.data.Dataset; pass one "
+            rf"of its batches, double.{method}\(next\(iter\(dataset\)\)\)$"
+        )
+        with pytest.raises(ArgumentError, match=refused):
+            getattr(double, method)(ds)
+    # ... and the fixes they name run.
+    batch = next(iter(ds))
+    assert "[0:1)" in double.explain(batch)
+    assert double.get_concrete_function(batch) is not None
+    # A dataset elsewhere than first in a call: the call streams only a first one.
+    with pytest.raises(ArgumentError, match=r"y is a tf.data.Dataset; a call streams a dataset "
+                       r"given as its first positional argument"):  # fmt: skip
+        tfshard.parallelize(lambda x, y: x, devices=CPUS[:2])(np.zeros([2]), ds)
+
+
 def test_weights_length_is_checked_against_default_devices():
     n = len(tf.config.list_logical_devices("GPU")) or len(CPUS)  # the defaults' count
     f = tfshard.parallelize(tf.identity, weights=[1] * (n + 1))

@@ -296,6 +296,18 @@ def test_a_dataset_records_one_batch_the_first_or_the_one_asked_for():
         f.timeline(_rows(4), batch_size=2)
 
 
+def test_batch_index_is_for_a_dataset_and_takes_numpy_integers():
+    f = tfshard.parallelize(tf.sin, devices=FOUR, output_device="cpu:0")
+    with pytest.raises(tfshard.ArgumentError, match=r"timeline\(\.\.\., batch_index=\.\.\.\): "
+                       r"batch_index= is for a tf.data.Dataset; with tensors"):  # fmt: skip
+        f.timeline(_rows(4), batch_index=3)
+    dataset = tf.data.Dataset.from_tensor_slices(_rows(10)).batch(4)
+    last = f.timeline(dataset, batch_index=np.int64(2))  # the last batch: 2 rows
+    assert [s.rows for s in last.shards] == [1, 1, 0, 0]
+    with pytest.raises(tfshard.ArgumentError, match=r"batch_index=np.True_: the batch to record"):
+        f.timeline(dataset, batch_index=np.True_)
+
+
 def test_a_keras_models_dataset_of_x_and_y_records_x():
     model = tf.keras.Sequential([tf.keras.Input([8]), tf.keras.layers.Dense(4)])
     f = tfshard.parallelize(model, devices=FOUR[:2], output_device="cpu:0")

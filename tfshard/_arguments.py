@@ -15,6 +15,7 @@ trace key is its dtype and shape, not a TensorSpec).
 from __future__ import annotations
 
 import inspect
+import numbers
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +27,15 @@ from tfshard.errors import ArgumentError
 
 # tf.split's sizes and the plan's arithmetic are exact below this many rows.
 MAX_ROWS = 2**31
+
+
+def integer(value: Any) -> int | None:
+    """`value` as a Python int where it is an integer, else None: tfshard's one rule for
+    where an int is asked (a count, an index, a position). A NumPy integer is one
+    (``np.int64(2)``); a bool is not (``True`` is no count of 1)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
 
 
 class LeafKey(NamedTuple):
@@ -146,7 +156,7 @@ class Arguments:
     def __init__(self, fn: Callable[..., Any], broadcast: Any, name: str) -> None:
         if broadcast is None:
             broadcast = ()
-        if isinstance(broadcast, str | int):
+        if isinstance(broadcast, str) or integer(broadcast) is not None:
             broadcast = (broadcast,)
         if isinstance(broadcast, bytes | bytearray):  # not a sequence of positions
             raise ArgumentError(
@@ -165,8 +175,10 @@ class Arguments:
         self.positional = tuple(
             p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         )
-        self.broadcast = frozenset(broadcast)
-        self._check_broadcast(fn)
+        # A NumPy integer is the position it holds; entries are checked before hashing.
+        entries = [entry if integer(entry) is None else integer(entry) for entry in broadcast]
+        self._check_broadcast(fn, entries)
+        self.broadcast = frozenset(entries)
         # A position also names its parameter, so passing it by keyword still broadcasts.
         self._broadcast_names = self.broadcast | {
             self.positional[b]
@@ -175,10 +187,10 @@ class Arguments:
         }
         self._bindable: set[tuple[int, tuple[str, ...]]] = set()
 
-    def _check_broadcast(self, fn: Callable[..., Any]) -> None:
+    def _check_broadcast(self, fn: Callable[..., Any], entries: Sequence[Any]) -> None:
         params = self.signature.parameters if self.signature else None
         fn_name = getattr(fn, "__name__", "fn")
-        for entry in self.broadcast:
+        for entry in entries:
             if isinstance(entry, bool) or not isinstance(entry, str | int):
                 raise ArgumentError(
                     f"broadcast entry {entry!r}: name an argument (str) or position (int)"
@@ -212,7 +224,18 @@ class Arguments:
         try:
             self.signature.bind(*args, **kwargs)
         except TypeError as error:
-            raise ArgumentError(f"{self.name}(...): {error}") from None
+            # bind names one problem, a missing argument before an unknown keyword; Python's
+            # own call names the unknown keyword, so it is named first here too.
+            params = self.signature.parameters
+            takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+            unknown = [k for k in kwarg_names if k not in params and not takes_any]
+            problems = [f"got an unexpected keyword argument {k!r}" for k in unknown]
+            if "unexpected keyword" not in str(error):
+                problems.append(str(error))
+            raise ArgumentError(
+                f"{self.name}(...): {'; '.join(problems)} (its parameters: "
+                f"{', '.join(params) or 'none'})"
+            ) from None
         self._bindable.add(arity)
 
     def names(self, count: int, kwarg_names: Sequence[str]) -> list[str]:
@@ -272,6 +295,15 @@ class Arguments:
                     "output_signature=...), and pass that (each element one batch, or "
                     "single samples with batch_size=N)"
                 )
+            shared = [n for n, k in zip(names, kinds) if "broadcast" in k]
+            if shared:
+                listed = ", ".join(repr(_entry(n)) for n in shared)
+                raise ArgumentError(
+                    f"{self.name}() got no tensor or array to split across devices: "
+                    f"broadcast= sends {listed} whole to every shard, so no argument is left "
+                    "to split; keep the batch out of broadcast= (broadcast only what every "
+                    "shard needs whole, such as weights or a table)"
+                )
             raise ArgumentError(
                 f"{self.name}() got no tensor or array to split across devices; pass "
                 "a tf.Tensor or NumPy array with a batch dimension (a Python list is a "
@@ -309,8 +341,9 @@ class Arguments:
         if tensor is None:
             if isinstance(leaf, tf.data.Dataset):
                 raise ArgumentError(
-                    f"{_trees.path(name, structure, i)} is a tf.data.Dataset; pass a dataset "
-                    f"as the first positional argument, {self.name}(dataset, ...)"
+                    f"{_trees.path(name, structure, i)} is a tf.data.Dataset; a call streams "
+                    f"a dataset given as its first positional argument, {self.name}(dataset, "
+                    "...); anywhere else pass tensors or arrays"
                 )
             if not isinstance(leaf, Hashable):
                 raise ArgumentError(

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import _plan, collect, pinning, writing
+from tfshard._arguments import integer
 from tfshard._autograph import keras_of, tf_function_of
 from tfshard.errors import ArgumentError, DeviceError
 from tfshard.replicas import Replicas
@@ -239,7 +240,9 @@ def _device_specs(devices: Any) -> tuple[Any, ...] | None:
     refuses them, not read as a sequence of ints (GPU indices)."""
     if devices is None:
         return None
-    if isinstance(devices, int | str | tf.config.LogicalDevice | tf.DeviceSpec):
+    if integer(devices) is not None or isinstance(
+        devices, bool | str | tf.config.LogicalDevice | tf.DeviceSpec
+    ):
         return (_device(devices, "devices"),)
     if isinstance(devices, bytes | bytearray) or not isinstance(devices, Sequence | np.ndarray):
         raise ArgumentError(
@@ -258,9 +261,10 @@ def _device_specs(devices: Any) -> tuple[Any, ...] | None:
 def _device(spec: Any, where: str) -> pinning.DeviceSpecLike:
     """One device spec of `where` checked for its type (`pinning.resolve_device` resolves it
     when the function first runs); else ArgumentError."""
-    if isinstance(spec, int | str | tf.config.LogicalDevice | tf.DeviceSpec) and not isinstance(
-        spec, bool
-    ):
+    number = integer(spec)  # a NumPy integer is the GPU index it holds; a bool is none
+    if number is not None:
+        return number
+    if isinstance(spec, str | tf.config.LogicalDevice | tf.DeviceSpec):
         return spec
     default = "; None (the default) for the first device" if where == "output_device" else ""
     raise ArgumentError(
@@ -276,6 +280,8 @@ def _max_rows(max_rows: Any) -> int | tuple[int | None, ...] | None:
         return None
     if _is_count(max_rows):
         return int(max_rows)
+    if isinstance(max_rows, np.ndarray) and max_rows.ndim == 1:
+        max_rows = list(max_rows)  # one per device, as a list of them is
     if isinstance(max_rows, str | bytes) or not isinstance(max_rows, Sequence):
         raise ArgumentError(
             f"max_rows={max_rows!r}: the most rows a shard's function takes at once, an "
@@ -296,4 +302,5 @@ def _number(value: Any) -> float:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 1
+    number = integer(value)
+    return number is not None and number >= 1

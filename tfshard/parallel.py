@@ -32,7 +32,6 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from tfshard import _arguments, _autograph, _engine, _explain, _intake, _options, datasets, pinning
@@ -145,11 +144,12 @@ class ShardedFunction:
         >>> tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1"], weights=[3, 1]).plan(10)
         [8, 2]
         """
-        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        rows = _arguments.integer(n)
+        if rows is None or rows < 0:
             raise ArgumentError(f"plan(n={n!r}): n is a number of rows, an int >= 0")
-        if n >= _arguments.MAX_ROWS:
+        if rows >= _arguments.MAX_ROWS:
             raise ArgumentError(f"plan(n={n}): batches of 2**31 rows or more are not supported")
-        return self._engine().plan(n)
+        return self._engine().plan(rows)
 
     @_not_converted
     def explain(self, *args: Any, **kwargs: Any) -> str:
@@ -173,6 +173,13 @@ class ShardedFunction:
           0      /device:CPU:0  [0:3)      3  /device:CPU:0
           1      /device:CPU:1  [3:5)      2  -> /device:CPU:0
         """
+        name = self.__name__
+        self._refuse_dataset(
+            "explain",
+            args,
+            f"explain one of its batches, {name}.explain(next(iter(dataset))), or record one "
+            f"as it runs with {name}.timeline(dataset)",
+        )
         call = self._parts.arguments.classify(args, kwargs)
         if call.rows is None:
             raise ArgumentError("explain() needs arguments whose row count is known")
@@ -270,11 +277,7 @@ class ShardedFunction:
         >>> [s.numpy().tolist() for s in f.per_shard(np.arange(5.0))]
         [3.0, 7.0]
         """
-        if args and isinstance(args[0], tf.data.Dataset):
-            raise ArgumentError(
-                f"{self.__name__}.per_shard() takes tensors and arrays, not a "
-                f"tf.data.Dataset; stream one with {self.__name__}.iterate(dataset)"
-            )
+        self._refuse_dataset("per_shard", args, f"stream one with {self.__name__}.iterate(dataset)")
         return self._engine().per_shard(self._parts.arguments.classify(args, kwargs))
 
     @_not_converted
@@ -298,6 +301,7 @@ class ShardedFunction:
         >>> sorted({op.device for op in graph.get_operations() if "shard_1/" in op.name})
         ['/device:CPU:1']
         """
+        self._refuse_dataset("get_concrete_function", args)
         return self._engine().trace(self._parts.arguments.classify(args, kwargs))
 
     @_not_converted
@@ -316,6 +320,7 @@ class ShardedFunction:
           where no call is measured: weights other than ``"auto"``, or every
           other device found useless.
         """
+        self._refuse_dataset("get_measured_function", args)
         return self._engine().trace(self._parts.arguments.classify(args, kwargs), measured=True)
 
     @_not_converted
@@ -496,6 +501,16 @@ class ShardedFunction:
             parts.bound[instance] = bound
         return _BoundMethod(bound, instance)
 
+    def _refuse_dataset(self, method: str, args: tuple[Any, ...], fix: str = "") -> None:
+        """ArgumentError where `method`, which takes tensors and arrays, got a dataset first;
+        `fix` says what to do instead (by default: pass one of its batches)."""
+        if args and isinstance(args[0], tf.data.Dataset):
+            fix = fix or f"pass one of its batches, {self.__name__}.{method}(next(iter(dataset)))"
+            raise ArgumentError(
+                f"{self.__name__}.{method}() takes tensors and arrays, not a tf.data.Dataset; "
+                f"{fix}"
+            )
+
     # ------------------------------------------------------------ devices
 
     def _engine(self) -> _engine.Engine:
@@ -528,7 +543,7 @@ class ShardedFunction:
     def timeline(
         self,
         *args: Any,
-        batch_index: int = 0,
+        batch_index: int | None = None,
         batch_size: int | None = None,
         batched: bool | None = None,
         **kwargs: Any,
@@ -547,7 +562,7 @@ class ShardedFunction:
         Args:
           *args: the arguments you would call the function with; a
             `tf.data.Dataset` first records one of its batches, run as a call.
-          batch_index: with a dataset, which batch (0, the first, by default).
+          batch_index: with a dataset, which batch (None: 0, the first).
           batch_size: with a dataset of single samples, the batch size, as
             for a call on it.
           batched: with a dataset, whether its elements are batches, as for a
@@ -574,11 +589,18 @@ class ShardedFunction:
         """
         arguments = self._parts.arguments
         if args and isinstance(args[0], tf.data.Dataset):
+            # A NumPy integer is the index it holds; anything else not an int is refused there.
+            index = 0 if batch_index is None else _arguments.integer(batch_index)
+            index = batch_index if index is None else index
             call = self._runner().one_batch(
-                arguments, args[0], args[1:], kwargs, batch_index, batch_size, batched
+                arguments, args[0], args[1:], kwargs, index, batch_size, batched
             )
         else:
-            for key, value in (("batch_size", batch_size), ("batched", batched)):
+            for key, value in (
+                ("batch_index", batch_index),
+                ("batch_size", batch_size),
+                ("batched", batched),
+            ):
                 if value is not None:
                     raise ArgumentError(
                         f"{self.__name__}.timeline(..., {key}=...): {key}= is for a "
