@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, TextIO
 import tensorflow as tf
 
 from tfshard import _autograph, _kinds, _stream, _trees, collect, writing
-from tfshard._arguments import Arguments, Call
+from tfshard._arguments import Arguments, Call, integer
 from tfshard.errors import ArgumentError, fields_differ
 
 
@@ -46,11 +46,14 @@ class Asked(NamedTuple):
         _stream.check_progress(self.progress)
         writing.check_flag(self.batched, "batched", "", none="tell from the element spec")
         size = self.batch_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        if size is not None and (integer(size) is None or size < 1):
             raise ArgumentError(
                 f"batch_size={size!r}: the number of samples per global batch, an int >= 1"
             )
-        return self if self.batched is None else self._replace(batched=bool(self.batched))
+        return self._replace(
+            batch_size=None if size is None else integer(size),
+            batched=None if self.batched is None else bool(self.batched),
+        )
 
 
 # Keywords that belong to tfshard, not to the function, in a call on a dataset.
@@ -214,7 +217,7 @@ def prepare(
                 f"{where} is a {type(spec).__name__}; tfshard splits tensors and ragged "
                 f"tensors along their first dimension: {fix}"
             )
-    batched = Asked(batch_size, batched).checked().batched
+    batch_size, batched, _ = Asked(batch_size, batched).checked()
     if batch_size is not None:
         if batched:
             raise ArgumentError(
