@@ -256,6 +256,14 @@ def test_bad_batch_size(bad):
         f(tf.data.Dataset.range(3), batch_size=bad)
 
 
+def test_batch_size_takes_a_numpy_integer():
+    f = tfshard.parallelize(lambda s: s * 2, devices=CPUS[:2])
+    got = [r.numpy().tolist() for r in f.iterate(tf.data.Dataset.range(5), batch_size=np.int64(2))]
+    assert got == [[0, 2], [4, 6], [8]]
+    with pytest.raises(ArgumentError, match=r"batch_size=np.True_: .*an int >= 1"):
+        f(tf.data.Dataset.range(3), batch_size=np.True_)
+
+
 def test_iterate_needs_a_dataset():
     f = tfshard.parallelize(lambda s: s)
     with pytest.raises(ArgumentError, match=r"iterate\(\) takes a tf.data.Dataset, got ndarray"):
