@@ -94,7 +94,12 @@ def failed_runs():
         ("bad_task", r"--task=5: job 'worker' has tasks [0, 1] (0: 127.0.0.1:"),
         ("no_task", r"which task of job 'worker' is this? pass --task=N (N in [0, 1])"),
         ("bad_job", r"job 'ps' is not in the cluster (its jobs: worker); pass --job"),
-        ("no_cluster", r"no cluster given and TF_CONFIG is not set: pass the workers"),
+        (
+            "no_cluster",
+            "no cluster given and TF_CONFIG is not set: pass the whole cluster and this "
+            "server's place in it, e.g. --cluster=host1:2222,host2:2222 --task=0 (task i is "
+            "entry i), or set TF_CONFIG to",
+        ),
         ("bad_cluster", r"cluster: job 'worker' task 0: address '127.0.0.1' is not 'host:port'"),
     ],
 )

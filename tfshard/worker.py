@@ -21,6 +21,7 @@ A bad cluster, job or task, or a port in use, ends it with status 1 and one line
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -57,10 +58,19 @@ def main(argv: list[str]) -> None:
 
     Reads ``--cluster``, ``--job`` and ``--task`` from absl's flags, as an absl
     program does, and `serve`s; a `TfshardError` ends the process with status 1
-    and its message, without a traceback.
+    and its message, without a traceback. Without ``--cluster`` or ``TF_CONFIG``
+    it ends so at once, with the fix said as flags.
     """
     del argv
     values = flags.FLAGS
+    if values.cluster is None and not os.environ.get(cluster.TF_CONFIG_ENV, "").strip():
+        sys.exit(
+            f"tfshard.worker: error: no cluster given and {cluster.TF_CONFIG_ENV} is not set: "
+            "pass the whole cluster and this server's place in it, e.g. "
+            "--cluster=host1:2222,host2:2222 --task=0 (task i is entry i), or set "
+            f'{cluster.TF_CONFIG_ENV} to \'{{"cluster": {{"worker": ["host1:2222", '
+            '"host2:2222"]}, "task": {"type": "worker", "index": 0}}\''
+        )
     try:
         serve(values.cluster, values.job, values.task)
     except TfshardError as error:
