@@ -554,6 +554,34 @@ def test_training_with_a_loss_object_and_replicas_equals_one_device_and_mirrored
         numerics.assert_close(got, mirror)
 
 
+def test_apply_gradients_names_a_wrong_argument_before_updating_anything():
+    f = tfshard.parallelize(tf.identity, devices=DEVICES)
+    with f.replicas():
+        shared = tf.Variable([1.0, 2.0], name="shared")
+        inside = keras.optimizers.SGD(0.5)
+    plain = tf.Variable([1.0, 2.0], name="plain")
+    outside = keras.optimizers.SGD(0.5)
+    for optimizer, variable in ((outside, plain), (inside, shared)):
+        grad = tf.ones([2])
+        for args, message in [
+            ((None, [(grad, variable)]), r"optimizer=None of type NoneType has no apply_gradients"),
+            ((optimizer, None), r"grads_and_vars=None of type NoneType; pass \(gradient, variable"),
+            ((optimizer, [(variable, grad)]), r"pair 0 is \(variable .*, gradient\), swapped"),
+            ((optimizer, [(grad,)]), r"pair 0 is \(<tf.Tensor: shape=\(2,\).*,\); pass \(gradient"),
+            ((optimizer, [(grad, 3.0)]), r"pair 0 holds 3\.0 where its variable goes"),
+            (
+                (optimizer, [(grad, variable), (tf.ones([3]), variable)]),
+                r"pair 1 gives variable .* of shape \(2,\) a gradient of shape \(3,\); each",
+            ),
+        ]:
+            with pytest.raises(ArgumentError, match=message):
+                apply_gradients(*args)
+    np.testing.assert_array_equal(plain.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(shared.numpy(), [1.0, 2.0])
+    apply_gradients(outside, iter([(np.ones(2, np.float32), plain)]))  # any iterable of pairs
+    np.testing.assert_array_equal(plain.numpy(), [0.5, 1.5])
+
+
 def test_an_optimizer_made_on_the_other_side_of_replicas_is_refused_with_the_fix():
     f = tfshard.parallelize(tf.identity, devices=DEVICES_2)
     with f.replicas():

@@ -463,11 +463,14 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
       The optimizer's iteration counter, as Keras's ``apply_gradients`` returns it.
 
     Raises:
-      ArgumentError: some of the variables are replicated and some are not,
+      ArgumentError: ``optimizer`` has no ``apply_gradients``, ``grads_and_vars``
+        is not an iterable of (gradient, variable) pairs (a pair given as
+        (variable, gradient) included), a gradient's shape is not its
+        variable's, some of the variables are replicated and some are not,
         they are replicated on different sets of devices, or the optimizer
         was created on the other side of ``with f.replicas():``.
     """
-    pairs = list(grads_and_vars)
+    pairs = _checked_pairs(optimizer, grads_and_vars)
     owner = _owner([v for _, v in pairs])
     _check_optimizer(optimizer, owner)
     if owner is None:
@@ -500,6 +503,69 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
             run = per_optimizer[key]
     run(*grads)
     return optimizer.iterations
+
+
+_PAIRS = "pass (gradient, variable) pairs, as zip(grads, model.trainable_variables) makes them"
+
+
+def _checked_pairs(optimizer: Any, grads_and_vars: Any) -> list[tuple[Any, Any]]:
+    """The pairs as a list, once each is a (gradient, variable) of one shape."""
+    if not callable(getattr(optimizer, "apply_gradients", None)):
+        raise ArgumentError(
+            f"apply_gradients: optimizer={optimizer!r} of type {type(optimizer).__name__} has "
+            "no apply_gradients; pass a Keras optimizer such as keras.optimizers.SGD(0.1)"
+        )
+    if isinstance(grads_and_vars, str | bytes | dict) or not _iterable(grads_and_vars):
+        raise ArgumentError(
+            f"apply_gradients: grads_and_vars={grads_and_vars!r} of type "
+            f"{type(grads_and_vars).__name__}; {_PAIRS}"
+        )
+    pairs = []
+    for index, pair in enumerate(grads_and_vars):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise ArgumentError(f"apply_gradients: pair {index} is {_short(pair)}; {_PAIRS}")
+        gradient, variable = pair
+        if not _is_variable(variable):
+            if _is_variable(gradient):
+                raise ArgumentError(
+                    f"apply_gradients: pair {index} is (variable {_name(gradient)}, gradient), "
+                    f"swapped; {_PAIRS}"
+                )
+            raise ArgumentError(
+                f"apply_gradients: pair {index} holds {_short(variable)} where its variable "
+                f"goes; {_PAIRS}"
+            )
+        shape = getattr(gradient, "shape", None)
+        if shape is not None and not tf.TensorShape(shape).is_compatible_with(variable.shape):
+            raise ArgumentError(
+                f"apply_gradients: pair {index} gives variable {_name(variable)} of shape "
+                f"{tf.TensorShape(variable.shape)} a gradient of shape {tf.TensorShape(shape)}; "
+                f"each gradient has its variable's shape: {_PAIRS}, in the same order"
+            )
+        pairs.append((gradient, variable))
+    return pairs
+
+
+def _short(value: Any) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"a {type(value).__name__} of shape {tf.TensorShape(value.shape)}"
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:80] + "..."
+
+
+def _is_variable(value: Any) -> bool:
+    # A Keras 3 variable is no tf.Variable, but it assigns as one does.
+    return isinstance(value, tf.Variable) or (
+        callable(getattr(value, "assign_sub", None)) and hasattr(value, "shape")
+    )
+
+
+def _iterable(value: Any) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _check_optimizer(optimizer: Any, owner: Replicas | None) -> None:
