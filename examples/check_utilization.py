@@ -21,6 +21,8 @@ with status 2. Exit status: 0 busy, 1 not busy, 2 no reading possible.
     python examples/check_utilization.py --gpu=1 --matrix_size=8192 --duration=10
     python examples/check_utilization.py --products=1     # a step too small: not busy
     python examples/check_utilization.py --nvidia_smi=/usr/bin/nvidia-smi --threshold=80
+
+Copy it with ``_common.py`` (in examples/), which it imports.
 """
 
 from __future__ import annotations

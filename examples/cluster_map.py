@@ -16,6 +16,8 @@ result against the same function on this machine's CPU alone.
 
 It connects this process to a cluster, so it runs as a script (a smoke test
 runs it as a subprocess), not imported next to other examples.
+
+Copy it with ``_common.py`` and ``_mlp.py`` (in examples/), which it imports.
 """
 
 from __future__ import annotations

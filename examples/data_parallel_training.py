@@ -15,6 +15,8 @@ tolerance), printing both loss curves.
     python examples/data_parallel_training.py
     python examples/data_parallel_training.py --virtual_devices=4 --epochs=20
     python examples/data_parallel_training.py --plot=loss.png   # needs matplotlib
+
+Copy it with ``_common.py`` (in examples/), which it imports.
 """
 
 from __future__ import annotations

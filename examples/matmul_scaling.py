@@ -11,6 +11,8 @@ gathered there, so the transfers to the other devices are part of the time.
     python examples/matmul_scaling.py
     python examples/matmul_scaling.py --virtual_devices=4 --size=1024
     python examples/matmul_scaling.py --devices=gpu:0,gpu:1 --size=8192
+
+Copy it with ``_common.py`` (in examples/), which it imports.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ in the same run (warm-up first, median of --repeats runs).
     python examples/parallel_map.py --contexts='dev0->cpu:0;dev1->cpu:1' \
         --devices=dev0,dev1
     python examples/parallel_map.py --batch_size=4096 --progress   # a tf.data stream
+
+Copy it with ``_common.py`` and ``_mlp.py`` (in examples/), which it imports.
 """
 
 from __future__ import annotations

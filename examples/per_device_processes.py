@@ -16,6 +16,8 @@ share of the cores.
     python examples/per_device_processes.py --virtual_devices=4 --steps=100
     python examples/per_device_processes.py --devices=gpu:0,gpu:1,cpu \
         --learning_rates=0.1,0.3,1.0
+
+Copy it with ``_common.py`` (in examples/), which it imports.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ checks that both give the one-device model's outputs, and times them.
     python examples/replicated_inference.py
     python examples/replicated_inference.py --virtual_devices=4 --model=mobilenet
     python examples/replicated_inference.py --devices=gpu:0,gpu:1 --batch=256
+
+Copy it with ``_common.py`` (in examples/), which it imports.
 """
 
 from __future__ import annotations

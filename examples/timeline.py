@@ -15,6 +15,8 @@ its sum to it last: TensorFlow orders the reads and writes of one variable, so
 each shard waits for the one before it, and the timeline shows them one after
 another. (A shard that only adds at its end overlaps its work with the others',
 and only the writes wait.)
+
+Copy it with ``_common.py`` (in examples/), which it imports.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ rows of it against NumPy's own embedding.
 
 A path that holds another write (another function's, or of other ``--rows``
 or ``--batch_size``) is refused, not mixed: ``--overwrite`` replaces it.
+
+Copy it with ``_common.py`` and ``_mlp.py`` (in examples/), which it imports.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ their TensorFlow imports overlap: ``--help``, a bad flag, a bad device, and
 check_utilization without nvidia-smi.
 """
 
+import ast
 import importlib
 import os
 import subprocess
@@ -162,6 +163,17 @@ def cli_runs(tmp_path_factory):
     started["no_nvidia_smi"] = _run(
         "check_utilization", "--duration=0", "--matrix_size=8", env=no_driver
     )
+    copied = tmp_path_factory.mktemp("copied")
+    for name in ("parallel_map.py", "_common.py", "_mlp.py"):  # as its docstring says
+        (copied / name).write_text((EXAMPLES / name).read_text())
+    started["copied"] = subprocess.Popen(
+        [sys.executable, "parallel_map.py", "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=copied,
+        env=children.environ(),
+    )
     no_cluster = children.environ(without=("TF_CONFIG",))
     started["no_cluster"] = _run("cluster_map", env=no_cluster)
     quiet = children.environ(no_driver, without=("TF_CPP_MIN_LOG_LEVEL",))
@@ -200,6 +212,40 @@ def test_help_lists_the_flags(cli_runs):
     assert set(listed) == set(EXPECTED_FLAGS["parallel_map"])
     assert all(listed.values()), listed
     assert stdout.startswith("Embed N samples with a small MLP")
+
+
+def _helpers(script):
+    """The examples/ modules `script` imports (_common.py, _mlp.py), as file names."""
+    tree = ast.parse((EXAMPLES / script).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return sorted(f"{name}.py" for name in names if (EXAMPLES / f"{name}.py").exists())
+
+
+def test_each_script_and_the_readme_say_what_to_copy_with_it():
+    scripts = sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("To copy one elsewhere, copy `examples/_common.py`")
+    sentence = " ".join(readme[start : readme.index("`make run`", start)].split())
+    with_mlp = sentence.partition("`examples/_mlp.py` too for ")[2].partition(":")[0]
+    for script in scripts:
+        helpers = _helpers(script)
+        assert helpers[:1] == ["_common.py"] and set(helpers) <= {"_common.py", "_mlp.py"}
+        doc = " ".join(ast.get_docstring(ast.parse((EXAMPLES / script).read_text())).split())
+        named = " and ".join(f"``{name}``" for name in helpers)
+        assert f"Copy it with {named} (in examples/), which it imports." in doc, script
+        assert (f"`{script}`" in with_mlp) == ("_mlp.py" in helpers), script
+
+
+def test_a_script_copied_with_what_its_docstring_names_runs(cli_runs):
+    code, stdout, stderr = cli_runs["copied"]
+    assert code == 1, stderr[-2000:]  # absl's --help exits with 1
+    assert "ModuleNotFoundError" not in stderr
+    assert stdout.startswith("Embed N samples with a small MLP") and "  --devices" in stdout
 
 
 def test_bad_flag_value_stops_with_one_line(cli_runs):
