@@ -626,6 +626,13 @@ def test_plot_without_matplotlib_names_the_install(pure_four, tmp_path, monkeypa
     assert not (tmp_path / "timeline.png").exists()
 
 
+@pytest.mark.parametrize("path", [None, 3, b"timeline.png", ["timeline.png"]])
+def test_plot_names_a_path_that_is_not_one(pure_four, path):
+    timeline = pure_four.timeline(_rows(8))
+    with pytest.raises(tfshard.ArgumentError, match=r"plot: path=.* of type .*; pass the file"):
+        timeline.plot(path)
+
+
 # --------------------------------------------------------------- example
 
 

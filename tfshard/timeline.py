@@ -243,12 +243,18 @@ class Timeline:
         """Writes a PNG with one lane per device: when each shard (and the gather) ran.
 
         Args:
-          path: where to write the image.
+          path: where to write the image, a str or ``os.PathLike``.
 
         Raises:
+          ArgumentError: ``path`` is not a str or ``os.PathLike``.
           TfshardError: matplotlib is not installed (``pip install matplotlib``,
             or ``pip install 'tfshard[plot]'``).
         """
+        if not isinstance(path, str | os.PathLike):
+            raise ArgumentError(
+                f"Timeline.plot: path={path!r} of type {type(path).__name__}; pass the file "
+                "to write the PNG to, a str or os.PathLike such as 'timeline.png'"
+            )
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
