@@ -5,6 +5,8 @@ round-trips every row in order, rows and row counts agree with the value,
 an empty batch has the spec's kind and inner shape, and specs open rows.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -76,3 +78,44 @@ def test_a_row_of_a_ragged_batch_is_dense_one_rank_down():
     assert _kinds.Dense.sample_shape(_value("dense", [1, 1])) == (2,)
     assert _kinds.Ragged.fixed_sample_shape(tf.type_spec_from_value(t))
     assert not _kinds.Dense.fixed_sample_shape(tf.TensorSpec([None, None]))
+
+
+def _numpy_dtypes():
+    """Every NumPy dtype this process knows (ml_dtypes' included), with units and fields."""
+    found = {np.dtype(t) for t in np.sctypeDict.values()}
+    found |= {np.dtype("datetime64[D]"), np.dtype("timedelta64[ms]"), np.dtype("U3")}
+    found |= {np.dtype("S3"), np.dtype([("a", np.float32), ("b", np.int64)])}
+    return sorted(found - {np.dtype(object)}, key=str)
+
+
+@pytest.mark.parametrize("dtype", _numpy_dtypes(), ids=str)
+def test_numpy_problem_names_exactly_the_dtypes_no_tensor_holds(dtype):
+    try:
+        tf.convert_to_tensor(np.zeros([2], dtype))  # the oracle: TensorFlow itself
+    except ValueError:
+        held = False
+    else:
+        held = True
+    problem = _kinds.numpy_problem(dtype)
+    assert (problem is None) == held, (dtype, problem)
+    if problem is not None:
+        assert problem.startswith("is a ")
+        assert "; pass " in problem or "; convert it to " in problem
+
+
+@pytest.mark.parametrize(
+    "dtype, message",
+    [
+        (object, r"^is a NumPy array of Python objects; use a numeric dtype"),
+        ("datetime64[D]", r"^is a NumPy array of datetime64\[D\], which TensorFlow cannot "
+         r"hold; pass x\.astype\(np\.int64\), the time since 1970-01-01 in its unit$"),
+        ("timedelta64[s]", r"of timedelta64\[s\], .*x\.astype\(np\.int64\), counts of its unit"),
+        (np.longdouble, r"of float128, which TensorFlow cannot hold; pass x\.astype\(np\.float64"),
+        (np.clongdouble, r"of complex256, .*; pass x\.astype\(np\.complex128\)$"),
+        ([("a", np.float32)], r"^is a structured NumPy array \(fields a\), .*pass its fields"),
+    ],
+)
+def test_numpy_problem_says_the_fix(dtype, message):
+    if np.dtype(dtype) in (np.dtype(np.float64), np.dtype(np.complex128)):
+        pytest.skip("long double is double on this platform")
+    assert re.search(message, _kinds.numpy_problem(dtype))

@@ -12,7 +12,8 @@ these members, and a line in `of`.
 
 The dtypes that travel differently on a GPU, because TensorFlow lacks their
 kernels there, are here too: `SPLIT_DTYPES` and `SLICED_DTYPES` for the split,
-`CARRIERS` for gathers and maps.
+`CARRIERS` for gathers and maps; and the NumPy dtypes no tensor holds
+(`numpy_problem`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tfshard.errors import ArgumentError
@@ -370,6 +372,46 @@ def of(value: Any) -> Kind:
     if isinstance(value, tf.SparseTensor | tf.SparseTensorSpec):
         return Sparse
     return Dense
+
+
+def numpy_problem(dtype: np.dtype) -> str | None:
+    """Why a NumPy array of ``dtype`` can be no call's input, and the fix; None when it can.
+
+    The text follows the argument's path (``"x is a NumPy array of ..."``). A dtype is
+    held when `tf.as_dtype` knows it, as a tensor converted from such an array has it
+    (datetime64, timedelta64, long double and structured arrays are not); an array of
+    Python objects is refused too, where TensorFlow would read it as strings at best.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind == "O":
+        return (
+            "is a NumPy array of Python objects; use a numeric dtype (np.asarray(x, "
+            "np.float32)), or strings as dtype str"
+        )
+    try:
+        tf.as_dtype(dtype)
+    except TypeError:
+        pass
+    else:
+        return None
+    cannot = f"is a NumPy array of {dtype}, which TensorFlow cannot hold"
+    if dtype.names:
+        return (
+            f"is a structured NumPy array (fields {', '.join(dtype.names)}), which TensorFlow "
+            "cannot hold; pass its fields as a dict, {name: x[name] for name in x.dtype.names}"
+        )
+    if dtype.kind == "M":
+        return f"{cannot}; pass x.astype(np.int64), the time since 1970-01-01 in its unit"
+    if dtype.kind == "m":
+        return (
+            f"{cannot}; pass x.astype(np.int64), counts of its unit, or x / np.timedelta64(1, "
+            "'s'), seconds as float64"
+        )
+    if dtype.kind == "f":
+        return f"{cannot}; pass x.astype(np.float64)"
+    if dtype.kind == "c":
+        return f"{cannot}; pass x.astype(np.complex128)"
+    return f"{cannot}; convert it to a dtype TensorFlow has (tf.dtypes), e.g. x.astype(np.float32)"
 
 
 def splittable(spec: Any) -> bool:
