@@ -370,3 +370,36 @@ def test_a_tensor_of_a_graph_is_split_where_the_callers_scope_says(dtype):
         (op.type, op.device) for op in graph.get_operations() if not {op.type, op.name} & ends
     }
     assert {device for _, device in placed} == {CPUS[0]}, placed
+
+
+# ------------------------------------------- the rows check inside a tf.function
+
+
+def _rows_check_message(x_rows, y_rows):
+    """What TensorFlow says when the split arguments' rows differ inside the caller's own
+    tf.function (rows unknown to Python): the check in its graph, as the user sees it."""
+    f = tfshard.parallelize(lambda x, y: x + y, devices=CPUS[:2])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([None, 3])])
+    def outer(x, y):
+        return f(x, y)
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        outer(np.zeros([x_rows, 3], np.float32), np.zeros([y_rows, 3], np.float32))
+    return caught.value.message
+
+
+def test_the_rows_check_in_a_graph_reads_as_words_and_names_the_argument():
+    from tfshard import errors
+
+    message = _rows_check_message(7, 8)
+    assert (
+        "assertion failed: [tfshard: split arguments with different numbers of rows: x, y, "
+        "and every split argument needs the same leading dimension (name one in "
+        "broadcast=(...) to copy it whole to each device); their rows, then the rows they "
+        "need:] [7 8] [7 7]"
+    ) in message
+    assert ":end" not in message and "\\'" not in message
+    # Where tfshard rewrites it (a stream's loop), the paths read back whole.
+    assert errors.inputs_differ(message) == "y has 8 rows but x has 7"
+    assert errors.inputs_differ(_rows_check_message(5, 4)) == "y has 4 rows but x has 5"

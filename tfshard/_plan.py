@@ -423,17 +423,24 @@ def rows_agree(
     counts: Sequence[tf.Tensor], split_devices: Sequence[str], paths: Sequence[str]
 ) -> list[tf.Operation]:
     """The check that every split argument has the first's rows, where Python could not
-    make it (an input that came from a graph, device ""); [] where it did. Its message
-    starts with `INPUTS_DIFFER`, then the arguments' paths."""
+    make it (an input that came from a graph, device ""); [] where it did.
+
+    Its message starts with `INPUTS_DIFFER`, then the arguments' paths, each followed
+    by ", " (`tfshard.errors.inputs_differ` reads path k as the k-th item), then the
+    fix. It has no marker for tfshard and no quote (TensorFlow would print it as
+    ``\\'``), because inside the caller's own `tf.function` it reaches the user as
+    TensorFlow prints it: ``assertion failed: [tfshard: split arguments with different
+    numbers of rows: x, y, and ...; their rows, then the rows they need:] [7 8] [7 7]``.
+    """
     if len(counts) < 2 or all(split_devices):
         return []
     return [
         host_assert(
             tf.stack(counts),
             tf.fill([len(counts)], counts[0]),
-            f"{INPUTS_DIFFER} {', '.join(paths)} :end (their rows, then the "
-            "first's: every split argument needs the same leading dimension; "
-            "name one in broadcast=(...) to copy it whole to each device)",
+            f"{INPUTS_DIFFER} {', '.join(paths)}, and every split argument needs the same "
+            "leading dimension (name one in broadcast=(...) to copy it whole to each "
+            "device); their rows, then the rows they need:",
         )
     ]
 
