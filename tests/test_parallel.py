@@ -1410,7 +1410,7 @@ def test_split_arguments_of_different_rows_inside_a_tf_function():
     # The check fails while the user's own tf.function runs: its message says it all.
     with pytest.raises(
         tf.errors.InvalidArgumentError,
-        match=r"(?s)split arguments with different numbers of rows: a, b .*same leading "
+        match=r"(?s)split arguments with different numbers of rows: a, b, .*same leading "
         r"dimension.*broadcast=.*\[3 4\]",
     ):
         outer(tf.ones([3]), tf.ones([4]))
