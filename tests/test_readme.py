@@ -1,4 +1,5 @@
-"""README.md's python blocks run as printed, in fresh child processes.
+"""README.md's python blocks run as printed, in fresh child processes; and the error text it
+quotes is TensorFlow's.
 
 The README reads as programs: a block that imports tfshard starts one (its own fresh
 process, as a user pasting it would), and a block that does not continues the program
@@ -18,8 +19,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tensorflow as tf
 from children import environ
+
+import tfshard
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -101,3 +106,21 @@ def test_readme_program_runs_as_printed(program, tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_the_rows_check_inside_a_tf_function_is_quoted_as_tensorflow_prints_it():
+    # "One exception": the README's own example, x of 7 rows and y of 8.
+    two = tfshard.parallelize(lambda x, y: x + y, devices=["/device:CPU:0", "/device:CPU:1"])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 784]), tf.TensorSpec([None, 784])])
+    def outer(x, y):
+        return two(x, y)
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        outer(np.zeros([7, 784], np.float32), np.zeros([8, 784], np.float32))
+    printed = next(
+        line.strip() for line in caught.value.message.splitlines() if "assertion failed" in line
+    )
+    printed = printed[printed.index("assertion failed: ") :]
+    quoted = README.read_text().split("Its\nmessage says what the `ArgumentError` would", 1)[1]
+    assert f"```\n{printed}\n```" in quoted.split("Where the rows are static", 1)[0]
