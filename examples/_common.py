@@ -157,6 +157,33 @@ def define_repeats_flag() -> flags.FlagHolder:
     )
 
 
+def define_plot_flag(help_: str) -> flags.FlagHolder:
+    """``--plot=FILE``: a PNG to write; `check_plot` refuses it without matplotlib."""
+    return _define(
+        flags.DEFINE_string,
+        "plot",
+        None,
+        f"{help_} (needs matplotlib: pip install 'tfshard[plot]').",
+    )
+
+
+def check_plot(plot: str | None) -> None:
+    """Exits with one line when ``--plot`` is given and matplotlib is not installed.
+
+    Call it first thing in ``main``, before any work, so nobody waits for a
+    plot that cannot be drawn.
+    """
+    if not plot:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit(
+            "error: --plot needs matplotlib, which is not installed: pip install "
+            "'tfshard[plot]' (or pip install matplotlib), or drop --plot"
+        )
+
+
 class Setup(NamedTuple):
     """What `setup_devices` chose."""
 

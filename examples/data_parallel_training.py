@@ -48,11 +48,7 @@ _NUM_EXAMPLES = flags.DEFINE_integer(
 )
 _FEATURES = flags.DEFINE_integer("features", 20, "Features per example.", lower_bound=1)
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 0.5, "Step size of gradient descent.")
-_PLOT = flags.DEFINE_string(
-    "plot",
-    None,
-    "Write the loss curves to this PNG file (needs matplotlib: pip install 'tfshard[plot]').",
-)
+_PLOT = _common.define_plot_flag("Write the loss curves to this PNG file")
 
 
 def make_data(n: int, features: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -197,22 +193,9 @@ def plot_losses(curves: dict[str, list[float]], path: str) -> None:
     plt.close(figure)
 
 
-def _have_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def main(argv: list[str]) -> None:
     del argv
-    if _PLOT.value and not _have_matplotlib():
-        # Before training, so nobody waits for a plot that cannot be drawn.
-        raise SystemExit(
-            "error: --plot needs matplotlib, which is not installed: pip install "
-            "'tfshard[plot]' (or pip install matplotlib), or drop --plot"
-        )
+    _common.check_plot(_PLOT.value)  # before training
     with _common.exit_on_error():
         setup = _common.setup_devices(_VIRTUAL_DEVICES.value, _DEVICES.value, _CONTEXTS.value)
         devices = setup.devices

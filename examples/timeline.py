@@ -46,9 +46,7 @@ _SHARED_COUNTER = flags.DEFINE_bool(
     "Every shard also reads, then adds to, one shared tf.Variable, which makes the shards "
     "take turns.",
 )
-_PLOT = flags.DEFINE_string(
-    "plot", None, "Also write the timeline as a PNG here (needs matplotlib)."
-)
+_PLOT = _common.define_plot_flag("Also write the timeline as a PNG here")
 
 
 def build(
@@ -94,6 +92,7 @@ def record(f: tfshard.ShardedFunction, x: np.ndarray) -> tfshard.Timeline:
 
 def main(argv: list[str]) -> None:
     del argv
+    _common.check_plot(_PLOT.value)  # before the call it would plot
     with _common.exit_on_error():
         setup = _common.setup_devices(_VIRTUAL_DEVICES.value, _DEVICES.value, _CONTEXTS.value)
         print(setup.note)

@@ -152,6 +152,16 @@ def _run(script, *args, env=None):
     )
 
 
+# Runs examples/timeline.py with the given flags as if matplotlib were not installed.
+_WITHOUT_MATPLOTLIB = f"""\
+import runpy, sys
+sys.modules["matplotlib"] = None  # import matplotlib -> ImportError
+sys.argv[0] = {str(EXAMPLES / "timeline.py")!r}
+sys.path.insert(0, {str(EXAMPLES)!r})
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     """Every subprocess run of the module, started at once; name -> (rc, stdout, stderr)."""
@@ -172,6 +182,16 @@ def cli_runs(tmp_path_factory):
         stderr=subprocess.PIPE,
         text=True,
         cwd=copied,
+        env=children.environ(),
+    )
+    # timeline.py (imported by test_timeline; its --rows is write_embeddings') where
+    # matplotlib is not installed.
+    started["plot_without_matplotlib"] = subprocess.Popen(
+        [sys.executable, "-c", _WITHOUT_MATPLOTLIB, "--plot=t.png", "--rows=8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path_factory.mktemp("plot"),
         env=children.environ(),
     )
     no_cluster = children.environ(without=("TF_CONFIG",))
@@ -285,6 +305,16 @@ def test_unknown_device_stops_with_one_line(cli_runs):
     lines = _user_lines(stderr)
     assert len(lines) == 1
     assert lines[0].startswith("error: device 'gpu:9' (/device:GPU:9) does not exist")
+
+
+def test_timeline_plot_without_matplotlib_is_refused_before_any_work(cli_runs):
+    code, stdout, stderr = cli_runs["plot_without_matplotlib"]
+    assert code == 1
+    assert stdout == ""  # not even the device set-up's note: nothing ran
+    assert _user_lines(stderr) == [
+        "error: --plot needs matplotlib, which is not installed: pip install "
+        "'tfshard[plot]' (or pip install matplotlib), or drop --plot"
+    ]
 
 
 def test_cluster_map_without_a_cluster_names_the_flags(cli_runs):
