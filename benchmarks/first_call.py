@@ -43,6 +43,7 @@ import time
 import _device_flags
 from absl import app, flags
 
+flags.adopt_module_key_flags(_device_flags)  # --help lists --device_type and the rest
 _DEVICES = flags.DEFINE_list(
     "devices", ["1", "2", "4"], "Device counts K to measure (on GPUs the default stops at theirs)."
 )

@@ -31,6 +31,7 @@ from absl import app, flags
 
 CASE_NAMES = ("compute", "per_sample", "small_batch", "dataset", "scaling")
 
+flags.adopt_module_key_flags(_device_flags)  # --help lists --device_type and the rest
 _CASE = flags.DEFINE_multi_enum(
     "case", ["all"], ["all", *CASE_NAMES], "Cases to run (repeat the flag for several)."
 )

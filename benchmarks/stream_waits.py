@@ -41,6 +41,7 @@ from typing import Any
 import _device_flags
 from absl import app, flags
 
+flags.adopt_module_key_flags(_device_flags)  # --help lists --device_type and the rest
 _MODELS = flags.DEFINE_list("models", ["mlp", "mobilenet"], "mlp and/or mobilenet.")
 _IMAGES = flags.DEFINE_integer("images", 512, "Rows (images) in the dataset.", lower_bound=1)
 _BATCH = flags.DEFINE_integer("batch", 128, "Rows per batch.", lower_bound=1)
