@@ -306,6 +306,26 @@ def test_asking_for_gpus_where_there_are_none_says_so(tmp_path):
     assert "error: --device_type=gpu but TensorFlow lists no GPU" in proc.stderr
 
 
+def test_the_device_flags_build_md_names_are_in_each_scripts_help(tmp_path):
+    # --device_type, --split_gpu and --gpu_memory_mb live in benchmarks/_device_flags.py.
+    scripts = ("scaling", "first_call", "stream_waits")
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, str(BENCHMARKS / f"{name}.py"), "--help"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=children.environ(),
+        )
+        for name in scripts
+    }
+    for name, (code, out, err) in children.finished(started).items():
+        assert code == 1, err[-2000:]  # absl's --help exits with 1
+        for flag in ("--device_type", "--split_gpu", "--gpu_memory_mb"):
+            assert f"\n  {flag}: " in out, (name, flag)
+
+
 def test_replicas_script_counts_the_weight_bytes_that_cross(tmp_path):
     # The script measures logical CPU devices; a GPU in its process is no part of it (on the
     # H100 its default-device one_device ran in TF32 and failed its own check, 3.3e-4).
