@@ -728,8 +728,9 @@ def test_methods_that_take_tensors_refuse_a_dataset_with_the_fix():
     assert "[0:1)" in double.explain(batch)
     assert double.get_concrete_function(batch) is not None
     # A dataset elsewhere than first in a call: the call streams only a first one.
-    with pytest.raises(ArgumentError, match=r"y is a tf.data.Dataset; a call streams a dataset "
-                       r"given as its first positional argument"):  # fmt: skip
+    with pytest.raises(ArgumentError, match=r"y is a tf.data.Dataset; to stream it, pass a "
+                       r"dataset as the first positional argument of a call, <lambda>\(dataset, "
+                       r"\.\.\.\); anywhere else pass tensors or arrays"):  # fmt: skip
         tfshard.parallelize(lambda x, y: x, devices=CPUS[:2])(np.zeros([2]), ds)
 
 

@@ -341,9 +341,9 @@ class Arguments:
         if tensor is None:
             if isinstance(leaf, tf.data.Dataset):
                 raise ArgumentError(
-                    f"{_trees.path(name, structure, i)} is a tf.data.Dataset; a call streams "
-                    f"a dataset given as its first positional argument, {self.name}(dataset, "
-                    "...); anywhere else pass tensors or arrays"
+                    f"{_trees.path(name, structure, i)} is a tf.data.Dataset; to stream it, "
+                    f"pass a dataset as the first positional argument of a call, "
+                    f"{self.name}(dataset, ...); anywhere else pass tensors or arrays"
                 )
             if not isinstance(leaf, Hashable):
                 raise ArgumentError(
