@@ -376,3 +376,26 @@ def test_a_path_with_a_nul_character_is_refused_naming_the_argument(tmp_path, ki
     with pytest.raises(ArgumentError, match=r"write\(dataset, path\): path=.* holds a NUL"):
         _scaled(1.0).write(_dataset(), path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_that_holds_no_write_says_what_is_there(tmp_path):
+    (tmp_path / "output.npy").write_bytes(b"not a write")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        "output.npy": "it is a file, not the directory of a write; give the directory that "
+        "f.write(dataset, path) wrote",
+        "missing": "nothing is at that path (no directory, so no manifest.json there); check "
+        "the path, or make a write there with f.write(dataset, path)",
+        "output.npy/sub": "nothing is at that path (no directory, so no manifest.json there)",
+        "dangling": f"it is a symbolic link to {str(tmp_path / 'gone')!r}, which leads to "
+        "nothing",
+        "empty": "no manifest.json there, so it holds no write; make one with "
+        "f.write(dataset, path)",
+    }
+    for name, message in cases.items():
+        path = str(tmp_path / name)
+        with pytest.raises(ArgumentError) as caught:
+            tfshard.load(path)
+        assert str(caught.value).startswith(f"tfshard.load({path!r}): {message}"), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "empty", "output.npy"]

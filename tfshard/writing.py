@@ -363,7 +363,8 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
 
     Raises:
       ArgumentError: `path` or `partial` is not what it should be, `path` holds
-        no write, or one that has not finished.
+        no write (a file, nothing, or a directory without a manifest: the message
+        says which), or one that has not finished.
       WriteError: the manifest or a file is not what the write left there
         (damaged, truncated, edited by hand), with the fix that works there;
         or another write replaced the path each time it was read.
@@ -382,10 +383,7 @@ def load(path: str | os.PathLike, *, partial: bool = False) -> Any:
     for _ in range(LOAD_TRIES):
         manifest = _loaded_manifest(path, call)
         if manifest is None:
-            raise ArgumentError(
-                f"{call}: no {MANIFEST} there, so it holds no write; make one with "
-                "f.write(dataset, path)"
-            )
+            raise ArgumentError(f"{call}: {_no_write(path)}")
         if not manifest["complete"] and not partial:
             raise ArgumentError(
                 f"{call}: the write there has not finished ({manifest['rows']} "
@@ -439,6 +437,28 @@ def _loaded_manifest(path: str, call: str) -> dict[str, Any] | None:
         ) from None
     except OSError as error:
         raise write_error(error, call, "nothing was read") from None
+
+
+def _no_write(path: str) -> str:
+    """Why `path`, where no manifest was found, holds no write, and what to do: it is a
+    file, nothing is there, or a directory without one. Called only to word an error."""
+    if os.path.isdir(path):
+        return f"no {MANIFEST} there, so it holds no write; make one with f.write(dataset, path)"
+    if os.path.exists(path):
+        return (
+            "it is a file, not the directory of a write; give the directory that "
+            "f.write(dataset, path) wrote"
+        )
+    if os.path.islink(path):
+        return (
+            f"it is a symbolic link to {os.readlink(path)!r}, which leads to nothing (no "
+            f"directory, so no {MANIFEST} there); check the link, or give the directory that "
+            "f.write(dataset, path) wrote"
+        )
+    return (
+        f"nothing is at that path (no directory, so no {MANIFEST} there); check the path, or "
+        "make a write there with f.write(dataset, path)"
+    )
 
 
 def _fix(path: str) -> str:
