@@ -441,7 +441,8 @@ def _loaded_manifest(path: str, call: str) -> dict[str, Any] | None:
 
 def _no_write(path: str) -> str:
     """Why `path`, where no manifest was found, holds no write, and what to do: it is a
-    file, nothing is there, or a directory without one. Called only to word an error."""
+    file, a symbolic link that leads nowhere, nothing at all, or a directory without
+    one. Called only to word an error."""
     if os.path.isdir(path):
         return f"no {MANIFEST} there, so it holds no write; make one with f.write(dataset, path)"
     if os.path.exists(path):
@@ -449,7 +450,7 @@ def _no_write(path: str) -> str:
             "it is a file, not the directory of a write; give the directory that "
             "f.write(dataset, path) wrote"
         )
-    if os.path.islink(path):
+    with contextlib.suppress(OSError):  # no link there (EINVAL, ENOENT): nothing is
         return (
             f"it is a symbolic link to {os.readlink(path)!r}, which leads to nothing (no "
             f"directory, so no {MANIFEST} there); check the link, or give the directory that "
