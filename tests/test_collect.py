@@ -1,5 +1,6 @@
 """Gathering and reducing shard outputs, checked against NumPy."""
 
+import numerics
 import numpy as np
 import pytest
 import rounding
@@ -401,3 +402,43 @@ def test_a_mean_of_exact_values_is_numpys_for_any_row_count(rows, k, max_rows, p
     )
     np.testing.assert_array_equal(f(x).numpy(), np.mean(x, 0))
     np.testing.assert_array_equal(f(x).numpy(), tf.reduce_mean(x, 0).numpy())
+
+
+# ---------------------------------------------- complex sums and means, against one device
+
+
+def _one_device(op, x):
+    """`tf.reduce_sum` / `tf.reduce_mean` over the rows of `x` in a tf.function on CPU:0."""
+    reduce = {"sum": tf.reduce_sum, "mean": tf.reduce_mean}[op]
+    with tf.device(CPUS[0]):
+        return tf.function(lambda t: reduce(t, 0), autograph=False)(tf.constant(x)).numpy()
+
+
+def _parts(z):
+    """A complex array's real and imaginary parts, side by side (NaN compared part by part)."""
+    return np.stack([np.real(z), np.imag(z)])
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", ["complex64", "complex128"])
+def test_complex_sums_and_means_are_one_devices_in_calls_and_streams(dtype, op, rows):
+    rng = np.random.default_rng(rows)
+    x = (rng.normal(size=[rows, 3]) + 1j * rng.normal(size=[rows, 3])).astype(dtype)
+    if rows == 0 and op == "mean":
+        # TensorFlow's CPU kernel gives 0+0j for no rows; the mean of none is NaN in
+        # both parts, as NumPy's, as a float mean of none is NaN.
+        with pytest.warns(RuntimeWarning, match="Mean of empty slice"), np.errstate(all="ignore"):
+            want = np.mean(x, 0)
+        assert np.isnan(want.real).all() and np.isnan(want.imag).all()
+    else:
+        want = _one_device(op, x)
+    for weights in (None, [1, 3]):
+        f = tfshard.parallelize(lambda s: s, reduce=op, devices=CPUS[:2], weights=weights)
+        for call in (x, tf.data.Dataset.from_tensor_slices(x).batch(2)):
+            got = f(call).numpy()
+            assert got.dtype == np.dtype(dtype)
+            if rows == 0:
+                np.testing.assert_array_equal(_parts(got), _parts(want))
+            else:
+                numerics.assert_close(got, want, [*f.devices, CPUS[0]])

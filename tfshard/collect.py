@@ -418,15 +418,22 @@ def finished(reduced: Total, total: tf.Tensor | int, op: Reduction) -> tf.Tensor
     divided by the count, rounded once (`_divided`; an integer total in
     float64), then cast to `Reduction.result_dtype`, so a float16 mean over a million rows is the
     true mean rounded once to float16, and an integer mean is not truncated
-    as `tf.reduce_mean` truncates it. With no samples a mean is NaN. An
+    as `tf.reduce_mean` truncates it. With no samples a mean is NaN (complex:
+    NaN in both parts, as NumPy's; TensorFlow's CPU kernel gives 0 there). An
     integer sum wraps as `tf.reduce_sum` does in the dtype itself.
     """
     if not op.divides:
         return _narrowed(reduced.value, reduced.output_dtype, op)
     mean = _divided(reduced.value, total)
-    mean = tf.where(tf.cast(total, tf.int64) > 0, mean, tf.constant(float("nan"), mean.dtype))
+    mean = tf.where(tf.cast(total, tf.int64) > 0, mean, _nan(mean.dtype))
     dtype = op.result_dtype(reduced.output_dtype)
     return mean if mean.dtype == dtype else tf.cast(mean, dtype)
+
+
+def _nan(dtype: tf.DType) -> tf.Tensor:
+    """The mean of no samples: NaN, for a complex dtype NaN in both parts (NumPy's nan+nanj)."""
+    nan = float("nan")
+    return tf.constant(complex(nan, nan) if dtype.is_complex else nan, dtype)
 
 
 def _divided(total: tf.Tensor, count: tf.Tensor | int) -> tf.Tensor:
