@@ -6,6 +6,7 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tfshard
 from tfshard import _arguments, _trees
 from tfshard.errors import ArgumentError
 
@@ -222,6 +223,27 @@ def test_an_object_array_is_named_by_its_path():
         _arguments.Arguments(fn, (), "fn").classify(
             ({"a": [np.zeros(3), np.array([object()] * 3)]},), {}
         )
+
+
+@pytest.mark.parametrize(
+    "array, says",
+    [
+        (np.array(["2026-11-27"] * 4, "datetime64[D]"), r"datetime64\[D\].*x.astype\(np.int64\)"),
+        (np.array([1, 2, 3, 4], "timedelta64[s]"), r"timedelta64\[s\].*x.astype\(np.int64\)"),
+        (np.zeros(4, [("a", np.float32), ("b", np.int32)]), r"fields a, b"),
+    ]
+    + (
+        [(np.zeros(4, np.longdouble), r"cannot hold")]
+        if np.dtype(np.longdouble).itemsize > 8
+        else []
+    ),
+)
+def test_an_array_no_tensor_holds_is_refused_by_its_path_with_the_fix(array, says):
+    f = tfshard.parallelize(lambda x, y: y, devices=["cpu:0", "cpu:1"], per_sample=False)
+    with pytest.raises(ArgumentError, match=r"^y is .*" + says):
+        f(np.zeros(4, np.float32), array)
+    with pytest.raises((TypeError, ValueError)):  # TensorFlow itself takes none of them
+        tf.convert_to_tensor(array)
 
 
 def test_a_list_of_arrays_of_different_sizes_says_to_stack_them_not_only_to_broadcast():

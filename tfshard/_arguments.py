@@ -14,6 +14,7 @@ trace key is its dtype and shape, not a TensorSpec).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -36,6 +37,11 @@ def integer(value: Any) -> int | None:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     return None
+
+
+# Why a NumPy array's dtype can be no input (`_kinds.numpy_problem`), once per dtype: a
+# call's every array leaf asks.
+_numpy_problem = functools.lru_cache(maxsize=None)(_kinds.numpy_problem)
 
 
 class LeafKey(NamedTuple):
@@ -332,11 +338,8 @@ class Arguments:
         self, leaf: Any, broadcast: bool, found: _Sorted, name: str, structure: Hashable, i: int
     ) -> str:
         """Files one leaf in `found`; returns its kind."""
-        if isinstance(leaf, np.ndarray) and leaf.dtype == object:
-            raise ArgumentError(
-                f"{_trees.path(name, structure, i)} is a NumPy array of Python objects; use a "
-                "numeric dtype (np.asarray(x, np.float32)), or strings as dtype str"
-            )
+        if isinstance(leaf, np.ndarray | np.generic) and (problem := _numpy_problem(leaf.dtype)):
+            raise ArgumentError(f"{_trees.path(name, structure, i)} {problem}")
         tensor = as_tensor(leaf)
         if tensor is None:
             if isinstance(leaf, tf.data.Dataset):
