@@ -408,8 +408,9 @@ def test_a_mean_of_exact_values_is_numpys_for_any_row_count(rows, k, max_rows, p
 
 
 def _one_device(op, x):
-    """`tf.reduce_sum` / `tf.reduce_mean` over the rows of `x` in a tf.function on CPU:0."""
-    reduce = {"sum": tf.reduce_sum, "mean": tf.reduce_mean}[op]
+    """`tf.reduce_<op>` over the rows of `x` in a tf.function on CPU:0."""
+    reduce = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max}.get(op)
+    reduce = reduce or tf.reduce_min
     with tf.device(CPUS[0]):
         return tf.function(lambda t: reduce(t, 0), autograph=False)(tf.constant(x)).numpy()
 
@@ -442,3 +443,52 @@ def test_complex_sums_and_means_are_one_devices_in_calls_and_streams(dtype, op, 
                 np.testing.assert_array_equal(_parts(got), _parts(want))
             else:
                 numerics.assert_close(got, want, [*f.devices, CPUS[0]])
+
+
+def _zeros(rows, dtype):
+    """`rows` rows of signed zeros: all -0.0, alternating from +0.0, alternating from -0.0
+    (a complex row's imaginary parts are its real parts reversed)."""
+    signs = np.array([[1, i % 2 == 0, i % 2 == 1] for i in range(rows)], bool).reshape(rows, 3)
+    x = np.where(signs, -0.0, 0.0)
+    if dtype.startswith("complex"):
+        z = np.zeros([rows, 3], dtype)
+        z.real, z.imag = x, x[:, ::-1]
+        return z
+    return tf.constant(x, dtype).numpy()
+
+
+def _signed(x):
+    """Each value's sign bit, part by part for complex: what tells -0.0 from +0.0."""
+    x = np.asarray(x)
+    parts = [x.real, x.imag] if x.dtype.kind == "c" else [x.astype(np.float64)]
+    return np.stack([np.signbit(p) for p in parts])
+
+
+@pytest.mark.parametrize(
+    "dtype, op",
+    [(d, o) for d in ("float16", "float32", "float64") for o in ("sum", "mean", "max", "min")]
+    + [("complex64", "sum"), ("complex64", "mean")],
+)
+def test_a_reduction_of_zeros_has_the_sign_one_device_gives_it(dtype, op):
+    """A lone -0.0 sums to -0.0 as on one device (an empty shard's neutral value is -0.0,
+    not +0.0), several zeros to +0.0, no rows to +0.0, on 2 devices, weighted or not."""
+    fs = [
+        tfshard.parallelize(lambda s: s, reduce=op, devices=CPUS[:2], weights=weights)
+        for weights in (None, [1, 3])
+    ]
+    for rows in (0, 1, 2, 5):
+        x = _zeros(rows, dtype)
+        if rows == 0 and op != "sum":
+            continue  # NaN, -inf and +inf: tested above and in test_parallel
+        want = _one_device(op, x)
+        # The max of +0.0 and -0.0 is either (TF's kernels pick by blocking): only -0.0s.
+        kept = slice(None) if op in ("sum", "mean") else slice(0, 1)
+        for f in fs:
+            for call in (x, tf.data.Dataset.from_tensor_slices(x).batch(2)):
+                got = f(call).numpy()
+                np.testing.assert_array_equal(got, want)
+                np.testing.assert_array_equal(
+                    _signed(got[kept]),
+                    _signed(want[kept]),
+                    err_msg=f"{rows} rows, weights {f.weights}, {type(call).__name__}",
+                )

@@ -21,6 +21,7 @@ shard's partial to `finished`, the one place it is divided and cast back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -297,11 +298,19 @@ def _extreme(dtype: tf.DType, lowest: bool) -> tf.Tensor:
 
 
 def _sum_over_rows(value: tf.Tensor) -> tf.Tensor:
-    return tf.reduce_sum(value, axis=0)
+    total = tf.reduce_sum(value, axis=0)
+    if value.dtype.is_integer:
+        return total
+    # TF sums no rows to +0.0, which would turn another shard's -0.0 into +0.0.
+    return tf.where(tf.shape(value)[0] > 0, total, _zero(value.dtype))
 
 
 def _zero(dtype: tf.DType) -> tf.Tensor:
-    return tf.zeros([], dtype)
+    """The neutral value of a sum: -0.0 for floats (x + -0.0 is x for every x, -0.0 too,
+    where +0.0 turns -0.0 into +0.0), -0.0 in both parts for complex, 0 for integers."""
+    if dtype.is_complex:
+        return tf.constant(complex(-0.0, -0.0), dtype)
+    return tf.constant(-0.0 if dtype.is_floating else 0, dtype)
 
 
 # The table every ``reduce=`` name is looked up in; messages list its names.
@@ -406,9 +415,17 @@ def shard_value(total: Total, size: tf.Tensor, op: Reduction) -> tf.Tensor:
 
 def combine(partials: Sequence[Total], op: Reduction) -> Total:
     """The shards' partials combined into one `Total` over all their samples; a mean stays
-    undivided (`finished` divides it by the samples once: not a mean of shard means)."""
-    stacked = tf.stack([p.value for p in partials])  # K x [...] -> [K, ...]
-    return Total(op.over_rows(stacked), partials[0].output_dtype)
+    undivided (`finished` divides it by the samples once: not a mean of shard means).
+
+    A float sum adds the partials in shard order (`Reduction.accumulate`), as a
+    stream adds its batches: TF's Sum over them would start from +0.0 and lose the
+    sign of a lone -0.0 (`finished` gives zeros TF's sign)."""
+    values = [p.value for p in partials]
+    if op.ordered or values[0].dtype.is_integer:
+        total = op.over_rows(tf.stack(values))  # K x [...] -> [K, ...] -> [...]
+    else:
+        total = functools.reduce(op.accumulate, values)
+    return Total(total, partials[0].output_dtype)
 
 
 def finished(reduced: Total, total: tf.Tensor | int, op: Reduction) -> tf.Tensor:
@@ -420,14 +437,30 @@ def finished(reduced: Total, total: tf.Tensor | int, op: Reduction) -> tf.Tensor
     true mean rounded once to float16, and an integer mean is not truncated
     as `tf.reduce_mean` truncates it. With no samples a mean is NaN (complex:
     NaN in both parts, as NumPy's; TensorFlow's CPU kernel gives 0 there). An
-    integer sum wraps as `tf.reduce_sum` does in the dtype itself.
+    integer sum wraps as `tf.reduce_sum` does in the dtype itself. A float sum
+    or mean that is zero has the sign `tf.reduce_sum` gives it: a lone row's
+    own, else +0.0 (`_zeros_signed_as_tf`).
     """
+    value = reduced.value
+    if not op.ordered and not value.dtype.is_integer:
+        value = _zeros_signed_as_tf(value, total)
     if not op.divides:
-        return _narrowed(reduced.value, reduced.output_dtype, op)
-    mean = _divided(reduced.value, total)
+        return _narrowed(value, reduced.output_dtype, op)
+    mean = _divided(value, total)
     mean = tf.where(tf.cast(total, tf.int64) > 0, mean, _nan(mean.dtype))
     dtype = op.result_dtype(reduced.output_dtype)
     return mean if mean.dtype == dtype else tf.cast(mean, dtype)
+
+
+def _zeros_signed_as_tf(total: tf.Tensor, count: tf.Tensor | int) -> tf.Tensor:
+    """A float sum of `count` rows with the sign of zero `tf.reduce_sum` gives it: one row's
+    own (a lone -0.0 stays -0.0), else +0.0 (TF's Sum starts from +0.0), part by part
+    for complex. Not ``total + 0.0``: Grappler folds an addition of a constant 0 away."""
+    if total.dtype.is_complex:
+        real = _zeros_signed_as_tf(tf.math.real(total), count)
+        return tf.complex(real, _zeros_signed_as_tf(tf.math.imag(total), count))
+    several = tf.not_equal(tf.cast(count, tf.int64), 1)
+    return tf.where(tf.logical_and(several, tf.equal(total, 0)), tf.zeros_like(total), total)
 
 
 def _nan(dtype: tf.DType) -> tf.Tensor:
@@ -448,6 +481,11 @@ def _divided(total: tf.Tensor, count: tf.Tensor | int) -> tf.Tensor:
     """
     if total.dtype.is_integer:  # as tf.math.truediv divides an int64 total
         total = tf.cast(total, tf.float64)
+    if total.dtype.is_complex:
+        # Part by part: a complex division by (count + 0j) rounds twice, and its
+        # imaginary part of -0.0 / 1 is +0.0.
+        real, imag = _divided(tf.math.real(total), count), _divided(tf.math.imag(total), count)
+        return tf.complex(real, imag)
     return tf.math.divide_no_nan(total, tf.cast(count, total.dtype))
 
 
