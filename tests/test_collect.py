@@ -492,3 +492,51 @@ def test_a_reduction_of_zeros_has_the_sign_one_device_gives_it(dtype, op):
                     _signed(want[kept]),
                     err_msg=f"{rows} rows, weights {f.weights}, {type(call).__name__}",
                 )
+
+
+# ---------------------------------------------- ragged=True: a known shape stays known
+
+
+def _samples(s):
+    """Per sample: a [2], a [3, 2] (shapes known) and a [s[0] % 4] (ragged)."""
+    return {
+        "d": s * 2,
+        "m": tf.reshape(s, [1, 2]) * tf.ones([3, 1]),
+        "r": tf.range(tf.cast(s[0], tf.int32) % 4),
+    }
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_ragged_outputs_of_known_shape_keep_it_on_any_split(rows):
+    x = np.stack([np.arange(rows) * 7 % 5, np.arange(rows)], 1).astype(np.float32)
+    samples = {"d": [2], "m": [3, 2], "r": [None]}
+    # A sample of shape [d, ...] stacks to a ragged [rows, d, ...]: one ragged rank.
+    specs = {
+        key: tf.RaggedTensorSpec([rows, *shape], tf.int32 if key == "r" else tf.float32, 1)
+        for key, shape in samples.items()
+    }
+    if rows:
+        # The oracle: tf.map_fn stacking the same samples as ragged, in one tf.function
+        # (it cannot map no rows).
+        signature = {
+            key: tf.RaggedTensorSpec(shape, spec.dtype, ragged_rank=0)
+            for (key, shape), spec in zip(samples.items(), specs.values())
+        }
+        mapped = tf.function(
+            lambda t: tf.map_fn(_samples, t, fn_output_signature=signature), autograph=False
+        )(tf.constant(x))
+        assert {key: tf.type_spec_from_value(v) for key, v in mapped.items()} == specs
+    splits = [
+        {"devices": CPUS[:1]},
+        {"devices": CPUS[:2]},
+        {"devices": CPUS[:2], "weights": [1, 3]},
+        {"devices": CPUS[:2], "weights": [1, 0]},
+        {"devices": CPUS[:3], "weights": [2, 0, 1]},
+    ]
+    for split in splits:
+        got = tfshard.parallelize(_samples, ragged=True, **split)(x)
+        assert {key: tf.type_spec_from_value(v) for key, v in got.items()} == specs, split
+        np.testing.assert_array_equal(got["d"].to_tensor(shape=[rows, 2]), x * 2)
+        for key in samples if rows else ():
+            np.testing.assert_array_equal(got[key].flat_values, mapped[key].flat_values)
+            np.testing.assert_array_equal(got[key].row_splits, mapped[key].row_splits)

@@ -186,8 +186,9 @@ class Dense:
         return [(t.dtype, t.shape[1:])]
 
     @staticmethod
-    def from_parts(parts: Sequence[tf.Tensor]) -> Any:
-        """The value whose `parts` these are (each concatenated over shards)."""
+    def from_parts(parts: Sequence[tf.Tensor], shape: tf.TensorShape | None = None) -> Any:
+        """The value whose `parts` these are (each concatenated over shards); a dense
+        part keeps its own static shape, so `shape` (see `Ragged.from_parts`) adds nothing."""
         return parts[0]
 
     # tf.vectorized_map can stack its rows (each row one shape).
@@ -294,12 +295,12 @@ class Ragged:
     @staticmethod
     def empty(sample: tf.TypeSpec) -> Any:
         # A sample [d_1, ...] stacks to [0, d_1, ...] with ragged_rank + 1 ragged
-        # dimensions; the flat values keep the sample's dimensions after those.
+        # dimensions (those of the d_i the sample knows uniform, as a map stacks
+        # them); the flat values keep the sample's dimensions after those.
         inner = _dims(sample.shape[sample.ragged_rank + 1 :])
         lengths = [tf.zeros([0], sample.row_splits_dtype)] * (sample.ragged_rank + 1)
-        return tf.RaggedTensor.from_nested_row_lengths(
-            tf.zeros([0, *inner], sample.dtype), lengths, validate=False
-        )
+        shape = tf.TensorShape([0]).concatenate(sample.shape)
+        return _nested(tf.zeros([0, *inner], sample.dtype), lengths, shape)
 
     @staticmethod
     def parts(t: Any) -> list[tf.Tensor]:
@@ -311,8 +312,14 @@ class Ragged:
         return [(t.flat_values.dtype, t.flat_values.shape[1:]), *lengths]
 
     @staticmethod
-    def from_parts(parts: Sequence[tf.Tensor]) -> Any:
-        return tf.RaggedTensor.from_nested_row_lengths(parts[0], list(parts[1:]), validate=False)
+    def from_parts(parts: Sequence[tf.Tensor], shape: tf.TensorShape | None = None) -> Any:
+        """The ragged tensor of these flat values and row lengths (outermost first).
+
+        A ragged dimension that `shape` knows (the static shape every gathered
+        value has, as a map stacks a sample of known shape under ``ragged=True``)
+        stays a uniform one of that length, so the result's static shape is the
+        same however the rows were split."""
+        return _nested(parts[0], list(parts[1:]), shape)
 
     # Rows of different lengths: tf.vectorized_map cannot stack them (tf.map_fn can).
     VECTORIZES = False
@@ -356,6 +363,23 @@ class Sparse:
             f"tf.sparse.to_dense({where}), or pass {entry!r} in broadcast=(...) to give "
             "every shard all of it"
         )
+
+
+def _nested(
+    flat_values: tf.Tensor, lengths: Sequence[tf.Tensor], shape: tf.TensorShape | None
+) -> tf.RaggedTensor:
+    """`tf.RaggedTensor.from_nested_row_lengths`, each dimension `shape` knows uniform."""
+    known = shape is not None and shape.rank is not None
+    dims = list(shape[1 : len(lengths) + 1]) if known else [None] * len(lengths)
+    result = flat_values
+    for row_lengths, dim in reversed(list(zip(lengths, dims))):
+        if dim is None:
+            result = tf.RaggedTensor.from_row_lengths(result, row_lengths, validate=False)
+        else:
+            rows = tf.size(row_lengths, out_type=row_lengths.dtype)
+            length = tf.constant(dim, row_lengths.dtype)
+            result = tf.RaggedTensor.from_uniform_row_length(result, length, rows, validate=False)
+    return result
 
 
 def _splits_dtype(t: Any) -> tf.DType:

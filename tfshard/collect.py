@@ -53,13 +53,16 @@ def gather_counted(values: Sequence[Any], counts: bool = True) -> tuple[Any, tf.
     in host memory); None for outputs of unknown rank, or not asked for.
     """
     kind = _kinds.of(values[0])
+    shape = values[0].shape  # what every value's static shape knows: [?, ...]
+    for value in values[1:]:
+        shape = shape.most_specific_compatible_shape(value.shape)
     # Each part of a value (a ragged tensor's flat values, then its row lengths),
     # gathered in order; the counts are those of the part that holds the rows.
     parts = [
         _concat(list(part), counts and i == kind.ROWS_PART)
         for i, part in enumerate(zip(*(kind.parts(v) for v in values)))
     ]
-    return kind.from_parts([part for part, _ in parts]), parts[kind.ROWS_PART][1]
+    return kind.from_parts([part for part, _ in parts], shape), parts[kind.ROWS_PART][1]
 
 
 # The dtypes gathered by one ConcatV2: those whose GPU kernel holds them in device
@@ -599,5 +602,5 @@ def concat_all(flows: Sequence[tf.Tensor], leaves: Sequence[Any]) -> list[Any]:
                 array.size() > 0, array.concat, lambda e=zero, d=carrier: tf.zeros(e, d)
             )
             parts.append(_kinds.uncarried(concat, dtype))
-        results.append(_kinds.of(leaf).from_parts(parts))
+        results.append(_kinds.of(leaf).from_parts(parts, leaf.shape))
     return results
