@@ -540,3 +540,28 @@ def test_ragged_outputs_of_known_shape_keep_it_on_any_split(rows):
         for key in samples if rows else ():
             np.testing.assert_array_equal(got[key].flat_values, mapped[key].flat_values)
             np.testing.assert_array_equal(got[key].row_splits, mapped[key].row_splits)
+
+
+def test_a_truncating_shard_mean_is_the_weighted_mean_of_what_each_shard_returned():
+    """README (reduce=, max_rows=): a fixed-shape output is each shard's (chunk's) own
+    value, weighted by its rows; TF's int32 mean truncates, per shard and per chunk."""
+    x = np.array([0, 1, 0, 1, 2, 2], np.int32)
+
+    def truncated(rows):  # what tf.reduce_mean gives for these rows, in NumPy
+        return int(np.sum(rows)) // len(rows)
+
+    def shard_mean(b):
+        return tf.reduce_mean(b)
+
+    one = tfshard.parallelize(shard_mean, per_sample=False, reduce="mean", devices=CPUS[:1])
+    assert one(x).numpy() == truncated(x) == 1
+    # Two shards of 3 rows: (0 * 3 + 1 * 3) / 6.
+    two = tfshard.parallelize(shard_mean, per_sample=False, reduce="mean", devices=CPUS[:2])
+    assert two(x).numpy() == (truncated(x[:3]) * 3 + truncated(x[3:]) * 3) / 6 == 0.5
+    # One shard in chunks of 2: the chunks' means (0, 0, 2) weighted, 4 / 6, truncated
+    # again as the shard's own int32 value.
+    chunked = tfshard.parallelize(
+        shard_mean, per_sample=False, reduce="mean", devices=CPUS[:1], max_rows=2
+    )
+    chunks = [truncated(x[i : i + 2]) * 2 for i in range(0, 6, 2)]
+    assert chunked(x).numpy() == sum(chunks) // 6 == 0
