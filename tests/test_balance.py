@@ -8,6 +8,7 @@ weights are 3:1.
 """
 
 import re
+import signal
 import threading
 import time
 
@@ -164,18 +165,35 @@ def test_a_device_alone_found_useless_gives_its_rows_to_the_split():
 
 
 def test_a_measured_call_interrupted_while_it_waits_leaves_later_calls_their_turns(monkeypatch):
-    # Ctrl-C while a measured call waits for the others to end: the calls after it
-    # neither wait for it nor lose their measuring (a stuck one would wait forever here).
+    # Ctrl-C (a SIGINT to the main thread, as a terminal sends it) while a measured call
+    # waits for another thread's call to end: the calls after it neither wait for it nor
+    # lose their measuring (a stuck one would wait forever here).
+    assert threading.current_thread() is threading.main_thread()
     monkeypatch.setattr(_balance, "LONGEST_WAIT_S", 1e9)
     turns = _balance.Turns()
+    held, release = threading.Event(), threading.Event()
 
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
+    def holder():
+        with turns.call(False):
+            held.set()
+            release.wait(120)  # bounds a hang only
 
-    with monkeypatch.context() as patch:
-        patch.setattr(turns._changed, "wait_for", interrupted)
+    def ctrl_c():
+        while not turns.measuring():  # until the call waits
+            if release.is_set():
+                return
+            time.sleep(0)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=holder, daemon=True).start()
+    assert held.wait(120)
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    try:
         with pytest.raises(KeyboardInterrupt), turns.call(True):
             pass
+    finally:
+        release.set()
+    assert not turns.measuring()
     measured = []
 
     def calls():
@@ -187,7 +205,7 @@ def test_a_measured_call_interrupted_while_it_waits_leaves_later_calls_their_tur
     later = threading.Thread(target=calls, daemon=True)
     later.start()
     later.join(120)  # bounds a hang only: the calls take microseconds
-    assert not later.is_alive() and measured == [True]
+    assert not later.is_alive() and measured == [True] and turns.gave_up == 0
 
 
 def test_calls_slowed_by_other_jobs_leave_a_devices_time_as_it_is():

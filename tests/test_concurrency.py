@@ -12,6 +12,8 @@ against the function's fixed cost ratio.
 """
 
 import _thread
+import dis
+import inspect
 import json
 import os
 import re
@@ -311,11 +313,9 @@ def test_a_measured_call_waiting_for_one_whose_shard_calls_the_function_is_not_s
     waiter = threading.Thread(target=measured_call, daemon=True)
     with turns.call(measure=False), turns.running_python():
         waiter.start()
-        # Until the measured call waits: `unmeasured` takes no turn while one does.
-        while (depth := turns.unmeasured()) is not None and waiter.is_alive():
-            turns.done(depth)
+        while not turns.measuring() and waiter.is_alive():  # until the measured call waits
             time.sleep(0)
-        assert depth is None, "the measured call never waited"
+        assert turns.measuring(), "the measured call never waited"
         inner, elsewhere = _on_a_tensorflow_thread(lambda: _turn_taken_at_once(turns))
         assert elsewhere and inner == (False, False)
     waiter.join(120)  # bounds a hang only: it waits for this thread's turn to end
@@ -359,13 +359,165 @@ def test_a_call_on_a_thread_python_did_not_start_waits_where_no_call_runs_python
     waiter = threading.Thread(target=caller, daemon=True)
     with turns.call(measure=False):  # an unmeasured call in flight, running no Python
         waiter.start()
-        # Until the measured call waits: `unmeasured` takes no turn while one does.
-        while (depth := turns.unmeasured()) is not None and waiter.is_alive():
-            turns.done(depth)
+        while not turns.measuring() and waiter.is_alive():  # until the measured call waits
             time.sleep(0)
-        assert depth is None, "the call on the other thread did not wait"
+        assert turns.measuring(), "the call on the other thread did not wait"
     waiter.join(120)  # bounds a hang only: it waits for this thread's turn to end
     assert not waiter.is_alive() and found == [(True, True)] and turns.gave_up == 0
+
+
+# Ctrl-C lands where Python checks for it: as a function starts, at a call, at a backward
+# jump. Turns' own functions, each line and start of one (their `call` and `line` events).
+_TURNS_CODE = frozenset(
+    member.__code__
+    for kind in (_balance.Turns, _balance._Turn, _balance._Python)
+    for member in vars(kind).values()
+    if inspect.isfunction(member)
+)
+
+
+def _with_exits(code):
+    """The offsets in `code` past where a ``with`` statement enters: a line event there
+    is its exit (its ``__exit__`` called next), where Python never checks for an
+    interrupt (it does after that call, the lock released)."""
+    entered = {
+        i.positions.lineno: i.offset
+        for i in dis.get_instructions(code)
+        if i.opname in ("BEFORE_WITH", "SETUP_WITH")
+    }
+    return {
+        i.offset
+        for i in dis.get_instructions(code)
+        if i.positions.lineno in entered and i.offset > entered[i.positions.lineno]
+    }
+
+
+_NEVER_CHECKED = {code: _with_exits(code) for code in _TURNS_CODE}
+
+
+def _interrupted_at(position, body):
+    """Runs `body()` with a KeyboardInterrupt raised at the `position`th event (a
+    function of `Turns` starting, or a line of one) on this thread; whether it was."""
+    seen = [0]
+
+    def event():
+        seen[0] += 1
+        if seen[0] == position + 1:
+            raise KeyboardInterrupt  # (a trace function that raises is unset)
+
+    def line(frame, kind, arg):
+        if kind == "line" and frame.f_lasti not in _NEVER_CHECKED[frame.f_code]:
+            event()
+        return line
+
+    def start(frame, kind, arg):
+        if frame.f_code not in _TURNS_CODE:
+            return None
+        event()
+        return line
+
+    tracing = sys.gettrace()
+    sys.settrace(start)
+    try:
+        body()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(tracing)
+    assert seen[0] <= position, "interrupted, yet the interrupt did not come out of the call"
+    return False
+
+
+def _no_turn_left_taken(turns):
+    """Nothing of an ended call is still taken (LONGEST_WAIT_S is 0: a call that waits at
+    all gives up, and `gave_up` counts it): a measured call here and on another thread
+    each runs alone at once; a call on a thread Python did not start waits for a call in
+    flight (none counts as running Python)."""
+    gave_up = turns.gave_up
+    assert not turns.alone() and not turns.measuring()
+    assert _turn_taken_at_once(turns) == (True, True)  # (this thread is in no call)
+    elsewhere = []
+    other = threading.Thread(target=lambda: elsewhere.append(_turn_taken_at_once(turns)))
+    other.start()
+    other.join(120)  # bounds a hang only
+    assert elsewhere == [(True, True)] and turns.gave_up == gave_up
+    with turns.call(measure=False):
+        found = _on_a_thread_python_did_not_start(lambda: _turn_taken_at_once(turns))
+    assert found == (False, False) and turns.gave_up == gave_up + 1  # it waited
+
+
+def _unsettled(balance):
+    """Changes `balance`'s plan (device 0 three times faster, then device 1): the next call
+    is measured."""
+    for seconds in ([0.03, 0.01], [0.01, 0.03]):
+        for _ in range(_balance.WINDOW):
+            balance.observe([10, 10], seconds, warm_up=False)
+
+
+@pytest.mark.parametrize("case", ["measured", "unmeasured", "nested", "waiting", "take"])
+def test_a_ctrl_c_anywhere_in_a_turn_leaves_no_turn_taken(case, monkeypatch):
+    """A KeyboardInterrupt raised at each point of taking and giving back a call's turn,
+    one point a call: it comes out of the call, and every later call takes its turn as
+    if the interrupted one had never been (no call waits for it, none is nested in it).
+    Cases: a measured call; an unmeasured one (per_shard), its graph running Python; one
+    made inside another call's turn on this thread; a measured one that waits for
+    another thread's call (and gives up, LONGEST_WAIT_S being 0); and `take` alone, so
+    waiting, which gives back what it took where it raises."""
+    monkeypatch.setattr(_balance, "LONGEST_WAIT_S", 0.0)
+    f = tfshard.parallelize(
+        lambda b: tf.py_function(lambda v: v * 2.0, [b], tf.float32),
+        devices=CPUS[:2],
+        per_sample=False,
+        weights="auto",
+    )
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    turns = f.balance.turns
+    np.testing.assert_array_equal(f(x), x * 2)  # traced before any interrupt
+    np.testing.assert_array_equal(f.per_shard(x)[0], x[:2] * 2)
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with turns.call(measure=False):
+            held.set()
+            release.wait(120)
+
+    def call():
+        if case == "unmeasured":
+            np.testing.assert_array_equal(f.per_shard(x)[1], x[2:] * 2)
+        elif case == "take":
+            taken.append(turns.call(measure=True))
+            turns.take(taken[-1])
+        else:
+            np.testing.assert_array_equal(f(x), x * 2)
+
+    interrupted, taken = 0, []
+    for position in range(1000):
+        if case in ("measured", "waiting"):
+            _unsettled(f.balance)
+            assert not f.balance.settled  # the next call is measured
+        counted = f.balance.measured
+        if case in ("waiting", "take"):
+            held.clear(), release.clear()
+            other = threading.Thread(target=holder)
+            other.start()
+            assert held.wait(120)  # bounds a hang only
+        if case == "nested":
+            with turns.call(measure=False):  # taken before the interrupt can land
+                hit = _interrupted_at(position, call)
+        else:
+            hit = _interrupted_at(position, call)
+        if case == "take" and not hit:
+            turns.done(taken[-1])  # (raising, `take` gave back what it took)
+        if case in ("waiting", "take"):
+            release.set()
+            other.join(120)
+        _no_turn_left_taken(turns)
+        if not hit:  # every point passed
+            break
+        interrupted += 1
+    assert interrupted >= 8 and position == interrupted
+    if case == "measured":
+        assert f.balance.measured == counted + 1  # the uninterrupted call was measured
 
 
 def test_a_tf_data_map_calling_the_function_has_its_measured_calls_counted():

@@ -106,6 +106,7 @@ import collections
 import math
 import numbers
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -237,6 +238,11 @@ def _started_outside_python() -> bool:
     return isinstance(threading.current_thread(), threading._DummyThread)
 
 
+# What a turn holds (`_Turn`), each set in the same statement as the count it stands for:
+# an interrupt lands before both or after both, and giving the turn back undoes it once.
+_NOTHING, _RUNNING, _ALONE, _WAITING = 0, 1, 2, 3
+
+
 class Turns:
     """Calls of one function in flight together, a measured one alone.
 
@@ -263,16 +269,29 @@ class Turns:
     Python started, which that call waits for) gives up: the call then runs
     unmeasured, or beside the measured one, which is not `alone` either.
 
+    A Ctrl-C never leaves a turn taken. Python raises a KeyboardInterrupt as a
+    function starts, at a call or a backward jump, so it can land inside
+    `take` or `done`, or as a ``finally`` block calls `done`: each change
+    `take` makes is recorded in the turn by the statement that makes it, `take`
+    gives back what it took when it raises, and `done` undoes only what the
+    turn still holds (a repeat does nothing). A caller takes the turn inside
+    the ``try`` whose ``finally`` calls `done` in a loop until one call of it
+    ends uninterrupted, then raises the interrupt it caught (as
+    `tfshard._engine.Engine` does, and the context managers `call` and
+    `running_python` return, but for an interrupt that lands as their
+    ``__exit__`` starts).
+
     Attributes:
       gave_up: waits that passed `LONGEST_WAIT_S` and gave up, so far (read it,
         do not set it).
     """
 
     def __init__(self) -> None:
-        # One lock, taken directly on the path of every call (a Condition's own `with`
-        # runs Python code), that the condition's waits and notices take too.
+        # One lock, taken directly on the path of every call, with nothing between taking
+        # it and the change it guards; a waiting call waits on a lock of its own
+        # (`_waker`), which a change releases (`_wake`).
         self._mutex = threading.Lock()
-        self._changed = threading.Condition(self._mutex)
+        self._wakers: list[Any] = []
         self._running = 0  # unmeasured calls in flight
         # Calls begun while another was in flight: a call that began with none in flight
         # ran alone for as long as this count is what it was then (`alone`).
@@ -284,39 +303,58 @@ class Turns:
         self.gave_up = 0
 
     def call(self, measure: bool) -> _Turn:
-        """A call's turn, a context manager: entered, whether the call is measured
-        (`measure`, and it could run alone)."""
+        """A call's turn, not yet taken (`take`, then `done`); as a context manager,
+        entered, whether the call is measured (`measure`, and it could run alone)."""
         return _Turn(self, measure)
 
     def running_python(self) -> _Python:
-        """A context manager around the part of a call (taken its turn) that can run
-        Python (a graph that holds a `tf.py_function`, a `tf.numpy_function`, or a
-        stream's loop, whose dataset may): while it runs, a call on a thread that
-        TensorFlow started, which may be one made from inside it, waits for no turn."""
+        """The part of a call (taken its turn) that can run Python (a graph that holds a
+        `tf.py_function`, a `tf.numpy_function`, or a stream's loop, whose dataset may),
+        a context manager (or `_Python.enter`, then `_Python.leave`, as `take` and
+        `done`): while it runs, a call on a thread that TensorFlow started, which may be
+        one made from inside it, waits for no turn."""
         return _Python(self)
 
-    def unmeasured(self) -> int | None:
-        """An unmeasured call's turn, taken at once where no measured call is in flight
-        or waits (the path of most calls, cheaper than `call`): this thread's depth
-        of calls before it, to hand to `done` when the call ends; None where one is
-        (take ``call(False)`` instead, which waits for it, or not: `Turns`)."""
-        inside = self._inside
-        depth = getattr(inside, "depth", 0)
-        with self._mutex:
-            if self._alone or self._waiting:
-                return None
-            running = self._running
-            if running:
-                self._crowded += 1
-            self._running = running + 1
-            since = -1 if running else self._crowded
+    def take(self, turn: _Turn) -> bool:
+        """Takes `turn` (`call`), waiting as the rules above say; returns whether the call
+        is measured. Raising (an interrupt), it gives back what it took first."""
         try:
+            inside = self._inside
+            depth = turn._depth = getattr(inside, "depth", 0)
+            deadline = None
+            while True:
+                with self._mutex:
+                    waker = self._step(turn, depth > 0, deadline)
+                if waker is None:
+                    break
+                if deadline is None:
+                    deadline = time.monotonic() + LONGEST_WAIT_S
+                waker.acquire(True, max(deadline - time.monotonic(), 0.0))  # or a change
+                if time.monotonic() < deadline:
+                    continue
+                deadline = 0.0  # passed: the next look gives up waiting
+            inside.since = turn._since
             inside.depth = depth + 1
-            inside.since = since
-        except BaseException:  # interrupted between taking the turn and using it
-            self.done(depth)
+            return turn._held == _ALONE
+        except BaseException as raised:
+            interrupted = None
+            while True:  # until one `done` ends uninterrupted (a repeat does nothing)
+                try:
+                    self.done(turn)
+                    break
+                except KeyboardInterrupt as error:
+                    interrupted = error
+            if interrupted is not None:
+                raise interrupted from raised
             raise
-        return depth
+
+    def done(self, turn: _Turn) -> None:
+        """Gives `turn` back, what `take` took of it; a repeat (after an interrupt in it)
+        does nothing twice. Called on the thread that took it."""
+        with self._mutex:
+            self._leave(turn)
+        if turn._depth is not None:
+            self._inside.depth = turn._depth
 
     def alone(self) -> bool:
         """Whether this thread's call in flight has had no other call of the function in
@@ -325,106 +363,141 @@ class Turns:
         inside = self._inside
         return getattr(inside, "depth", 0) > 0 and getattr(inside, "since", -1) == self._crowded
 
-    def done(self, depth: int) -> None:
-        """Ends an `unmeasured` turn; `depth`: what `unmeasured` returned."""
-        self._inside.depth = depth
-        with self._mutex:
-            self._running -= 1
-            if self._waiting and self._running == 0:  # only a measured call waits on it
-                self._changed.notify_all()
+    def measuring(self) -> bool:
+        """Whether a measured call is in flight, or waits for the calls in flight to end
+        (a call that comes meanwhile waits for it, `Turns`)."""
+        return self._alone or self._waiting
 
-    def _enter(self, measure: bool, nested: bool) -> tuple[bool, int]:
-        """Takes a turn: whether it is measured, and `_crowded` as it began (-1: another
-        call was in flight)."""
-        outside = _started_outside_python()
-        with self._mutex:
-            # A call on TensorFlow's thread may be made from inside a call in flight
-            # that runs Python, which it would wait for: only then does it not wait.
-            waits = not (nested or (outside and self._python > 0))
-            if nested:
-                self._crowded += 1  # beside the call it was made from
-                self._running += 1
-                return False, -1
-            if measure and not (self._alone or self._waiting):
-                if waits:
-                    self._waiting = True
-                    try:  # Ctrl-C while it waits must not leave every later call waiting
-                        alone = self._changed.wait_for(
-                            lambda: self._running == 0, LONGEST_WAIT_S
-                        )
-                    finally:
-                        self._waiting = False
-                        self._changed.notify_all()
-                    if alone:
-                        self._alone = True
-                        return True, self._crowded
-                    self.gave_up += 1
-                    self._changed.notify_all()
-                elif self._running == 0:  # nothing to wait for
-                    self._alone = True
-                    return True, self._crowded
-            measuring = self._alone or self._waiting
-            if measuring and waits and not self._changed.wait_for(
-                lambda: not (self._alone or self._waiting), LONGEST_WAIT_S
-            ):
-                self.gave_up += 1
-            beside = self._running > 0 or self._alone  # (a call that did not wait)
-            if beside:
-                self._crowded += 1
-            self._running += 1
-            return False, -1 if beside else self._crowded
+    def _step(self, turn: _Turn, nested: bool, deadline: float | None) -> Any:
+        """One look at the calls in flight, the mutex held: takes `turn` (None), or returns
+        the lock to wait on (`_waker`) until something changes; `deadline` 0: the
+        wait has passed `LONGEST_WAIT_S`."""
+        if nested:  # beside the call it was made from, which it must not wait for
+            self._crowded += 1
+            self._running, turn._held, turn._since = self._running + 1, _RUNNING, -1
+            return None
+        # A call on TensorFlow's thread may be made from inside a call in flight that runs
+        # Python, which it would wait for: only then does it not wait.
+        waits = not (self._python > 0 and _started_outside_python())
+        passed = deadline == 0.0
+        if turn._held == _WAITING:  # a measured call, waiting for the others to end
+            if self._running == 0:
+                self._waiting, self._alone, turn._held = False, True, _ALONE
+                turn._since = self._crowded
+                return None
+            if not passed:
+                return self._waker()
+            turn._measure = False
+            self.gave_up += 1
+            self._leave(turn)  # (and those waiting for it look again)
+        elif turn._measure and not (self._alone or self._waiting):
+            if self._running == 0:  # nothing to wait for
+                self._alone, turn._held, turn._since = True, _ALONE, self._crowded
+                return None
+            if waits:
+                self._waiting, turn._held = True, _WAITING
+                return self._waker()
+        turn._measure = False  # due while another measures: runs unmeasured, after it
+        if (self._alone or self._waiting) and waits:
+            if not passed:
+                return self._waker()
+            self.gave_up += 1
+        beside = self._running > 0 or self._alone  # (a call that did not wait)
+        if beside:
+            self._crowded += 1
+        since = -1 if beside else self._crowded
+        self._running, turn._held, turn._since = self._running + 1, _RUNNING, since
+        return None
 
-    def _leave(self, measured: bool) -> None:
-        with self._mutex:
-            if measured:
-                self._alone = False
-                self._changed.notify_all()
-            else:
-                self._running -= 1
-                if self._waiting and self._running == 0:  # only a measured call waits on it
-                    self._changed.notify_all()
+    def _leave(self, turn: _Turn) -> None:
+        """Undoes what `turn` holds, the mutex held, and wakes the waiting calls to look
+        again (each time: a repeat wakes those an interrupt here left waiting)."""
+        held = turn._held
+        if held == _RUNNING:
+            self._running, turn._held = self._running - 1, _NOTHING
+        elif held == _ALONE:
+            self._alone, turn._held = False, _NOTHING
+        elif held == _WAITING:
+            self._waiting, turn._held = False, _NOTHING
+        if self._wakers:
+            self._wake()
+
+    def _waker(self) -> Any:
+        """A lock for this thread to wait on, the mutex held: `_wake` releases it."""
+        waker = threading.Lock()
+        waker.acquire()
+        self._wakers.append(waker)
+        return waker
+
+    def _wake(self) -> None:
+        """Wakes every waiting call to look again, the mutex held. (Only this releases a
+        waker, so one locked is one to release; one released twice after an
+        interrupt here is one its waiter no longer waits on.)"""
+        for waker in self._wakers:
+            if waker.locked():
+                waker.release()
+        self._wakers.clear()
 
 
 class _Python:
-    """`Turns.running_python`: counts a call's part that can run Python while it runs."""
+    """`Turns.running_python`: counts a call's part that can run Python while it runs;
+    `leave` undoes what `enter` did, once (a repeat does nothing)."""
 
-    __slots__ = ("_turns",)
+    __slots__ = ("_turns", "_held")
 
     def __init__(self, turns: Turns) -> None:
-        self._turns = turns
+        self._turns, self._held = turns, False
+
+    def enter(self) -> None:
+        turns = self._turns
+        with turns._mutex:
+            if not self._held:
+                turns._python, self._held = turns._python + 1, True
+
+    def leave(self) -> None:
+        turns = self._turns
+        with turns._mutex:
+            if self._held:
+                turns._python, self._held = turns._python - 1, False
 
     def __enter__(self) -> None:
-        with self._turns._mutex:
-            self._turns._python += 1
+        self.enter()
 
     def __exit__(self, *exc: object) -> None:
-        with self._turns._mutex:
-            self._turns._python -= 1
+        interrupted = None
+        while True:  # until one `leave` ends uninterrupted (a repeat does nothing)
+            try:
+                self.leave()
+                break
+            except KeyboardInterrupt as error:
+                interrupted = error
+        if interrupted is not None:
+            raise interrupted
 
 
 class _Turn:
-    """One call's turn in `Turns` (a class, not a generator: it is on every call's path)."""
+    """One call's turn in `Turns`: what it holds, for `Turns.done` to give back (a class,
+    not a generator: it is on every call's path)."""
 
-    __slots__ = ("_turns", "_measure", "_depth", "_measured")
+    __slots__ = ("_turns", "_measure", "_held", "_depth", "_since")
 
     def __init__(self, turns: Turns, measure: bool) -> None:
         self._turns, self._measure = turns, measure
+        self._held, self._depth, self._since = _NOTHING, None, -1
 
     def __enter__(self) -> bool:
-        turns = self._turns
-        self._depth = getattr(turns._inside, "depth", 0)
-        self._measured, since = turns._enter(self._measure, self._depth > 0)
-        try:
-            turns._inside.depth = self._depth + 1
-            turns._inside.since = since
-        except BaseException:  # interrupted between taking the turn and using it
-            turns._leave(self._measured)
-            raise
-        return self._measured
+        return self._turns.take(self)
 
     def __exit__(self, *exc: object) -> None:
-        self._turns._inside.depth = self._depth
-        self._turns._leave(self._measured)
+        interrupted = None
+        while True:  # until one `done` ends uninterrupted (a repeat does nothing)
+            try:
+                self._turns.done(self)
+                break
+            except KeyboardInterrupt as error:
+                interrupted = error
+        if interrupted is not None:
+            raise interrupted
 
 
 class Balance:

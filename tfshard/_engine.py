@@ -493,8 +493,22 @@ class Engine:
             yield
             return
         turns = self.balance.turns
-        with turns.call(False), turns.running_python():
+        turn, python = turns.call(False), turns.running_python()
+        try:  # taken inside: an interrupt anywhere after `take` begins still gives it back
+            turns.take(turn)
+            python.enter()
             yield
+        finally:
+            interrupted = None
+            while True:  # until both end uninterrupted: a repeat gives nothing back twice
+                try:
+                    python.leave()
+                    turns.done(turn)
+                    break
+                except KeyboardInterrupt as error:
+                    interrupted = error
+            if interrupted is not None:
+                raise interrupted
 
     def alone(self) -> bool:
         """Whether this thread's call in flight (a turn taken) has run alone among the
@@ -580,26 +594,29 @@ class Engine:
         balance = self.balance
         if balance is None:
             return self._run_graph(call, body, offset, None)
-        # One device left (or per_shard): not measured, a turn taken at once (`unmeasured`).
+        # One device left (or per_shard): not measured; its turn waits only for a measured call.
         kind = None if balance.one_left or not measure else balance.due()
-        turns = balance.turns
-        if kind is None:
-            depth = None
-            try:  # the turn taken inside: an interrupt right after it still ends it
-                depth = turns.unmeasured()
-                if depth is not None:  # no measured call in flight: no wait
-                    return self._run_graph(call, body, offset, None)
-            finally:
-                if depth is not None:
-                    turns.done(depth)
-        elif not tf.executing_eagerly():
+        if kind is not None and not tf.executing_eagerly():
             # Inside a user's tf.function there is nothing to read: never measured (the
             # call due to be is one that is not, traced once).
             return self._run_graph(call, body, offset, None)
-        elif kind == "alone" and (body != "call" or call.rows is None):
+        if kind == "alone" and (body != "call" or call.rows is None):
             kind = "split"  # a whole call's rows are needed to weigh it against the split
-        with turns.call(kind is not None) as measured:
+        turns = balance.turns
+        turn = turns.call(kind is not None)
+        try:  # taken inside: an interrupt anywhere after `take` begins still gives it back
+            measured = turns.take(turn)
             return self._run_graph(call, body, offset, kind if measured else None)
+        finally:
+            interrupted = None
+            while True:  # until one `done` ends uninterrupted: a repeat does nothing
+                try:
+                    turns.done(turn)
+                    break
+                except KeyboardInterrupt as error:
+                    interrupted = error
+            if interrupted is not None:
+                raise interrupted
 
     def _run_graph(
         self, call: _arguments.Call, body: str, offset: int | None, kind: str | None
@@ -630,8 +647,20 @@ class Engine:
         if traced.runs_python and balance is not None and not balance.one_left:
             # A call of the function from inside this one must not wait for it (`Turns`).
             # (Once one device is left no call is measured, so none waits: not counted.)
-            with balance.turns.running_python():
+            python = balance.turns.running_python()
+            try:  # entered inside, and left as `Turns` says a turn is given back
+                python.enter()
                 result = self.execute(traced.graph, inputs, call.rows, weights, caps)
+            finally:
+                interrupted = None
+                while True:
+                    try:
+                        python.leave()
+                        break
+                    except KeyboardInterrupt as error:
+                        interrupted = error
+                if interrupted is not None:
+                    raise interrupted
         else:
             result = self.execute(traced.graph, inputs, call.rows, weights, caps)
         result = traced.rebuilt(result)
