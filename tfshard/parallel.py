@@ -107,6 +107,12 @@ class ShardedFunction:
         seconds, warm_up=False)``: a whole call on one device): the next call
         plans by the weights they give.
 
+        Its measurements come from the calls made eagerly, each taking a turn
+        (a measured one alone among them). Calls made inside a `tf.function`
+        or traced into a `tf.data` map run in that graph and take no turn: a
+        measured call beside them is not known to overlap them, and counts
+        their work in its seconds.
+
         >>> f = tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1"], weights="auto")
         >>> for _ in range(3):
         ...     f.balance.observe([4, 4], [0.001, 0.06], warm_up=False)
@@ -136,7 +142,10 @@ class ShardedFunction:
         With ``weights="auto"``, the plan of the weights in use now (`weights`),
         within the caps learned from shards that ran out of memory
         (``balance.caps()``): an `ArgumentError` where `n` is more rows than they
-        hold together, as a call of `n` rows raises.
+        hold together, as a call of `n` rows raises. That is what the next
+        unmeasured call runs; a measured call (`balance`) runs what it measures,
+        the split by its own weights or the fastest device alone, which may
+        differ from it.
 
         >>> f = tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1", "cpu:2"])
         >>> f.plan(8)
@@ -165,6 +174,8 @@ class ShardedFunction:
           second table gives each shard's count of them and the bytes it reads
           from other devices per call, and the remedy (`replicas`). To see its
           variables, explain traces the call's graph (which the call reuses).
+          The plan is `plan`'s: what the next unmeasured call runs (with
+          ``weights="auto"`` a measured call runs what it measures, `plan`).
 
         >>> f = tfshard.parallelize(tf.identity, devices=["cpu:0", "cpu:1"])
         >>> print(f.explain(np.zeros([5, 3])))
