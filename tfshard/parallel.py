@@ -107,6 +107,12 @@ class ShardedFunction:
         seconds, warm_up=False)``: a whole call on one device): the next call
         plans by the weights they give.
 
+        One record per function, fed by every call whatever its arguments'
+        shapes and dtypes: ``weights="auto"`` assumes the function's calls cost
+        alike per row. For inputs that cost differently per row (another width
+        or dtype, a costlier path through the function), parallelize a separate
+        function for each.
+
         Its measurements come from the calls made eagerly, each taking a turn
         (a measured one alone among them). Calls made inside a `tf.function`
         or traced into a `tf.data` map run in that graph and take no turn: a
