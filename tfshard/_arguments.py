@@ -39,6 +39,23 @@ def integer(value: Any) -> int | None:
     return None
 
 
+def check_flag(value: Any, name: str, call: str, *, none: str = "") -> None:
+    """Refuses a flag that is not a bool or a NumPy bool (``overwrite="no"`` would read as
+    true): tfshard's one rule for flags. With `none`, what None (the default) means
+    there, None is taken too. `call` begins the message (none where it is "")."""
+    if none and value is None:
+        return
+    if not isinstance(value, (bool, np.bool_)):
+        start = f"{call}: " if call else ""
+        kind = type(value).__name__
+        if none:
+            raise ArgumentError(
+                f"{start}{name}={value!r} must be True, False or None, not a {kind} "
+                f"(None, the default: {none})"
+            )
+        raise ArgumentError(f"{start}{name}={value!r} must be True or False, not a {kind}")
+
+
 # Why a NumPy array's dtype can be no input (`_kinds.numpy_problem`), once per dtype: a
 # call's every array leaf asks.
 _numpy_problem = functools.lru_cache(maxsize=None)(_kinds.numpy_problem)

@@ -112,7 +112,8 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tfshard import _plan, _sharding, writing
+from tfshard import _plan, _sharding
+from tfshard._arguments import check_flag
 from tfshard._plan import Caps
 from tfshard.errors import ArgumentError
 
@@ -736,7 +737,7 @@ class Balance:
         call = "balance.observe"
         rows = self._per_device(rows, "rows", call, _count, "a shard's rows")
         seconds = self._per_device(seconds, "seconds", call, _seconds, "a shard's seconds")
-        writing.check_flag(warm_up, "warm_up", call)
+        check_flag(warm_up, "warm_up", call)
         if call_seconds is not None:
             call_seconds = _seconds(call_seconds, "call_seconds", call, "the whole call's seconds")
         if warm_up:
@@ -764,7 +765,7 @@ class Balance:
         device = self._index(device, call)
         rows = _count(rows, "rows", call, "the call's rows")
         seconds = _seconds(seconds, "seconds", call, "the whole call's seconds")
-        writing.check_flag(warm_up, "warm_up", call)
+        check_flag(warm_up, "warm_up", call)
         if warm_up or rows <= 0:
             return
         with self._lock:

@@ -20,8 +20,8 @@ from typing import Any, NamedTuple, TextIO
 
 import tensorflow as tf
 
-from tfshard import _autograph, _kinds, _stream, _trees, collect, writing
-from tfshard._arguments import Arguments, Call, integer
+from tfshard import _autograph, _kinds, _stream, _trees, collect
+from tfshard._arguments import Arguments, Call, check_flag, integer
 from tfshard.errors import ArgumentError, fields_differ
 
 
@@ -44,7 +44,7 @@ class Asked(NamedTuple):
     def checked(self) -> Asked:
         """Itself, once each keyword is of its kind; else ArgumentError naming it."""
         _stream.check_progress(self.progress)
-        writing.check_flag(self.batched, "batched", "", none="tell from the element spec")
+        check_flag(self.batched, "batched", "", none="tell from the element spec")
         size = self.batch_size
         if size is not None and (integer(size) is None or size < 1):
             raise ArgumentError(

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfshard import _plan, collect, pinning, writing
-from tfshard._arguments import integer
+from tfshard import _plan, collect, pinning
+from tfshard._arguments import check_flag, integer
 from tfshard._autograph import keras_of, tf_function_of
 from tfshard.errors import ArgumentError, DeviceError
 from tfshard.replicas import Replicas
 
-# What None means for the flags that take it (`writing.check_flag`'s none=).
+# What None means for the flags that take it (`check_flag`'s none=).
 _PER_SAMPLE_NONE = "False for a Keras layer or model, True for anything else"
 _JIT_COMPILE_NONE = (
     "what the function is, a Keras model's own model.jit_compile, False for anything else; "
@@ -84,7 +84,7 @@ class Options:
     ) -> Options:
         """`parallelize`'s arguments checked, as one value; ArgumentError names a bad one.
 
-        The flags take a bool or a NumPy bool (`writing.check_flag`), never another
+        The flags take a bool or a NumPy bool (`check_flag`), never another
         value's truth (``per_sample="False"`` is refused, not read as True).
         """
         for name, value, none in (
@@ -93,7 +93,7 @@ class Options:
             ("allow_duplicate_devices", allow_duplicate_devices, ""),
             ("jit_compile", jit_compile, _JIT_COMPILE_NONE),
         ):
-            writing.check_flag(value, name, "parallelize", none=none)
+            check_flag(value, name, "parallelize", none=none)
         op = collect.reduction(reduce)
         if ragged and op is not None:
             raise ArgumentError(

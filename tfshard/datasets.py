@@ -40,7 +40,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfshard import _intake, _kinds, _stream, _trees, collect, pinning, writing
-from tfshard._arguments import Arguments, Call, type_spec
+from tfshard._arguments import Arguments, Call, check_flag, type_spec
 from tfshard._balance import Timing
 from tfshard._engine import Engine
 from tfshard._intake import Intake, split_element, zeros
@@ -195,7 +195,7 @@ class Runner:
         name = engine.name
         path = writing.checked_path(path, dataset, f"{name}.write")
         call = f"{name}.write(dataset, {path!r})"
-        writing.check_flag(overwrite, "overwrite", call)
+        check_flag(overwrite, "overwrite", call)
         try:
             _intake.Asked(**asked).checked()
         except ArgumentError as error:

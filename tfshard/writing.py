@@ -87,6 +87,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfshard import _kinds, _trees
+from tfshard._arguments import check_flag
 from tfshard.errors import ArgumentError, OnDisk, WriteError, write_error
 
 FORMAT = "tfshard.write"
@@ -225,23 +226,6 @@ def _directory(path: Any, call: str) -> str:
             "name the directory without it"
         )
     return path
-
-
-def check_flag(value: Any, name: str, call: str, *, none: str = "") -> None:
-    """Refuses a flag that is not a bool or a NumPy bool (``overwrite="no"`` would read as
-    true): tfshard's one rule for flags. With `none`, what None (the default) means
-    there, None is taken too. `call` begins the message (none where it is "")."""
-    if none and value is None:
-        return
-    if not isinstance(value, (bool, np.bool_)):
-        start = f"{call}: " if call else ""
-        kind = type(value).__name__
-        if none:
-            raise ArgumentError(
-                f"{start}{name}={value!r} must be True, False or None, not a {kind} "
-                f"(None, the default: {none})"
-            )
-        raise ArgumentError(f"{start}{name}={value!r} must be True or False, not a {kind}")
 
 
 class _Lease:
