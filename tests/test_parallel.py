@@ -655,8 +655,11 @@ def test_flags_take_numpy_bools_and_none_where_none_has_a_meaning():
         tfshard.parallelize(tf.identity, per_sample="False")
     with pytest.raises(ArgumentError, match=r"ragged='no' must be True or False, not a str"):
         tfshard.parallelize(tf.identity, ragged="no", reduce="sum")
-    with pytest.raises(ArgumentError, match=r"allow_duplicate_devices=None must be True or False"):
+    with pytest.raises(ArgumentError, match=r"allow_duplicate_devices=None must be True or False, "
+                       r"not None$"):  # fmt: skip
         tfshard.parallelize(tf.identity, allow_duplicate_devices=None)
+    with pytest.raises(ArgumentError, match=r"ragged=1 must be True or False, not an int$"):
+        tfshard.parallelize(tf.identity, ragged=1)
     doubled = tfshard.parallelize(
         lambda s: s * 2, devices=["cpu:1", "cpu:1"], allow_duplicate_devices=np.True_,
         jit_compile=None, ragged=np.False_,

@@ -48,12 +48,13 @@ def check_flag(value: Any, name: str, call: str, *, none: str = "") -> None:
     if not isinstance(value, (bool, np.bool_)):
         start = f"{call}: " if call else ""
         kind = type(value).__name__
+        kind = "None" if value is None else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
         if none:
             raise ArgumentError(
-                f"{start}{name}={value!r} must be True, False or None, not a {kind} "
+                f"{start}{name}={value!r} must be True, False or None, not {kind} "
                 f"(None, the default: {none})"
             )
-        raise ArgumentError(f"{start}{name}={value!r} must be True or False, not a {kind}")
+        raise ArgumentError(f"{start}{name}={value!r} must be True or False, not {kind}")
 
 
 # Why a NumPy array's dtype can be no input (`_kinds.numpy_problem`), once per dtype: a
