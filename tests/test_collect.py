@@ -534,8 +534,12 @@ def test_ragged_outputs_of_known_shape_keep_it_on_any_split(rows):
         {"devices": CPUS[:3], "weights": [2, 0, 1]},
     ]
     for split in splits:
-        got = tfshard.parallelize(_samples, ragged=True, **split)(x)
+        f = tfshard.parallelize(_samples, ragged=True, **split)
+        got = f(x)
         assert {key: tf.type_spec_from_value(v) for key, v in got.items()} == specs, split
+        if rows:  # a stream of the rows gives the call's type spec too (its traced loop)
+            streamed = f(tf.data.Dataset.from_tensor_slices(x).batch(2))
+            assert {k: tf.type_spec_from_value(v) for k, v in streamed.items()} == specs, split
         np.testing.assert_array_equal(got["d"].to_tensor(shape=[rows, 2]), x * 2)
         for key in samples if rows else ():
             np.testing.assert_array_equal(got[key].flat_values, mapped[key].flat_values)

@@ -601,6 +601,8 @@ def concat_all(flows: Sequence[tf.Tensor], leaves: Sequence[Any]) -> list[Any]:
             concat = tf.cond(
                 array.size() > 0, array.concat, lambda e=zero, d=carrier: tf.zeros(e, d)
             )
+            if inner.rank is not None:  # the arrays forget it (infer_shape=False)
+                concat.set_shape([None, *inner])
             parts.append(_kinds.uncarried(concat, dtype))
         results.append(_kinds.of(leaf).from_parts(parts, leaf.shape))
     return results
