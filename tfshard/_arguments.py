@@ -32,8 +32,9 @@ MAX_ROWS = 2**31
 
 def integer(value: Any) -> int | None:
     """`value` as a Python int where it is an integer, else None: tfshard's one rule for
-    where an int is asked (a count, an index, a position). A NumPy integer is one
-    (``np.int64(2)``); a bool is not (``True`` is no count of 1)."""
+    where an int is asked (a count, an index, a position, a GPU index). A NumPy integer
+    is one (``np.int64(2)``); a bool is not (``True`` is no count of 1), nor an array
+    or a tensor."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     return None

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfshard._arguments import integer
 from tfshard._device_names import (
     DeviceKey,
     DeviceSpecLike,
@@ -159,18 +159,8 @@ def _gpu_names(count: int) -> list[str]:
     return [f"/device:GPU:{i}" for i in range(count)]
 
 
-def _whole(value: Any) -> int | None:
-    """value as a Python int when it is an integer (a NumPy integer is one, a bool is not)."""
-    if isinstance(value, bool | str | bytes):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _check_index(i: Any, name: str) -> int:
-    index = _whole(i)
+    index = integer(i)
     if index is None or index < 0:
         raise DeviceError(f"{name}={i!r}: a device index is an int >= 0")
     return index
@@ -308,7 +298,7 @@ def _parse_request(spec: Any) -> tf.DeviceSpec:
     """What `resolve_device` was asked for, or a DeviceError saying why it is no device."""
     if isinstance(spec, bool):
         raise DeviceError(f"device {spec!r}: a bool is not a device")
-    if _whole(spec) is not None:
+    if integer(spec) is not None:
         return tf.DeviceSpec(device_type="GPU", device_index=_check_index(spec, "device"))
     if isinstance(spec, str):
         text = spec.strip().lower()
@@ -509,7 +499,7 @@ def _check_context_entry(name: str, device: str, where: str) -> None:
             "hide it from resolve_device and output_device=; choose another name (e.g. 'dev0')"
         )
     if not isinstance(device, str):
-        example = f"'GPU:{device}'" if _whole(device) is not None else "'GPU:1'"
+        example = f"'GPU:{device}'" if integer(device) is not None else "'GPU:1'"
         raise ContextMapError(
             f"{where}: the device of {name!r} is {device!r} of type {type(device).__name__}; "
             f"a context map's device is a device name string such as {example}"
@@ -713,7 +703,7 @@ def virtual_devices(
       DeviceError: there is no physical device of that type.
       DeviceSetupError: TensorFlow has already started with another split.
     """
-    count = _whole(n)
+    count = integer(n)
     if count is None or count < 1:
         raise ArgumentError(f"virtual_devices(n={n!r}): n is the number of devices, an int >= 1")
     n = count
@@ -729,7 +719,7 @@ def virtual_devices(
             "the memory of each logical GPU (e.g. memory_limit_mb=2048)"
         )
     if kind == "GPU":
-        limit = _whole(memory_limit_mb)
+        limit = integer(memory_limit_mb)
         if limit is None or limit < 1:
             raise ArgumentError(
                 f"virtual_devices({n}, 'GPU', memory_limit_mb={memory_limit_mb!r}): give the "
